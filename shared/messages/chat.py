@@ -1,0 +1,64 @@
+"""sf.chat: OpenAI-level turns between the gateway and the trajectory manager.
+
+The gateway validates HTTP input and forwards a `ChatRequest`; the trajectory
+manager renders, tokenizes, generates and records, then streams `ChatDelta`s
+(if asked) and ends with one `ChatDone` or `ChatFailed`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from shared.messages.rollout import Sampling
+
+
+class ChatRequest(msgspec.Struct, tag=True, omit_defaults=True):
+    request_id: str
+    session_id: str
+    kind: Literal["chat", "completion"]
+    model: str
+    sampling: Sampling
+    messages: list[dict[str, Any]] = []
+    tools: list[dict[str, Any]] = []
+    prompt: str = ""  # kind == "completion"
+    stream: bool = False
+
+
+class ToolCall(msgspec.Struct, omit_defaults=True):
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class ChatDelta(msgspec.Struct, tag=True, array_like=True, gc=False):
+    request_id: str
+    text: str
+
+
+class ChatDone(msgspec.Struct, tag=True, omit_defaults=True):
+    request_id: str
+    text: str
+    finish_reason: Literal["stop", "length", "tool_calls"]
+    usage: Usage
+    turn_id: int
+    tool_calls: list[ToolCall] = []
+    versions: list[int] = []  # the policy versions that produced this turn, in order
+
+
+class ChatFailed(msgspec.Struct, tag=True):
+    """`status` is the HTTP status the gateway should answer with."""
+
+    request_id: str
+    status: int
+    code: str
+    message: str
+
+
+ChatReply = ChatDelta | ChatDone | ChatFailed

@@ -1,0 +1,91 @@
+"""sf.rollout.*: token-level generation between the trajectory manager and rollout workers.
+
+A rollout worker knows token ids only; it never sees text or chat templates.
+Replies to a `Generate` stream to the request's reply inbox as zero or more
+`TokenDelta` followed by exactly one `GenerateDone`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class Sampling(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: list[int] = []
+    logit_bias: dict[int, float] = {}
+
+
+class Generate(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """Command: generate up to `sampling.max_tokens` tokens after `prompt_ids`."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: Sampling
+    session_id: str = ""
+
+
+class TokenDelta(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Tokens sampled since the previous delta, each with its behaviour logprob."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    version: int
+
+
+FinishReason = Literal["stop", "length", "preempted", "error"]
+
+
+class GenerateDone(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """The last reply to a Generate.
+
+    `preempted` means the worker paused in abort mode (vacate): every token sampled
+    so far was already sent as deltas, and the caller should continue elsewhere.
+    """
+
+    request_id: str
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    version: int
+    worker_id: str = ""
+    error: str = ""
+
+
+RolloutReply = TokenDelta | GenerateDone
+
+
+WorkerState = Literal["serving", "paused", "vacated", "updating"]
+
+
+class WorkerStatus(msgspec.Struct, tag=True, omit_defaults=True):
+    """Event: a rollout worker's heartbeat, published every `status_interval` seconds."""
+
+    worker_id: str
+    state: WorkerState
+    version: int
+    running: int
+    capacity: int
+    model: str
+    max_model_len: int
+    ts: float
+    host: str = ""
+    generated_tokens: int = 0
+
+
+class RolloutControl(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """Command to one worker: `vacate` (abort in-flight, take no new work), `resume`,
+    or `load` a weight version from `path`."""
+
+    op: Literal["vacate", "resume", "load"]
+    version: int = 0
+    path: str = ""

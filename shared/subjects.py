@@ -1,0 +1,59 @@
+"""Subject names and JetStream stream specs: the map of who talks to whom.
+
+Core NATS (request/reply, low latency, no persistence):
+    sf.chat                      gateway -> trajectory (queue group "trajectory"); streamed replies
+    sf.session.<op>              gateway -> trajectory (queue group "trajectory"); create/get/reward/finish
+    sf.rollout.gen.<worker_id>   trajectory -> one rollout worker; streamed replies
+    sf.rollout.ctl.<worker_id>   admin -> one rollout worker (pause/resume/vacate)
+    sf.rollout.status            rollout workers -> everyone: load and weight version heartbeats
+
+JetStream (durable, explicit ack):
+    sf.traj.completed            TRAJECTORIES stream: one TrajectoryCompleted per finished session
+    sf.weights.published         WEIGHTS stream, last value per subject: WeightsPublished
+"""
+
+from __future__ import annotations
+
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+
+CHAT = "sf.chat"
+SESSION = "sf.session"  # + ".create" | ".get" | ".reward" | ".finish"
+TRAJECTORY_QUEUE = "trajectory"
+
+
+def session_op(op: str) -> str:
+    return f"{SESSION}.{op}"
+
+
+def rollout_gen(worker_id: str) -> str:
+    return f"sf.rollout.gen.{worker_id}"
+
+
+def rollout_ctl(worker_id: str) -> str:
+    return f"sf.rollout.ctl.{worker_id}"
+
+
+ROLLOUT_STATUS = "sf.rollout.status"
+
+TRAJ_COMPLETED = "sf.traj.completed"
+WEIGHTS_PUBLISHED = "sf.weights.published"
+
+STREAMS: tuple[StreamConfig, ...] = (
+    StreamConfig(
+        name="TRAJECTORIES",
+        subjects=[TRAJ_COMPLETED],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        duplicate_window=120.0,
+        max_bytes=2 * 1024**3,
+        discard=DiscardPolicy.OLD,
+    ),
+    StreamConfig(
+        name="WEIGHTS",
+        subjects=[WEIGHTS_PUBLISHED],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_msgs_per_subject=1,  # last value: a late worker reads the current version
+        duplicate_window=120.0,
+    ),
+)

@@ -1,0 +1,77 @@
+"""Shared fixtures: real nats-server and redis-server on free ports, and the locally built tiny model.
+
+Servers are session-scoped: one NATS and one Redis per test session. Tests that
+need them carry the `integration` marker; tests that start vLLM carry `vllm`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("SF_TEST_CACHE", ROOT / ".cache" / "tests"))
+
+# vLLM and DeepSpeed settings for a 2-core CPU machine; set before anything imports them.
+for key, value in {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CACHE_ROOT": str(CACHE / "vllm"),
+    "TORCHINDUCTOR_CACHE_DIR": str(CACHE / "inductor"),
+    "TORCH_EXTENSIONS_DIR": str(CACHE / "torch_extensions"),
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "DS_ACCELERATOR": "cpu",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}.items():
+    os.environ.setdefault(key, value)
+
+
+def _model_key() -> str:
+    src = (ROOT / "seamlessflow" / "modelgen.py").read_bytes()
+    return hashlib.sha256(src).hexdigest()[:12]
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The tiny Llama + BPE tokenizer, built once per modelgen.py version and reused."""
+    from seamlessflow.modelgen import init_model
+
+    path = CACHE / f"model-tiny-{_model_key()}"
+    if not (path / "config.json").exists():
+        tmp = path.with_suffix(".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        init_model(tmp, size="tiny")
+        tmp.rename(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def nats_url(tmp_path_factory):
+    from seamlessflow import servers
+
+    port = servers.free_port()
+    proc = servers.start_nats(port, tmp_path_factory.mktemp("nats"))
+    yield f"nats://127.0.0.1:{port}"
+    servers.stop(proc)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    from seamlessflow import servers
+
+    port = servers.free_port()
+    proc = servers.start_redis(port, tmp_path_factory.mktemp("redis"))
+    yield f"redis://127.0.0.1:{port}/0"
+    servers.stop(proc)
+
+
+@pytest.fixture(scope="session")
+def connections(nats_url, redis_url):
+    from shared.config import Connections
+
+    return Connections(nats_url=nats_url, redis_url=redis_url)
