@@ -82,10 +82,17 @@ class WorkerStatus(msgspec.Struct, tag=True, omit_defaults=True):
     generated_tokens: int = 0
 
 
-class RolloutControl(msgspec.Struct, tag=True, forbid_unknown_fields=True):
-    """Command to one worker: `vacate` (abort in-flight, take no new work), `resume`,
-    or `load` a weight version from `path`."""
+class RolloutControl(msgspec.Struct, tag=True, omit_defaults=True, forbid_unknown_fields=True):
+    """Command to one worker (request/reply on sf.rollout.ctl.<worker_id>; the reply is a
+    WorkerStatus):
 
-    op: Literal["vacate", "resume", "load"]
+    - `abort`: end one request (`request_id`) now; its GenerateDone says "preempted".
+    - `vacate`: abort every in-flight request (each ends "preempted") and take no new work.
+    - `resume`: take work again after a vacate.
+    - `load`: pause in keep mode, load weight `version` from `path`, resume.
+    """
+
+    op: Literal["abort", "vacate", "resume", "load"]
+    request_id: str = ""
     version: int = 0
     path: str = ""
