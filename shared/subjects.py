@@ -57,3 +57,5 @@ STREAMS: tuple[StreamConfig, ...] = (
         duplicate_window=120.0,
     ),
 )
+
+CHAT_CANCEL = "sf.chat.cancel"  # gateway -> every trajectory replica: the agent went away

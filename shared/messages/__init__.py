@@ -6,6 +6,7 @@ and are appended, so old and new services can talk during a rolling upgrade.
 """
 
 from shared.messages.chat import (
+    ChatCancel,
     ChatDelta,
     ChatDone,
     ChatFailed,
@@ -28,7 +29,7 @@ from shared.messages.trajectory import Sample, TrajectoryCompleted
 from shared.messages.weights import WeightsPublished
 
 __all__ = [
-    "ChatDelta", "ChatDone", "ChatFailed", "ChatReply", "ChatRequest", "ToolCall", "Usage",
+    "ChatCancel", "ChatDelta", "ChatDone", "ChatFailed", "ChatReply", "ChatRequest", "ToolCall", "Usage",
     "Generate", "GenerateDone", "RolloutControl", "RolloutReply", "Sampling", "TokenDelta",
     "WorkerStatus", "SessionReply", "SessionRequest", "Sample", "TrajectoryCompleted",
     "WeightsPublished",

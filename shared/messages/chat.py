@@ -62,3 +62,9 @@ class ChatFailed(msgspec.Struct, tag=True):
 
 
 ChatReply = ChatDelta | ChatDone | ChatFailed
+
+
+class ChatCancel(msgspec.Struct, tag=True):
+    """Event on sf.chat.cancel: the agent disconnected; whoever serves `request_id` stops it."""
+
+    request_id: str
