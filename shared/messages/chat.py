@@ -50,6 +50,7 @@ class ChatDone(msgspec.Struct, tag=True, omit_defaults=True):
     turn_id: int
     tool_calls: list[ToolCall] = []
     versions: list[int] = []  # the policy versions that produced this turn, in order
+    session_id: str = ""  # the session the turn was recorded in (a new one if none was given)
 
 
 class ChatFailed(msgspec.Struct, tag=True):

@@ -20,6 +20,8 @@ class Sample(msgspec.Struct, array_like=True, omit_defaults=True):
     loss_mask: list[int]
     logprobs: list[float]
     versions: list[int]
+    messages: list[dict[str, Any]] = []  # the OpenAI messages this path renders, reply included
+    turn_ids: list[int] = []  # the session turns along this path, root first
 
 
 class TrajectoryCompleted(msgspec.Struct, tag=True, omit_defaults=True):

@@ -1,0 +1,100 @@
+"""One generation that survives preemption: dispatch, collect segments, re-dispatch.
+
+If a worker answers "preempted" (it was vacated, or paused in abort mode), the
+tokens it produced are kept and `prompt + partial` is sent again, with the
+remaining token budget and the same sampling, to a worker that is serving. The
+caller sees one continuous stream of tokens. This module does not know NATS: the
+transport is the `call` function the service passes in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from services.trajectory.turns import Segment
+from shared.messages import Generate, GenerateDone, RolloutReply, Sampling, TokenDelta
+
+Call = Callable[[str, Generate], AsyncIterator[RolloutReply]]
+Pick = Callable[[frozenset[str]], Awaitable[str]]
+OnTokens = Callable[[list[int]], Awaitable[None]]
+
+
+class GenerationFailed(RuntimeError):
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Generated:
+    segments: list[Segment] = field(default_factory=list)
+    finish_reason: str = ""
+    dispatches: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for s in self.segments for t in s.token_ids]
+
+    def add(self, delta: TokenDelta, worker_id: str, new_dispatch: bool) -> None:
+        last = self.segments[-1] if self.segments else None
+        if last is None or new_dispatch or last.version != delta.version or last.worker_id != worker_id:
+            self.segments.append(Segment([], [], delta.version, worker_id))
+        seg = self.segments[-1]
+        seg.token_ids += delta.token_ids
+        seg.logprobs += delta.logprobs
+
+
+async def generate(
+    call: Call,
+    pick: Pick,
+    request_id: str,
+    session_id: str,
+    prompt_ids: list[int],
+    sampling: Sampling,
+    on_tokens: OnTokens,
+    max_redispatch: int,
+) -> Generated:
+    out = Generated()
+    preempted_on: set[str] = set()
+    while True:
+        remaining = sampling.max_tokens - len(out.token_ids)
+        if remaining <= 0:
+            out.finish_reason = "length"
+            return out
+        # 1. pick a serving worker; avoid one that just preempted us, if there is another
+        worker = await pick(frozenset(preempted_on))
+        cmd = Generate(
+            request_id=f"{request_id}.{out.dispatches}",
+            prompt_ids=prompt_ids + out.token_ids,
+            sampling=msgspec.structs.replace(sampling, max_tokens=remaining),
+            session_id=session_id,
+        )
+        out.dispatches += 1
+        first = True
+        done: GenerateDone | None = None
+        # 2. stream its tokens into the current segment
+        async for reply in call(worker, cmd):
+            match reply:
+                case TokenDelta():
+                    if reply.token_ids:
+                        out.add(reply, worker, new_dispatch=first)
+                        first = False
+                        await on_tokens(reply.token_ids)
+                case GenerateDone():
+                    done = reply
+                    break
+        if done is None:
+            raise GenerationFailed(f"worker {worker} ended the stream without a result", 502)
+        # 3. finished, failed, or preempted: then go round again
+        if done.finish_reason in ("stop", "length"):
+            out.finish_reason = done.finish_reason
+            return out
+        if done.finish_reason == "error":
+            status = 400 if "longer than" in done.error or "max_model_len" in done.error else 500
+            raise GenerationFailed(f"rollout worker {worker}: {done.error}", status)
+        preempted_on.add(worker)
+        if out.dispatches > max_redispatch:
+            raise GenerationFailed(f"request preempted {out.dispatches} times; giving up", 503)

@@ -1,0 +1,171 @@
+"""Trajectory manager transport: the only module here that touches NATS.
+
+Subscriptions (queue group "trajectory" where replicas share work):
+    sf.chat          -> TurnHandler, replies streamed to the request's inbox
+    sf.session.*     -> session create/get/reward/finish
+    sf.chat.cancel   -> cancel the named request if this replica runs it (every replica)
+    sf.rollout.status-> the worker table used for routing (every replica)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+
+import msgspec
+import redis.exceptions
+from nats.aio.msg import Msg
+
+from services.trajectory.chat import TurnError, TurnHandler
+from services.trajectory.config import TrajectoryConfig
+from services.trajectory.rendering import Renderer
+from services.trajectory.routing import WorkerTable
+from services.trajectory.sessions import SessionOps
+from services.trajectory.store import Store
+from shared import bus, subjects
+from shared.codec import decode, encode
+from shared.config import Connections
+from shared.messages import (
+    ChatCancel,
+    ChatFailed,
+    ChatRequest,
+    Generate,
+    GenerateDone,
+    RolloutControl,
+    RolloutReply,
+    SessionReply,
+    SessionRequest,
+    WorkerStatus,
+)
+
+log = logging.getLogger("sf.trajectory")
+
+
+class TrajectoryService:
+    def __init__(self, cfg: TrajectoryConfig, conn: Connections):
+        self.cfg, self.conn = cfg, conn
+        self.table = WorkerTable(cfg.worker_stale_after)
+        self.running: dict[str, asyncio.Task] = {}
+
+    async def run(self, quit: asyncio.Event, ready: asyncio.Event | None = None) -> None:
+        async with AsyncExitStack() as stack:
+            renderer = await asyncio.to_thread(Renderer.from_pretrained, self.cfg.model)
+            self.nc = await bus.connect(self.conn, name="sf-trajectory")
+            stack.push_async_callback(bus.wait_closed, self.nc)
+            js = self.nc.jetstream()
+            await bus.ensure_streams(js, subjects.STREAMS)
+            self.store = Store.connect(self.conn.redis_url, self.cfg.session_ttl)
+            stack.push_async_callback(self.store.close)
+            self.turns = TurnHandler(self.cfg, self.store, renderer, self.table, self._call)
+            self.sessions = SessionOps(self.store, js)
+
+            await self.nc.subscribe(subjects.ROLLOUT_STATUS, cb=self._on_status)
+            await self.nc.subscribe(subjects.CHAT_CANCEL, cb=self._on_cancel)
+            await self.nc.subscribe(subjects.CHAT, queue=subjects.TRAJECTORY_QUEUE, cb=self._on_chat)
+            await self.nc.subscribe(subjects.session_op("*"), queue=subjects.TRAJECTORY_QUEUE, cb=self._on_session)
+            log.info("trajectory manager ready (model %s, %s)", self.cfg.model, self.conn.redacted())
+            if ready:
+                ready.set()
+            await quit.wait()
+            # drain: let running turns finish, bounded
+            if self.running:
+                await asyncio.wait(list(self.running.values()), timeout=30)
+
+    # -- rollout workers -------------------------------------------------------------------------
+
+    async def _on_status(self, msg: Msg) -> None:
+        try:
+            self.table.update(decode(msg.data, WorkerStatus))
+        except msgspec.ValidationError as e:
+            log.warning("bad worker status: %s", e)
+
+    async def _call(self, worker: str, cmd: Generate) -> AsyncIterator[RolloutReply]:
+        """Stream one Generate to `worker`. A worker that vanishes counts as a preemption."""
+        self.table.inflight[worker] += 1
+        finished = False
+        try:
+            async with bus.stream_request(
+                self.nc, subjects.rollout_gen(worker), encode(cmd),
+                self.cfg.first_token_timeout, self.cfg.token_timeout,
+            ) as replies:
+                async for data in replies:
+                    reply = decode(data, RolloutReply)
+                    if isinstance(reply, GenerateDone):
+                        finished = True
+                    yield reply
+                    if finished:
+                        return
+        except (bus.ReplyTimeout, bus.BusUnavailable) as e:
+            log.warning("worker %s lost request %s (%s); re-dispatching", worker, cmd.request_id, e)
+            finished = True
+            yield GenerateDone(cmd.request_id, "preempted", len(cmd.prompt_ids), -1, worker)
+        finally:
+            self.table.inflight[worker] -= 1
+            if not finished:  # cancelled by the agent: free the worker's slot now
+                ctl = encode(RolloutControl(op="abort", request_id=cmd.request_id))
+                try:
+                    await self.nc.publish(subjects.rollout_ctl(worker), ctl)
+                except Exception:
+                    pass
+
+    # -- chat turns ------------------------------------------------------------------------------
+
+    async def _on_chat(self, msg: Msg) -> None:
+        try:
+            req = decode(msg.data, ChatRequest)
+        except msgspec.ValidationError as e:
+            await self.nc.publish(msg.reply, encode(ChatFailed("", 400, "invalid_request", str(e))))
+            return
+        task = asyncio.create_task(self._chat(req, msg.reply))
+        self.running[req.request_id] = task
+        task.add_done_callback(lambda _: self.running.pop(req.request_id, None))
+
+    async def _chat(self, req: ChatRequest, reply_to: str) -> None:
+        async def emit(m) -> None:
+            await self.nc.publish(reply_to, encode(m))
+
+        started = time.monotonic()
+        try:
+            done = await self.turns.handle(req, emit)
+            await emit(done)
+            log.info("turn %s session %s: %d+%d tokens in %.2fs", req.request_id, done.session_id,
+                     done.usage.prompt_tokens, done.usage.completion_tokens, time.monotonic() - started)
+        except TurnError as e:
+            await emit(ChatFailed(req.request_id, e.status, e.code, e.message))
+        except redis.exceptions.RedisError as e:
+            log.warning("redis error on %s: %s", req.request_id, e)
+            await emit(ChatFailed(req.request_id, 503, "redis_unavailable", f"Redis is unreachable: {e}"))
+        except asyncio.CancelledError:
+            log.info("turn %s cancelled by the agent", req.request_id)
+        except Exception as e:
+            log.exception("turn %s failed", req.request_id)
+            await emit(ChatFailed(req.request_id, 500, "internal_error", f"{type(e).__name__}: {e}"))
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            rid = decode(msg.data, ChatCancel).request_id
+        except msgspec.ValidationError:
+            return
+        task = self.running.get(rid)
+        if task:
+            task.cancel()
+
+    # -- sessions --------------------------------------------------------------------------------
+
+    async def _on_session(self, msg: Msg) -> None:
+        try:
+            req = decode(msg.data, SessionRequest)
+            reply = await self.sessions.handle(req)
+        except msgspec.ValidationError as e:
+            reply = SessionReply(400, message=str(e))
+        except redis.exceptions.RedisError as e:
+            reply = SessionReply(503, message=f"Redis is unreachable: {e}")
+        except bus.BusUnavailable as e:
+            reply = SessionReply(503, message=str(e))
+        except Exception as e:
+            log.exception("session op failed")
+            reply = SessionReply(500, message=f"{type(e).__name__}: {e}")
+        await msg.respond(encode(reply))
