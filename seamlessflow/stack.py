@@ -1,0 +1,218 @@
+"""The whole stack on one machine, as child processes: nats-server, redis-server, trajectory
+manager(s), rollout worker(s) and the gateway. Used by `seamlessflow up`, the demo, the
+end-to-end tests and the benchmarks.
+
+Each service logs to DATA_DIR/logs/<name>.log; start() waits for each one's ready line
+with a timeout and, if one fails, stops the others and shows the tail of its log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from seamlessflow import servers
+
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "DS_ACCELERATOR": "cpu",
+}
+
+
+class StackError(RuntimeError):
+    pass
+
+
+@dataclass
+class StackOptions:
+    model: Path
+    data_dir: Path = Path("var")
+    workers: int = 1
+    trajectory_replicas: int = 1
+    gateway_port: int = 8000
+    admin_port: int = 8001
+    nats_port: int = 4222
+    redis_port: int = 6379
+    served_model: str = "seamlessflow-tiny"
+    max_model_len: int = 2048
+    max_num_seqs: int = 16
+    ready_timeout: float = 240.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    ready: str = ""  # the log line that says it is serving
+    offset: int = 0  # where this run's log starts
+
+
+class Stack:
+    def __init__(self, opts: StackOptions):
+        self.o = opts
+        self.data = opts.data_dir.resolve()
+        self.logs = self.data / "logs"
+        self.procs: list[Proc] = []
+        self.api_key = ""
+        self.admin_key = ""
+
+    # -- public -----------------------------------------------------------------------------------
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.o.gateway_port}/v1"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.o.admin_port}"
+
+    @property
+    def nats_url(self) -> str:
+        return f"nats://127.0.0.1:{self.o.nats_port}"
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.o.redis_port}/0"
+
+    def running_elsewhere(self) -> str | None:
+        """A message if another stack already holds this data dir or these ports."""
+        pidfile = self.data / "stack.pid"
+        if pidfile.exists():
+            try:
+                pid = int(pidfile.read_text())
+                os.kill(pid, 0)
+                return f"a SeamlessFlow stack (pid {pid}) is already running with data dir {self.data}"
+            except (ValueError, ProcessLookupError, PermissionError):
+                pass
+        for port, what in ((self.o.gateway_port, "gateway"), (self.o.admin_port, "admin"),
+                           (self.o.nats_port, "NATS"), (self.o.redis_port, "Redis")):
+            if servers.port_open(port):
+                return f"port {port} ({what}) is already in use; is a stack running? choose other ports with --{what.lower()}-port"
+        return None
+
+    def start(self) -> None:
+        busy = self.running_elsewhere()
+        if busy:
+            raise StackError(busy)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        (self.data / "stack.pid").write_text(str(os.getpid()))
+        self._credentials()
+        try:
+            self._spawn_infra()
+            for i in range(self.o.trajectory_replicas):
+                self.spawn_trajectory(f"trajectory-{i}")
+            for i in range(self.o.workers):
+                self.spawn_rollout(f"rollout-{i}")
+            self._spawn_gateway()
+            for p in self.procs:
+                self._wait_ready(p)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            servers.stop(p.popen, timeout=15)
+        self.procs.clear()
+        (self.data / "stack.pid").unlink(missing_ok=True)
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        for k, v in ENGINE_ENV.items():
+            env.setdefault(k, v)
+        env.setdefault("VLLM_CACHE_ROOT", str(self.data / "cache" / "vllm"))
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.data / "cache" / "inductor"))
+        env.setdefault("TORCH_EXTENSIONS_DIR", str(self.data / "cache" / "torch_extensions"))
+        env.update(SF_NATS_URL=self.nats_url, SF_REDIS_URL=self.redis_url)
+        env.update(self.o.extra_env)
+        return env
+
+    def spawn_trajectory(self, name: str) -> Proc:
+        env = self.env() | {"SF_TRAJECTORY_MAX_MODEL_LEN": str(self.o.max_model_len)}
+        return self._spawn(name, [sys.executable, "-m", "services.trajectory", "--model", str(self.o.model)],
+                           env, ready="trajectory manager ready")
+
+    def spawn_rollout(self, name: str) -> Proc:
+        env = self.env() | {
+            "SF_ROLLOUT_SERVED_MODEL_NAME": self.o.served_model,
+            "SF_ROLLOUT_MAX_MODEL_LEN": str(self.o.max_model_len),
+            "SF_ROLLOUT_MAX_NUM_SEQS": str(self.o.max_num_seqs),
+        }
+        return self._spawn(name, [sys.executable, "-m", "services.rollout", "--model", str(self.o.model),
+                                  "--worker-id", name], env, ready=f"rollout worker {name} ready")
+
+    def kill(self, name: str, sig: int = 9) -> None:
+        for p in self.procs:
+            if p.name == name:
+                os.killpg(p.popen.pid, sig)
+                p.popen.wait(10)
+
+    def wait_ready(self, proc: Proc) -> None:
+        self._wait_ready(proc)
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _credentials(self) -> None:
+        path = self.data / "credentials.json"
+        if path.exists():
+            creds = json.loads(path.read_text())
+        else:
+            creds = {"api_key": "sk-sf-" + secrets.token_urlsafe(24), "admin_key": "sk-sf-admin-" + secrets.token_urlsafe(24)}
+            path.touch(mode=0o600)
+            path.write_text(json.dumps(creds))
+        self.api_key, self.admin_key = creds["api_key"], creds["admin_key"]
+
+    def _spawn_infra(self) -> None:
+        nats = servers.start_nats(self.o.nats_port, self.data / "nats", self.logs / "nats.log")
+        self.procs.append(Proc("nats", nats, self.logs / "nats.log"))
+        redis = servers.start_redis(self.o.redis_port, self.data / "redis", durable=True)
+        self.procs.append(Proc("redis", redis, self.data / "redis" / "redis.log"))
+
+    def _spawn_gateway(self) -> None:
+        env = self.env() | {
+            "SF_GATEWAY_PORT": str(self.o.gateway_port),
+            "SF_GATEWAY_ADMIN_PORT": str(self.o.admin_port),
+            "SF_GATEWAY_MODEL": self.o.served_model,
+            "SF_GATEWAY_API_KEYS": self.api_key,
+            "SF_GATEWAY_ADMIN_KEY": self.admin_key,
+            "SF_GATEWAY_MAX_CONTEXT": str(self.o.max_model_len),
+        }
+        self._spawn("gateway", [sys.executable, "-m", "services.gateway"], env, ready="gateway ready")
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str], ready: str) -> Proc:
+        log = self.logs / f"{name}.log"
+        offset = log.stat().st_size if log.exists() else 0
+        out = open(log, "ab")
+        popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = Proc(name, popen, log, ready, offset)
+        self.procs.append(proc)
+        return proc
+
+    def _wait_ready(self, p: Proc) -> None:
+        if not p.ready:
+            return
+        deadline = time.monotonic() + self.o.ready_timeout
+        while time.monotonic() < deadline:
+            text = p.log.read_bytes()[p.offset:].decode(errors="replace")
+            if p.ready in text:
+                return
+            if p.popen.poll() is not None:
+                raise StackError(f"{p.name} exited with code {p.popen.returncode}:\n{_tail(text)}")
+            time.sleep(0.2)
+        raise StackError(f"{p.name} not ready after {self.o.ready_timeout:.0f}s; log {p.log}:\n"
+                         f"{_tail(p.log.read_text(errors='replace'))}")
+
+
+def _tail(text: str, n: int = 25) -> str:
+    return "\n".join(text.splitlines()[-n:])
