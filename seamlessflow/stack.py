@@ -46,6 +46,8 @@ class StackOptions:
     max_model_len: int = 2048
     max_num_seqs: int = 16
     ready_timeout: float = 240.0
+    external_nats: str = ""  # use this NATS instead of starting one (tests share one server)
+    external_redis: str = ""
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -79,11 +81,11 @@ class Stack:
 
     @property
     def nats_url(self) -> str:
-        return f"nats://127.0.0.1:{self.o.nats_port}"
+        return self.o.external_nats or f"nats://127.0.0.1:{self.o.nats_port}"
 
     @property
     def redis_url(self) -> str:
-        return f"redis://127.0.0.1:{self.o.redis_port}/0"
+        return self.o.external_redis or f"redis://127.0.0.1:{self.o.redis_port}/0"
 
     def running_elsewhere(self) -> str | None:
         """A message if another stack already holds this data dir or these ports."""
@@ -95,8 +97,12 @@ class Stack:
                 return f"a SeamlessFlow stack (pid {pid}) is already running with data dir {self.data}"
             except (ValueError, ProcessLookupError, PermissionError):
                 pass
-        for port, what in ((self.o.gateway_port, "gateway"), (self.o.admin_port, "admin"),
-                           (self.o.nats_port, "NATS"), (self.o.redis_port, "Redis")):
+        ports = [(self.o.gateway_port, "gateway"), (self.o.admin_port, "admin")]
+        if not self.o.external_nats:
+            ports.append((self.o.nats_port, "NATS"))
+        if not self.o.external_redis:
+            ports.append((self.o.redis_port, "Redis"))
+        for port, what in ports:
             if servers.port_open(port):
                 return f"port {port} ({what}) is already in use; is a stack running? choose other ports with --{what.lower()}-port"
         return None
@@ -153,10 +159,15 @@ class Stack:
                                   "--worker-id", name], env, ready=f"rollout worker {name} ready")
 
     def kill(self, name: str, sig: int = 9) -> None:
-        for p in self.procs:
+        """Send `sig` to one service (SIGKILL by default) and forget it."""
+        for p in list(self.procs):
             if p.name == name:
-                os.killpg(p.popen.pid, sig)
-                p.popen.wait(10)
+                try:
+                    os.killpg(p.popen.pid, sig)
+                except ProcessLookupError:
+                    pass
+                p.popen.wait(30)
+                self.procs.remove(p)
 
     def wait_ready(self, proc: Proc) -> None:
         self._wait_ready(proc)
@@ -174,10 +185,12 @@ class Stack:
         self.api_key, self.admin_key = creds["api_key"], creds["admin_key"]
 
     def _spawn_infra(self) -> None:
-        nats = servers.start_nats(self.o.nats_port, self.data / "nats", self.logs / "nats.log")
-        self.procs.append(Proc("nats", nats, self.logs / "nats.log"))
-        redis = servers.start_redis(self.o.redis_port, self.data / "redis", durable=True)
-        self.procs.append(Proc("redis", redis, self.data / "redis" / "redis.log"))
+        if not self.o.external_nats:
+            nats = servers.start_nats(self.o.nats_port, self.data / "nats", self.logs / "nats.log")
+            self.procs.append(Proc("nats", nats, self.logs / "nats.log"))
+        if not self.o.external_redis:
+            redis = servers.start_redis(self.o.redis_port, self.data / "redis", durable=True)
+            self.procs.append(Proc("redis", redis, self.data / "redis" / "redis.log"))
 
     def _spawn_gateway(self) -> None:
         env = self.env() | {
