@@ -1,0 +1,112 @@
+"""The weight store: published policy versions as HF safetensors snapshots on a filesystem.
+
+    <root>/v000001/{config.json, model.safetensors, ...}
+
+`root` is a local dir on one machine or a shared filesystem (NFS, Lustre, a mounted bucket)
+across machines: every rollout host must read the same path. A version is written to a
+temporary dir and renamed into place, so a reader never sees half a snapshot; only then is
+`WeightsPublished` announced on the WEIGHTS stream (last value per subject, so a worker that
+starts late reads the current version). Trainer and operator CLI share this module.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+
+from nats.js import JetStreamContext
+
+from shared import bus, subjects
+from shared.codec import decode
+from shared.messages import WeightsPublished
+
+_VERSION_DIR = re.compile(r"^v(\d{6,})$")
+
+
+class BadCheckpoint(ValueError):
+    pass
+
+
+def check_checkpoint(path: Path) -> None:
+    """Cheap checks before anything loads `path`: a failed load in vLLM kills the engine."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise BadCheckpoint(f"{path}: no config.json")
+    try:
+        json.loads((path / "config.json").read_text())
+    except ValueError as e:
+        raise BadCheckpoint(f"{path}/config.json is not JSON: {e}") from None
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise BadCheckpoint(f"{path}: no *.safetensors weights")
+    from safetensors import safe_open
+
+    for shard in shards:
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                if not list(f.keys()):
+                    raise BadCheckpoint(f"{shard}: holds no tensors")
+        except BadCheckpoint:
+            raise
+        except Exception as e:
+            raise BadCheckpoint(f"{shard}: unreadable safetensors ({e})") from None
+
+
+def version_dir(root: Path, version: int) -> Path:
+    return Path(root) / f"v{version:06d}"
+
+
+def versions_on_disk(root: Path) -> list[int]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _VERSION_DIR.match(p.name)) and p.is_dir())
+
+
+def write_version(root: Path, version: int, src: Path) -> Path:
+    """Copy an HF snapshot dir into the store as `version`, atomically."""
+    check_checkpoint(src)
+    dest = version_dir(root, version)
+    if dest.exists():
+        raise FileExistsError(f"version {version} already exists at {dest}")
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    tmp.rename(dest)
+    return dest
+
+
+async def current(js: JetStreamContext) -> WeightsPublished | None:
+    data = await bus.last_value(js, "WEIGHTS", subjects.WEIGHTS_PUBLISHED)
+    return decode(data, WeightsPublished) if data else None
+
+
+async def announce(js: JetStreamContext, version: int, path: Path, step: int = 0) -> WeightsPublished:
+    event = WeightsPublished(version=version, path=str(Path(path).resolve()), published_at=time.time(), step=step)
+    await bus.publish_durable(js, subjects.WEIGHTS_PUBLISHED, event, msg_id=f"weights-v{version}")
+    return event
+
+
+async def publish_dir(js: JetStreamContext, root: Path, src: Path, step: int = 0) -> WeightsPublished:
+    """Operator path (`seamlessflow weights publish DIR`): next version = current + 1."""
+    await bus.ensure_streams(js, subjects.STREAMS)
+    cur = await current(js)
+    on_disk = versions_on_disk(root)
+    version = max([cur.version if cur else 0, *on_disk]) + 1
+    dest = write_version(root, version, src)
+    return await announce(js, version, dest, step)
+
+
+def collect_garbage(root: Path, in_use: set[int], keep_latest: int = 2) -> list[int]:
+    """Delete versions no worker serves, always keeping the newest `keep_latest`."""
+    versions = versions_on_disk(root)
+    keep = set(versions[-keep_latest:]) | in_use
+    removed = []
+    for v in versions:
+        if v not in keep:
+            shutil.rmtree(version_dir(root, v), ignore_errors=True)
+            removed.append(v)
+    return removed
