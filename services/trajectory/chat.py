@@ -1,15 +1,23 @@
 """One agent turn: find the session's prefix, build the prompt, generate, record (no sockets).
 
-The transport (`call` to a rollout worker, `emit` to the gateway) and the worker
-choice are passed in by service.py; the Redis writes go through store.py.
+The transport (`call` to a rollout worker, `emit` to the gateway) and the worker choice
+are passed in by service.py; Redis goes through store.py.
+
+A request's tokens are persisted (store.append_delta) before the agent sees them. If the
+replica serving a request dies, the gateway re-sends the same request_id; whichever
+replica gets it waits for the dead one's lease to lapse, rebuilds the partial generation
+from Redis and continues it, so the agent's HTTP request still completes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
+import socket
 import time
-from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from msgspec.structs import replace
@@ -17,14 +25,17 @@ from msgspec.structs import replace
 from services.trajectory import toolcalls
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.conversation import candidate_prefixes, conversation_key
-from services.trajectory.generation import Call, GenerationFailed, generate
+from services.trajectory.generation import Call, Generated, GenerationFailed, generate
 from services.trajectory.rendering import IncrementalText, Renderer, RenderError
 from services.trajectory.routing import WorkerTable
-from services.trajectory.store import SessionNotFound, Store
+from services.trajectory.store import DeltaRecord, InFlight, SessionNotFound, Store
 from services.trajectory.turns import Turn, path, token_ids
-from shared.messages import ChatDelta, ChatDone, ChatRequest, Usage
+from shared.codec import decode, encode
+from shared.messages import ChatDelta, ChatDone, ChatRequest, TokenDelta, Usage
 
 Emit = Callable[[Any], Awaitable[None]]
+LEASE_MS = 3000
+KEEPALIVE_S = 1.0
 
 
 class TurnError(Exception):
@@ -44,49 +55,71 @@ class Prompt:
 class TurnHandler:
     def __init__(self, cfg: TrajectoryConfig, store: Store, renderer: Renderer, table: WorkerTable, call: Call):
         self.cfg, self.store, self.renderer, self.table, self.call = cfg, store, renderer, table, call
+        self.owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
     async def handle(self, req: ChatRequest, emit: Emit) -> ChatDone:
-        # 1. the session: the agent's, or a one-off one for a plain API key
-        sid = req.session_id
-        if sid:
-            try:
-                meta = await self.store.session(sid)
-            except SessionNotFound:
-                raise TurnError(404, "session_not_found", f"session {sid} does not exist") from None
-            if meta["status"] == "finished":
-                raise TurnError(409, "session_finished", f"session {sid} is finished; start a new one")
-            sticky = meta.get("worker")
-        else:
-            sid = await self.store.create_session(anonymous=True)
-            sticky = None
-
-        # 2. the prompt, reusing the stored tokens of the turn this request extends
+        rid = req.request_id
+        # 0. a retry of a request that already finished gets the same answer
+        if (done := await self.store.result(rid)) is not None:
+            return decode(done, ChatDone)
+        keepalive = asyncio.create_task(self._keepalive(rid, emit))
         try:
+            return await self._handle(req, emit)
+        finally:
+            keepalive.cancel()
+
+    async def _keepalive(self, rid: str, emit: Emit) -> None:
+        while True:
+            await asyncio.sleep(KEEPALIVE_S)
+            await emit(ChatDelta(rid, "", 0))
+            try:
+                await self.store.renew_lease(rid, LEASE_MS)
+            except Exception:  # Redis hiccup: the next write reports it
+                pass
+
+    async def _handle(self, req: ChatRequest, emit: Emit) -> ChatDone:
+        rid = req.request_id
+        # 1. resume a request a dead replica was serving, or start a new one
+        resumed = await self._resume(rid)
+        if resumed:
+            sid, prompt, partial = resumed
+            sticky = None
+        else:
+            sid, sticky = await self._session(req)
             prompt = await self._prompt(sid, req)
-        except RenderError as e:
-            raise TurnError(400, "invalid_messages", str(e)) from None
+            partial = None
         max_len = self.table.max_model_len(time.time(), self.cfg.max_model_len)
         if len(prompt.ids) >= max_len:
             raise TurnError(400, "context_length_exceeded",
                             f"the prompt is {len(prompt.ids)} tokens; this model's context window is "
                             f"{max_len} tokens")
-        sampling = req.sampling
-        budget = min(sampling.max_tokens, max_len - len(prompt.ids))
+        if not resumed:
+            state = InFlight(sid, prompt.ids, prompt.new_ids, prompt.parent, prompt.new_messages)
+            if not await self.store.begin_request(rid, state, self.owner, LEASE_MS):
+                raise TurnError(409, "duplicate_request", f"request {rid} is already running")
 
-        # 3. generate, streaming text deltas if asked
+        # 2. generate; each token is persisted, then streamed
         text = IncrementalText(self.renderer)
         parse_tools = req.kind == "chat" and bool(req.tools)
         sent = 0
 
-        async def on_tokens(ids: list[int]) -> None:
+        async def stream_text() -> None:
             nonlocal sent
-            text.add(ids)
             if not req.stream:
                 return
             visible = toolcalls.visible_prefix(text.text) if parse_tools else text.text
             if len(visible) > sent:
-                await emit(ChatDelta(req.request_id, visible[sent:]))
+                await emit(ChatDelta(rid, visible[sent:], sent))
                 sent = len(visible)
+
+        if partial is not None:
+            text.add(partial.token_ids)
+            await stream_text()
+
+        async def on_tokens(delta: TokenDelta, worker: str, first: bool) -> None:
+            await self.store.append_delta(rid, DeltaRecord(worker, first, delta.version, delta.token_ids, delta.logprobs))
+            text.add(delta.token_ids)
+            await stream_text()
 
         last_worker = sticky or ""
 
@@ -103,54 +136,92 @@ class TurnHandler:
                     raise GenerationFailed(f"no rollout worker is serving (waited {self.cfg.worker_wait:.0f}s)", 503)
                 await asyncio.sleep(0.05)
 
+        budget = min(req.sampling.max_tokens, max_len - len(prompt.ids))
         try:
-            gen = await generate(self.call, pick, req.request_id, sid, prompt.ids,
-                                 replace(sampling, max_tokens=budget), on_tokens, self.cfg.max_redispatch)
+            gen = await generate(self.call, pick, rid, sid, prompt.ids, replace(req.sampling, max_tokens=budget),
+                                 on_tokens, self.cfg.max_redispatch, resume=partial)
         except GenerationFailed as e:
+            await self.store.drop_request(rid)
             raise TurnError(e.status, "generation_failed", str(e)) from None
+        except asyncio.CancelledError:
+            await asyncio.shield(self.store.drop_request(rid))
+            raise
 
-        # 4. the reply the agent sees, and the turn that records it
+        # 3. the reply the agent sees, and the turn that records it
         full = text.final()
-        content, calls = toolcalls.parse(full, req.request_id) if parse_tools else (full, [])
+        content, calls = toolcalls.parse(full, rid) if parse_tools else (full, [])
         if req.stream and len(content) > sent:
-            await emit(ChatDelta(req.request_id, content[sent:]))
+            await emit(ChatDelta(rid, content[sent:], sent))
         reply: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             reply["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                 for c in calls
             ]
-        key = conversation_key(req.tools, req.messages + [reply]) if req.kind == "chat" else ""
         turn = Turn(
             turn_id=await self.store.next_turn_id(sid),
             parent=prompt.parent,
             prefix_ids=prompt.new_ids,
             segments=gen.segments,
             finish_reason=gen.finish_reason,
-            request_id=req.request_id,
+            request_id=rid,
             created=time.time(),
-            key=key,
+            key=conversation_key(req.tools, req.messages + [reply]) if req.kind == "chat" else "",
             messages=prompt.new_messages,
             reply=reply if req.kind == "chat" else {"role": "assistant", "content": full},
         )
-        await self.store.save_turn(sid, turn, last_worker)
         versions: list[int] = []
         for s in gen.segments:
             if not versions or versions[-1] != s.version:
                 versions.append(s.version)
-        finish = "tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason
-        return ChatDone(
-            request_id=req.request_id,
+        done = ChatDone(
+            request_id=rid,
             text=content,
-            finish_reason=finish,
+            finish_reason="tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason,
             usage=Usage(prompt_tokens=len(prompt.ids), completion_tokens=len(gen.token_ids)),
             turn_id=turn.turn_id,
             tool_calls=calls,
             versions=versions,
             session_id=sid,
         )
+        await self.store.save_turn(sid, turn, last_worker, result=encode(done))
+        return done
+
+    async def _session(self, req: ChatRequest) -> tuple[str, str | None]:
+        """The agent's session, or a one-off one for a plain API key; and its sticky worker."""
+        if not req.session_id:
+            return await self.store.create_session(anonymous=True), None
+        try:
+            meta = await self.store.session(req.session_id)
+        except SessionNotFound:
+            raise TurnError(404, "session_not_found", f"session {req.session_id} does not exist") from None
+        if meta["status"] == "finished":
+            raise TurnError(409, "session_finished", f"session {req.session_id} is finished; start a new one")
+        return req.session_id, meta.get("worker")
+
+    async def _resume(self, rid: str) -> tuple[str, Prompt, Generated] | None:
+        found = await self.store.load_request(rid)
+        if found is None:
+            return None
+        deadline = time.monotonic() + 3 * LEASE_MS / 1000
+        while not await self.store.claim_request(rid, self.owner, LEASE_MS):
+            if time.monotonic() > deadline:
+                raise TurnError(409, "duplicate_request", f"request {rid} is being served by another replica")
+            await asyncio.sleep(0.2)
+        state, records = await self.store.load_request(rid) or found
+        partial = Generated()
+        for r in records:
+            partial.add(TokenDelta(rid, r.token_ids, r.logprobs, r.version), r.worker, r.starts_dispatch)
+        partial.dispatches = sum(r.starts_dispatch for r in records)
+        return state.session_id, Prompt(state.prompt_ids, state.new_ids, state.parent, state.new_messages), partial
 
     async def _prompt(self, sid: str, req: ChatRequest) -> Prompt:
+        try:
+            return await self._render(sid, req)
+        except RenderError as e:
+            raise TurnError(400, "invalid_messages", str(e)) from None
+
+    async def _render(self, sid: str, req: ChatRequest) -> Prompt:
         if req.kind == "completion":
             ids = self.renderer.encode(req.prompt)
             return Prompt(ids, ids, -1, [{"role": "user", "content": req.prompt}])
@@ -163,14 +234,12 @@ class TurnHandler:
             key, tid = found
             k = ks[keys.index(key)]
             chain = path(await self.store.turns(sid), tid)
-            before = token_ids(chain)
             last = chain[-1].generated_ids
             cont = self.renderer.continuation(
                 req.messages[:k], req.messages[k:], req.tools,
                 history_ends_with_eos=bool(last) and last[-1] == self.renderer.eos_id,
             )
             if cont is not None:
-                return Prompt(before + cont, cont, tid, req.messages[k:])
+                return Prompt(token_ids(chain) + cont, cont, tid, req.messages[k:])
         ids = self.renderer.prompt(req.messages, req.tools)
         return Prompt(ids, ids, -1, req.messages)
-

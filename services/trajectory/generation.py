@@ -19,7 +19,7 @@ from shared.messages import Generate, GenerateDone, RolloutReply, Sampling, Toke
 
 Call = Callable[[str, Generate], AsyncIterator[RolloutReply]]
 Pick = Callable[[frozenset[str]], Awaitable[str]]
-OnTokens = Callable[[list[int]], Awaitable[None]]
+OnTokens = Callable[[TokenDelta, str, bool], Awaitable[None]]  # (delta, worker, starts a dispatch)
 
 
 class GenerationFailed(RuntimeError):
@@ -56,8 +56,11 @@ async def generate(
     sampling: Sampling,
     on_tokens: OnTokens,
     max_redispatch: int,
+    resume: Generated | None = None,
 ) -> Generated:
-    out = Generated()
+    """`on_tokens` runs before tokens count as generated: the service persists them there, so
+    a replica that resumes this request (`resume`, rebuilt from Redis) continues after them."""
+    out = resume or Generated()
     preempted_on: set[str] = set()
     while True:
         remaining = sampling.max_tokens - len(out.token_ids)
@@ -80,9 +83,9 @@ async def generate(
             match reply:
                 case TokenDelta():
                     if reply.token_ids:
+                        await on_tokens(reply, worker, first)
                         out.add(reply, worker, new_dispatch=first)
                         first = False
-                        await on_tokens(reply.token_ids)
                 case GenerateDone():
                     done = reply
                     break

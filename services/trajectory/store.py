@@ -7,9 +7,15 @@ Keys (all expire `session_ttl` seconds after the session's last write):
     sf:s:{sid}:idx      hash  conversation key -> turn_id
     sf:s:{sid}:seq      int   last turn id handed out
     sf:completed        list  finished session ids, oldest first
+    sf:req:{rid}        string msgpack InFlight: a running request's prompt (partial-rollout state)
+    sf:req:{rid}:deltas list  msgpack [worker, starts_dispatch, version, token_ids, logprobs], in order
+    sf:req:{rid}:owner  string the replica serving it; expires unless refreshed (lease)
+    sf:done:{rid}       string msgpack ChatDone of a finished request, so a retry gets the same answer
 
 A turn is written in one MULTI/EXEC with its index entry, so a failed turn leaves
-no trace and earlier turns stay intact.
+no trace and earlier turns stay intact. A running request's tokens are appended to
+sf:req:{rid}:deltas before the agent sees them, so a replica that takes over a request
+whose replica died continues exactly where it stopped.
 """
 
 from __future__ import annotations
@@ -28,6 +34,27 @@ COMPLETED = "sf:completed"
 
 _turn_enc = msgspec.msgpack.Encoder()
 _turn_dec = msgspec.msgpack.Decoder(Turn)
+
+
+class InFlight(msgspec.Struct, array_like=True):
+    session_id: str
+    prompt_ids: list[int]
+    new_ids: list[int]
+    parent: int
+    new_messages: list[dict[str, Any]]
+
+
+class DeltaRecord(msgspec.Struct, array_like=True):
+    worker: str
+    starts_dispatch: bool
+    version: int
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+_inflight_dec = msgspec.msgpack.Decoder(InFlight)
+_delta_dec = msgspec.msgpack.Decoder(DeltaRecord)
+REQUEST_TTL = 3600
 
 
 class SessionNotFound(KeyError):
@@ -104,8 +131,56 @@ class Store:
     async def next_turn_id(self, sid: str) -> int:
         return int(await self.r.incr(_k(sid, "seq"))) - 1
 
-    async def save_turn(self, sid: str, turn: Turn, worker: str) -> None:
+    # -- partial-rollout state of running requests ------------------------------------------------
+
+    async def begin_request(self, rid: str, state: InFlight, owner: str, lease_ms: int) -> bool:
+        """Record a new request and take its lease. False if the request already exists."""
+        ok = await self.r.set(f"sf:req:{rid}", _turn_enc.encode(state), nx=True, ex=REQUEST_TTL)
+        if ok:
+            await self.r.set(f"sf:req:{rid}:owner", owner, px=lease_ms)
+        return bool(ok)
+
+    async def load_request(self, rid: str) -> tuple[InFlight, list[DeltaRecord]] | None:
         async with self.r.pipeline(transaction=True) as p:
+            p.get(f"sf:req:{rid}")
+            p.lrange(f"sf:req:{rid}:deltas", 0, -1)
+            state, deltas = await p.execute()
+        if state is None:
+            return None
+        return _inflight_dec.decode(state), [_delta_dec.decode(d) for d in deltas]
+
+    async def claim_request(self, rid: str, owner: str, lease_ms: int) -> bool:
+        """Take over a request whose lease lapsed (its replica died). False if it is still held."""
+        current = await self.r.get(f"sf:req:{rid}:owner")
+        if current is not None and current.decode() != owner:
+            return False
+        return bool(await self.r.set(f"sf:req:{rid}:owner", owner, px=lease_ms, nx=current is None, xx=current is not None))
+
+    async def renew_lease(self, rid: str, lease_ms: int) -> None:
+        await self.r.pexpire(f"sf:req:{rid}:owner", lease_ms)
+
+    async def append_delta(self, rid: str, rec: DeltaRecord) -> None:
+        async with self.r.pipeline(transaction=False) as p:
+            p.rpush(f"sf:req:{rid}:deltas", _turn_enc.encode(rec))
+            p.expire(f"sf:req:{rid}:deltas", REQUEST_TTL)
+            await p.execute()
+
+    async def result(self, rid: str) -> bytes | None:
+        return await self.r.get(f"sf:done:{rid}")
+
+    async def drop_request(self, rid: str) -> None:
+        await self.r.delete(f"sf:req:{rid}", f"sf:req:{rid}:deltas", f"sf:req:{rid}:owner")
+
+    # -- turns -------------------------------------------------------------------------------------
+
+    async def save_turn(self, sid: str, turn: Turn, worker: str, result: bytes = b"") -> None:
+        """The turn, its index entry, the request's result (for a retried request) and the end
+        of its partial state: all or nothing."""
+        rid = turn.request_id
+        async with self.r.pipeline(transaction=True) as p:
+            p.delete(f"sf:req:{rid}", f"sf:req:{rid}:deltas", f"sf:req:{rid}:owner")
+            if result:
+                p.set(f"sf:done:{rid}", result, ex=REQUEST_TTL)
             p.hset(_k(sid, "turns"), str(turn.turn_id), _turn_enc.encode(turn))
             if turn.key:
                 p.hset(_k(sid, "idx"), turn.key, str(turn.turn_id))

@@ -38,8 +38,13 @@ class Usage(msgspec.Struct):
 
 
 class ChatDelta(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """`text` starts at character `offset` of the reply's content. A replica that resumes a
+    request re-sends from offset 0, and the gateway forwards only what the agent lacks. An
+    empty `text` is a keepalive: the replica serving the request is alive."""
+
     request_id: str
     text: str
+    offset: int = 0
 
 
 class ChatDone(msgspec.Struct, tag=True, omit_defaults=True):

@@ -108,8 +108,8 @@ async def test_generation_redispatches_prompt_plus_partial_after_preemption():
 
     seen = []
 
-    async def on_tokens(ids):
-        seen.extend(ids)
+    async def on_tokens(delta, worker, first):
+        seen.extend(delta.token_ids)
 
     out = await generate(call, pick, "r", "s", [1, 2, 3], Sampling(max_tokens=8), on_tokens, 4)
     assert out.finish_reason == "stop"
@@ -126,7 +126,7 @@ async def test_generation_gives_up_after_bounded_redispatches():
     async def pick(exclude):
         return "w"
 
-    async def on_tokens(ids):
+    async def on_tokens(delta, worker, first):
         pass
 
     with pytest.raises(GenerationFailed, match="preempted"):
@@ -139,7 +139,7 @@ async def test_generation_error_maps_to_status():
     async def pick(exclude):
         return "w"
 
-    async def on_tokens(ids):
+    async def on_tokens(delta, worker, first):
         pass
 
     with pytest.raises(GenerationFailed) as e:
