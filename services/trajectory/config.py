@@ -14,3 +14,7 @@ class TrajectoryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_redispatch: int = 8  # re-dispatches of one request after preemptions
     worker_stale_after: float = 5.0  # heartbeats older than this mark a worker gone
     session_ttl: int = 7 * 24 * 3600  # seconds a session's keys live in Redis
+    max_staleness: int = -1  # policy versions; -1 = no admission control
+    batch_samples: int = 32  # samples the trainer consumes per version (for admission)
+    open_session_timeout: float = 3600.0  # an open session older than this no longer counts
+    trainer_consumer: str = "trainer"  # durable JetStream consumer whose backlog counts as untrained

@@ -19,13 +19,14 @@ import msgspec
 import redis.exceptions
 from nats.aio.msg import Msg
 
+from services.trajectory.admission import Admission
 from services.trajectory.chat import TurnError, TurnHandler
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.rendering import Renderer
 from services.trajectory.routing import WorkerTable
 from services.trajectory.sessions import SessionOps
 from services.trajectory.store import Store
-from shared import bus, subjects
+from shared import bus, subjects, weightstore
 from shared.codec import decode, encode
 from shared.config import Connections
 from shared.messages import (
@@ -49,6 +50,7 @@ class TrajectoryService:
         self.cfg, self.conn = cfg, conn
         self.table = WorkerTable(cfg.worker_stale_after)
         self.running: dict[str, asyncio.Task] = {}
+        self.policy_version = -1  # newest WeightsPublished; -1 until one is seen
 
     async def run(self, quit: asyncio.Event, ready: asyncio.Event | None = None) -> None:
         async with AsyncExitStack() as stack:
@@ -59,8 +61,14 @@ class TrajectoryService:
             await bus.ensure_streams(js, subjects.STREAMS)
             self.store = Store.connect(self.conn.redis_url, self.cfg.session_ttl)
             stack.push_async_callback(self.store.close)
+            self.js = js
             self.turns = TurnHandler(self.cfg, self.store, renderer, self.table, self._call)
-            self.sessions = SessionOps(self.store, js)
+            self.sessions = SessionOps(
+                self.store, js, Admission(self.cfg.max_staleness, self.cfg.batch_samples),
+                self.cfg.open_session_timeout, lambda: self.policy_version, self._untrained,
+            )
+            watcher = asyncio.create_task(self._watch_weights())
+            stack.callback(watcher.cancel)
 
             await self.nc.subscribe(subjects.ROLLOUT_STATUS, cb=self._on_status)
             await self.nc.subscribe(subjects.CHAT_CANCEL, cb=self._on_cancel)
@@ -73,6 +81,27 @@ class TrajectoryService:
             # drain: let running turns finish, bounded
             if self.running:
                 await asyncio.wait(list(self.running.values()), timeout=30)
+
+    # -- policy version and trainer backlog ------------------------------------------------------
+
+    async def _watch_weights(self) -> None:
+        while True:
+            try:
+                cur = await weightstore.current(self.js)
+                if cur is not None and cur.version != self.policy_version:
+                    self.policy_version = cur.version
+                    log.info("policy version %d", cur.version)
+            except Exception as e:  # NATS reconnecting: keep the last known version
+                log.debug("weights watch: %s", e)
+            await asyncio.sleep(1.0)
+
+    async def _untrained(self) -> int:
+        """Completed samples the trainer has not acked yet (0 if no trainer consumer exists)."""
+        try:
+            info = await self.js.consumer_info("TRAJECTORIES", self.cfg.trainer_consumer, timeout=2)
+        except Exception:
+            return 0
+        return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
 
     # -- rollout workers -------------------------------------------------------------------------
 

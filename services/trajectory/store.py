@@ -7,6 +7,7 @@ Keys (all expire `session_ttl` seconds after the session's last write):
     sf:s:{sid}:idx      hash  conversation key -> turn_id
     sf:s:{sid}:seq      int   last turn id handed out
     sf:completed        list  finished session ids, oldest first
+    sf:open             zset  open (agent-created) session ids by creation time: admission control
     sf:req:{rid}        string msgpack InFlight: a running request's prompt (partial-rollout state)
     sf:req:{rid}:deltas list  msgpack [worker, starts_dispatch, version, token_ids, logprobs], in order
     sf:req:{rid}:owner  string the replica serving it; expires unless refreshed (lease)
@@ -31,6 +32,7 @@ import redis.asyncio as aioredis
 from services.trajectory.turns import Turn
 
 COMPLETED = "sf:completed"
+OPEN = "sf:open"
 
 _turn_enc = msgspec.msgpack.Encoder()
 _turn_dec = msgspec.msgpack.Decoder(Turn)
@@ -102,8 +104,13 @@ class Store:
         async with self.r.pipeline(transaction=True) as p:
             p.hset(_k(sid), mapping=meta)
             p.expire(_k(sid), self.ttl)
+            if not anonymous:
+                p.zadd(OPEN, {sid: meta["created"]})
             await p.execute()
         return sid
+
+    async def count_open(self, newer_than: float) -> int:
+        return int(await self.r.zcount(OPEN, newer_than, "+inf"))
 
     async def session(self, sid: str) -> dict[str, Any]:
         raw = await self.r.hgetall(_k(sid))
@@ -204,5 +211,8 @@ class Store:
             prev, _ = await p.execute()
         if prev == b"finished":
             return False
-        await self.r.rpush(COMPLETED, sid)
+        async with self.r.pipeline(transaction=True) as p:
+            p.rpush(COMPLETED, sid)
+            p.zrem(OPEN, sid)
+            await p.execute()
         return True

@@ -31,3 +31,5 @@ class TrajectoryCompleted(msgspec.Struct, tag=True, omit_defaults=True):
     samples: list[Sample]
     metadata: dict[str, Any] = {}
     finished_at: float = 0.0
+    policy_version: int = -1  # the newest published version when the session finished
+    staleness: int = 0  # policy_version minus the oldest version that generated a token here

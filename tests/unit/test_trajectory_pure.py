@@ -145,3 +145,36 @@ async def test_generation_error_maps_to_status():
     with pytest.raises(GenerationFailed) as e:
         await generate(call, pick, "r", "s", [1], Sampling(max_tokens=4), on_tokens, 3)
     assert e.value.status == 400
+
+
+def test_admission_bound_and_staleness():
+    from services.trajectory.admission import Admission, staleness
+
+    a = Admission(max_staleness=1, batch_samples=4)
+    assert a.capacity == 8
+    assert a.admit(open_sessions=5, untrained=2)
+    assert not a.admit(open_sessions=5, untrained=3)
+    assert "staleness bound (8" in a.refusal(5, 3)
+    assert Admission(-1, 4).admit(10**6, 10**6)
+    assert staleness(5, [-1, 3, 4, -1, 5]) == 2
+    assert staleness(5, [-1]) == 0 and staleness(-1, [0]) == 0
+
+
+async def test_generation_resumes_from_persisted_partial():
+    from services.trajectory.generation import Generated
+
+    partial = Generated()
+    partial.add(TokenDelta("r.0", [10, 11], [-1.0, -1.1], 0), "w1", True)
+    partial.dispatches = 1
+    call, sent = _fake_worker({0: [TokenDelta("r.1", [2], [-0.1], 0), GenerateDone("r.1", "stop", 5, 0)]})
+
+    async def pick(exclude):
+        return "w2"
+
+    async def on_tokens(delta, worker, first):
+        pass
+
+    out = await generate(call, pick, "r", "s", [1, 2, 3], Sampling(max_tokens=8), on_tokens, 4, resume=partial)
+    assert sent[0][1].prompt_ids == [1, 2, 3, 10, 11] and sent[0][1].sampling.max_tokens == 6
+    assert sent[0][1].request_id == "r.1"
+    assert out.token_ids == [10, 11, 2] and len(out.segments) == 2
