@@ -4,6 +4,8 @@
     seamlessflow up [--model PATH] [--workers N] [--data-dir var]
     seamlessflow demo [--data-dir var]
     seamlessflow export --out trajectories.jsonl
+    seamlessflow workers list | vacate ID | resume ID
+    seamlessflow weights publish DIR | list
 """
 
 from __future__ import annotations
@@ -105,6 +107,44 @@ def cmd_export(a: argparse.Namespace) -> None:
     print(f"wrote {n} samples to {a.out}")
 
 
+def _weights_dir(a: argparse.Namespace) -> Path:
+    import os
+
+    return Path(a.store or os.environ.get("SF_WEIGHTS_DIR", "var/weights"))
+
+
+def cmd_workers(a: argparse.Namespace) -> None:
+    from seamlessflow import ops
+    from shared.config import connections
+
+    if a.action == "list":
+        print(ops.format_workers(asyncio.run(ops.worker_statuses(connections()))))
+        return
+    if not a.worker:
+        sys.exit(f"error: workers {a.action} needs a worker id (see: seamlessflow workers list)")
+    s = asyncio.run(ops.control(connections(), a.worker, a.action))
+    print(f"{s.worker_id}: {s.state}, version {s.version}, {s.running} running")
+
+
+def cmd_weights(a: argparse.Namespace) -> None:
+    from seamlessflow import ops
+    from shared.config import connections
+    from shared.weightstore import BadCheckpoint
+
+    store = _weights_dir(a)
+    if a.action == "publish":
+        if a.dir is None:
+            sys.exit("error: weights publish needs a checkpoint DIR")
+        try:
+            event = asyncio.run(ops.publish(connections(), store, a.dir))
+        except BadCheckpoint as e:
+            sys.exit(f"error: {e}")
+        print(event.version)
+        return
+    conn = connections()
+    print(ops.format_weights(store, asyncio.run(ops.current_version(conn)), asyncio.run(ops.worker_statuses(conn))))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="seamlessflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -128,6 +168,17 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("export", help="write finished trajectories as JSONL (reads SF_NATS_URL)")
     p.add_argument("--out", type=Path, default=Path("trajectories.jsonl"))
     p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser("workers", help="list rollout workers, vacate or resume one")
+    p.add_argument("action", choices=["list", "vacate", "resume"])
+    p.add_argument("worker", nargs="?")
+    p.set_defaults(fn=cmd_workers)
+
+    p = sub.add_parser("weights", help="publish a checkpoint as a new policy version, or list versions")
+    p.add_argument("action", choices=["publish", "list"])
+    p.add_argument("dir", nargs="?", type=Path)
+    p.add_argument("--store", type=Path, help="weight store root (default $SF_WEIGHTS_DIR or var/weights)")
+    p.set_defaults(fn=cmd_weights)
 
     a = ap.parse_args(argv)
     a.fn(a)
