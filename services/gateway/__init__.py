@@ -1,0 +1,23 @@
+"""The gateway: the HTTP edge agents talk to, in the OpenAI formats.
+
+    python -m services.gateway          # agent API on :8000, admin API on :8001
+
+Modules, from the wire inwards:
+    app.py            the agent app's routes and `build_apps` (both apps, one Gateway)
+    admin.py          the admin app: keys, /metrics, health; one auth middleware for all routes
+    chat.py           /v1/chat/completions and /v1/completions: one turn, streaming or not
+    sessions.py       /v1/sessions: create (mints the session key), reward, finish, get
+    edge.py           body limits, bearer auth, disconnect watching
+    schemas.py        request bodies as msgspec Structs (validation and /openapi.json)
+    translate.py      bodies -> ChatRequest: the rules a schema cannot say
+    openai_format.py  ChatDone/ChatDelta -> OpenAI responses and SSE chunks (pure)
+    openapi.py        the OpenAPI 3.1 document, generated from schemas.py
+    errors.py         the OpenAI error shape, and what each failure behind the gateway maps to
+    service.py        the runtime: NATS (the only module touching it) and the store's lifetime
+    store.py          API keys in Redis (the only module touching Redis)
+    metrics.py        Prometheus metrics and their middleware
+    config.py         SF_GATEWAY_* settings
+
+The gateway knows nothing about tokens, chat templates or workers: it validates,
+authenticates and forwards OpenAI-level turns to the trajectory manager over sf.chat.
+"""

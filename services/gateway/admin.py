@@ -1,0 +1,90 @@
+"""The admin app (port 8001): key management, Prometheus metrics, health.
+
+Every route but /healthz needs `Authorization: Bearer <SF_GATEWAY_ADMIN_KEY>`; agent
+keys never work here. With no admin key configured, the admin API refuses
+everything (401) but /healthz. Authentication is one middleware, so routes added
+later (e.g. /admin/workers) are protected without doing anything:
+
+    agent, admin = build_apps(cfg, conn, admin_routes=[Route("/admin/workers", workers)])
+
+A handler reaches the shared runtime as `request.app.state.gateway`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from services.gateway.edge import JSON, read_body, same_secret
+from services.gateway.errors import EXCEPTION_HANDLERS, ApiError
+from services.gateway.schemas import KeyCreate, decode
+from services.gateway.service import Gateway
+from services.gateway.store import key_id
+
+OPEN_PATHS = frozenset({"/healthz"})
+
+
+class AdminAuthMiddleware:
+    def __init__(self, app: ASGIApp, admin_key: str) -> None:
+        self.app = app
+        self.admin_key = admin_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            error = self._refuse(Request(scope))
+            if error is not None:
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refuse(self, request: Request) -> ApiError | None:
+        if not self.admin_key:
+            return ApiError(401, "the admin API is disabled: set SF_GATEWAY_ADMIN_KEY", "admin_disabled")
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not same_secret(given.strip(), self.admin_key):
+            return ApiError(401, "this endpoint needs the admin key", "invalid_api_key")
+        return None
+
+
+async def create_key(request: Request) -> Response:
+    """A new user API key. The key itself is in this response only; Redis keeps its hash."""
+    gw: Gateway = request.app.state.gateway
+    body = decode(await read_body(request, gw.cfg.max_body_bytes), KeyCreate)
+    key, record = await gw.keys.add_user_key(body.name or "")
+    return JSON({"api_key": key, "key_id": key_id(key), "kind": record.kind, "name": record.name,
+                 "created": record.created}, status_code=201)
+
+
+async def metrics(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
+
+
+async def healthz(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    state = await gw.health()
+    return JSON(state, status_code=200 if all(v == "ok" for v in state.values()) else 503)
+
+
+ROUTES: list[BaseRoute] = [
+    Route("/admin/keys", create_key, methods=["POST"]),
+    Route("/metrics", metrics, methods=["GET"]),
+    Route("/healthz", healthz, methods=["GET"]),
+]
+
+
+def create_admin_app(gw: Gateway, extra_routes: Sequence[BaseRoute] = ()) -> Starlette:
+    app = Starlette(
+        routes=[*ROUTES, *extra_routes],
+        middleware=[Middleware(AdminAuthMiddleware, admin_key=gw.cfg.admin_key)],
+        exception_handlers=EXCEPTION_HANDLERS,
+        lifespan=lambda app: gw.lifespan(),
+    )
+    app.state.gateway = gw
+    return app

@@ -1,0 +1,211 @@
+"""/v1/chat/completions and /v1/completions: one turn, forwarded to the trajectory manager.
+
+    1. authenticate (a session key attributes the turn to its session)
+    2. read the body within the size limit, decode, validate -> ChatRequest
+    3. send it on sf.chat and wait for the first reply, watching for the client to go away
+    4. non-streaming: collect up to ChatDone -> one JSON response
+       streaming: the first reply decides the HTTP status (an early ChatFailed is a plain
+       HTTP error); after that, SSE chunks until ChatDone, or an error event on failure
+    5. whenever the agent disconnects before the end: publish ChatCancel(request_id)
+
+The gateway keeps no turn state beyond the open connection: partial rollout, retries
+across workers and weight-version changes all happen behind sf.chat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Literal
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from services.gateway import openai_format as fmt
+from services.gateway import translate
+from services.gateway.edge import JSON, ClientGone, authenticate, read_body, unless_disconnected
+from services.gateway.errors import ApiError, from_exception
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, decode
+from services.gateway.service import Gateway
+from shared.bus import BusUnavailable, ReplyTimeout
+from shared.messages.chat import ChatDelta, ChatDone, ChatFailed, ChatReply, ChatRequest
+
+log = logging.getLogger(__name__)
+
+Reason = Literal["disconnect", "timeout", "shutdown", "error"]  # why a turn was cancelled upstream
+
+
+def failed(reply: ChatFailed) -> ApiError:
+    return ApiError(reply.status, reply.message, reply.code or None)
+
+
+class _Turn:
+    """One request's bookkeeping: ids, timing and the first-token metric."""
+
+    def __init__(self, gw: Gateway, kind: Literal["chat", "completion"], chat: ChatRequest) -> None:
+        self.gw = gw
+        self.kind = kind
+        self.chat = chat
+        self.start = time.perf_counter()
+        self.created = int(time.time())
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + chat.request_id
+        self._first = False
+
+    def saw(self, reply: ChatReply) -> None:
+        if not self._first and (isinstance(reply, ChatDone) or (isinstance(reply, ChatDelta) and reply.text)):
+            self._first = True
+            self.gw.metrics.ttft.labels(self.kind).observe(time.perf_counter() - self.start)
+        if isinstance(reply, ChatDone):
+            self.gw.metrics.tokens.labels("prompt").inc(reply.usage.prompt_tokens)
+            self.gw.metrics.tokens.labels("completion").inc(reply.usage.completion_tokens)
+
+    async def cancel(self, reason: Reason = "disconnect") -> None:
+        log.info("cancelling %s (%s)", self.chat.request_id, reason)
+        await self.gw.cancel(self.chat.request_id, reason)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _serve(request, "chat")
+
+
+async def completions(request: Request) -> Response:
+    return await _serve(request, "completion")
+
+
+async def _serve(request: Request, kind: Literal["chat", "completion"]) -> Response:
+    gw: Gateway = request.app.state.gateway
+    cfg = gw.cfg
+    # 1.-2.
+    key = await authenticate(request, gw.keys)
+    body = await read_body(request, cfg.max_body_bytes)
+    request_id = uuid.uuid4().hex
+    if kind == "chat":
+        req = decode(body, ChatCompletionRequest)
+        chat = translate.chat_request(req, request_id, key.session_id, cfg)
+    else:
+        req = decode(body, CompletionRequest)
+        chat = translate.completion_request(req, request_id, key.session_id, cfg)
+    turn = _Turn(gw, kind, chat)
+    headers = {"x-request-id": request_id}
+    try:
+        if req.stream:
+            return await _stream(request, turn, translate.wants_usage(req), headers)
+        return await _complete(request, turn, headers)
+    except ClientGone:
+        return Response(status_code=499)  # nobody is listening; uvicorn drops it
+
+
+async def _complete(request: Request, turn: _Turn, headers: dict[str, str]) -> Response:
+    async def collect() -> ChatDone:
+        async with contextlib.aclosing(turn.gw.chat(turn.chat)) as replies:
+            async for reply in replies:
+                turn.saw(reply)
+                match reply:
+                    case ChatDone():
+                        return reply
+                    case ChatFailed():
+                        raise failed(reply)
+        raise ApiError(502, "the trajectory manager ended the turn without an answer", "upstream_error")
+
+    # 3.-5. A timeout cancels too: the turn may still be running behind a stalled reply.
+    try:
+        done = await unless_disconnected(request, collect(), turn.cancel)
+    except ReplyTimeout:
+        await turn.cancel("timeout")
+        raise
+    build = fmt.chat_completion if turn.kind == "chat" else fmt.text_completion
+    return JSON(build(turn.id, turn.created, turn.chat.model, done, turn.chat.session_id), headers=headers)
+
+
+async def _stream(request: Request, turn: _Turn, include_usage: bool, headers: dict[str, str]) -> Response:
+    live = _Live(turn)
+    try:
+        replies = await live.stack.enter_async_context(contextlib.aclosing(turn.gw.chat(turn.chat)))
+        first = await unless_disconnected(request, anext(replies), turn.cancel)
+    except BaseException as e:
+        live.finished = isinstance(e, (ClientGone, ApiError, BusUnavailable, StopAsyncIteration))
+        await live.close("timeout" if isinstance(e, ReplyTimeout) else
+                         "shutdown" if isinstance(e, asyncio.CancelledError) else "error")
+        if isinstance(e, StopAsyncIteration):
+            raise ApiError(502, "the trajectory manager ended the turn without an answer", "upstream_error")
+        raise
+    turn.saw(first)
+    if isinstance(first, ChatFailed):
+        live.finished = True
+        await live.close()
+        raise failed(first)
+    chunks = fmt.ChunkStream(turn.kind, turn.id, turn.created, turn.chat.model, include_usage, turn.chat.session_id)
+    return _SSE(_events(live, chunks, first, replies), live, headers)
+
+
+class _Live:
+    """An open streamed turn: closed exactly once, cancelling it upstream unless it finished."""
+
+    def __init__(self, turn: _Turn) -> None:
+        self.turn = turn
+        self.stack = contextlib.AsyncExitStack()
+        self.finished = False
+        self._closed = False
+
+    async def close(self, reason: Reason = "disconnect") -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Also runs inside a cancelled scope (the client went away): shield the clean-up.
+        with anyio.CancelScope(shield=True):
+            if not self.finished:
+                await self.turn.cancel(reason)
+            await self.stack.aclose()
+
+
+async def _events(live: _Live, chunks: fmt.ChunkStream, first: ChatReply,
+                  replies: AsyncIterator[ChatReply]) -> AsyncIterator[bytes]:
+    reason: Reason = "disconnect"
+    try:
+        if start := chunks.start():
+            yield start
+        reply = first
+        while True:
+            match reply:
+                case ChatDelta():
+                    if event := chunks.delta(reply.text, reply.offset):
+                        yield event
+                case ChatDone():
+                    live.finished = True
+                    for event in chunks.done(reply):
+                        yield event
+                    return
+                case ChatFailed():
+                    live.finished = True
+                    yield chunks.error(failed(reply).body())
+                    return
+            reply = await anext(replies)
+            live.turn.saw(reply)
+    except Exception as e:  # a timeout or a lost bus mid-stream: tell the agent, then stop
+        reason = "timeout"
+        yield chunks.error(from_exception(e).body())
+    finally:
+        await live.close(reason)
+
+
+class _SSE(StreamingResponse):
+    """Server-sent events whose turn is closed however the response ends, even if the
+    client left before the first event was pulled from the generator."""
+
+    def __init__(self, events: AsyncIterator[bytes], live: _Live, headers: dict[str, str]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no", **headers})
+        self.live = live
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+                await self.live.close()

@@ -1,0 +1,39 @@
+"""Gateway settings, read from `SF_GATEWAY_*` (connections come from `SF_NATS_*`/`SF_REDIS_*`).
+
+    SF_GATEWAY_API_KEYS=sk-a,sk-b SF_GATEWAY_ADMIN_KEY=... python -m services.gateway
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.config import load
+
+
+class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"
+    port: int = 8000  # the agent API (OpenAI formats, sessions)
+    admin_port: int = 8001  # admin API and /metrics; never expose it to agents
+    model: str = "seamlessflow-tiny"  # the one served model name
+    api_keys: str = ""  # comma-separated static user keys (may be empty: keys then come from /admin/keys)
+    admin_key: str = ""  # empty: every admin endpoint but /healthz answers 401
+    max_body_bytes: int = 1024 * 1024
+    first_token_timeout: float = 60.0  # seconds from the request to its first generated text
+    idle_timeout: float = 60.0  # seconds between two pieces of generated text
+    # The trajectory manager sends a keepalive (an empty ChatDelta) every second while it
+    # serves a turn. Silence this long means that replica died: the gateway re-sends the same
+    # request_id, and another replica resumes it from Redis, at most `resend_attempts` times.
+    silence_timeout: float = 5.0
+    resend_attempts: int = 2
+    session_timeout: float = 10.0  # seconds for one session request/reply
+    max_tokens_default: int = 256  # chat completions without max_tokens
+    max_context: int = 2048  # quick check only; the trajectory manager does the exact one
+    redis_timeout: float = 2.0  # socket timeout per Redis call, so an outage answers 503 fast
+    session_key_ttl: int = 7 * 24 * 3600  # seconds a session API key stays valid
+
+    def static_keys(self) -> list[str]:
+        return [k.strip() for k in self.api_keys.split(",") if k.strip()]
+
+
+def load_config(**overrides) -> GatewayConfig:
+    return load(GatewayConfig, "SF_GATEWAY_", **overrides)

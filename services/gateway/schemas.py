@@ -1,0 +1,190 @@
+"""The request bodies the gateway accepts, as msgspec Structs.
+
+These Structs are the single source of truth for input shape: the gateway
+decodes every body with them, and /openapi.json is generated from them
+(`openapi.py`), so the published schema is exactly what the server accepts.
+Unknown fields are ignored (SDKs send extras); a known field with a wrong type
+or an out-of-range value is a 400 naming that field. Rules that a schema cannot
+say (n must be 1, stop strings unsupported...) live in `translate.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+from services.gateway.errors import from_validation
+
+T = TypeVar("T")
+
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0, description="0 is greedy")]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+TokenId = Annotated[int, Meta(ge=0)]
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+
+
+# --- messages ----------------------------------------------------------------------------------
+
+class TextPart(msgspec.Struct, tag_field="type", tag="text"):
+    text: str
+
+
+Content = str | list[TextPart]
+
+
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class SystemMessage(msgspec.Struct, tag_field="role", tag="system", kw_only=True):
+    content: Content
+    name: str | None = None
+
+
+class DeveloperMessage(msgspec.Struct, tag_field="role", tag="developer", kw_only=True):
+    """Newer SDKs send "developer" where older ones send "system"; forwarded as system."""
+
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(msgspec.Struct, tag_field="role", tag="user", kw_only=True):
+    content: Content
+    name: str | None = None
+
+
+class AssistantMessage(msgspec.Struct, tag_field="role", tag="assistant", kw_only=True):
+    content: Content | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    refusal: str | None = None
+
+
+class ToolMessage(msgspec.Struct, tag_field="role", tag="tool", kw_only=True):
+    content: Content
+    tool_call_id: str
+
+
+ChatMessage = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage
+
+
+# --- tools -------------------------------------------------------------------------------------
+
+class FunctionDef(msgspec.Struct, kw_only=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class ToolChoiceFunction(msgspec.Struct):
+    name: str
+
+
+class ToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+
+
+# --- request bodies ----------------------------------------------------------------------------
+
+class SamplingParams(msgspec.Struct, kw_only=True):
+    """Fields shared by /v1/chat/completions and /v1/completions. null means "the default"."""
+
+    model: str
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Meta(ge=-1, description="-1 or 0 disables it")] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    n: PositiveInt | None = None
+    seed: int | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Bias] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(SamplingParams, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
+    metadata: dict[str, str] | None = None
+
+
+class CompletionRequest(SamplingParams, kw_only=True):
+    prompt: str
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: PositiveInt | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+
+
+class SessionCreate(msgspec.Struct, kw_only=True):
+    group_id: str | None = None  # sessions sharing a group_id form one GRPO group
+    metadata: dict[str, Any] | None = None
+
+
+class RewardBody(msgspec.Struct, kw_only=True):
+    reward: float
+
+
+class FinishBody(msgspec.Struct, kw_only=True):
+    reward: float | None = None
+
+
+class KeyCreate(msgspec.Struct, kw_only=True):
+    name: str | None = None  # a label for operators; stored with the key's hash
+
+
+AGENT_BODIES: tuple[type, ...] = (ChatCompletionRequest, CompletionRequest, SessionCreate, RewardBody, FinishBody)
+
+
+def decode(body: bytes, tp: type[T]) -> T:
+    """Decode a JSON body as `tp`, or raise ApiError(400). An empty body counts as {}."""
+    try:
+        return msgspec.json.decode(body or b"{}", type=tp)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise from_validation(e) from None
+
+
+def text_of(content: Content | None) -> str:
+    """Text parts are joined with newlines, as vLLM's OpenAI server does."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(part.text for part in content)

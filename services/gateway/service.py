@@ -1,0 +1,174 @@
+"""The gateway's runtime: owns the NATS and Redis clients; the only gateway module touching NATS.
+
+Both apps (agent and admin) share one `Gateway`; each app's lifespan enters
+`gateway.running()`, which is reference-counted: the first entry connects, the
+last exit drains and closes. NATS is connected in the background and retried
+until it answers, so a gateway started before NATS serves 503 (naming NATS)
+instead of failing to start; nats-py then reconnects by itself after outages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from nats.aio.client import Client as NATS
+
+from services.gateway.config import GatewayConfig
+from services.gateway.metrics import Metrics
+from services.gateway.store import KeyStore
+from shared import subjects
+from shared.bus import BusUnavailable, ReplyTimeout, connect, request, stream_request, wait_closed
+from shared.codec import decode, encode
+from shared.config import Connections
+from shared.messages.chat import ChatCancel, ChatDelta, ChatDone, ChatFailed, ChatReply, ChatRequest
+from shared.messages.session import SessionReply, SessionRequest
+
+log = logging.getLogger(__name__)
+
+
+class NoProgress(ReplyTimeout):
+    """The replica is alive (keepalives come) but generates no text within the deadline."""
+
+
+def _is_msgpack_array(data: bytes) -> bool:
+    return bool(data) and (0x90 <= data[0] <= 0x9F or data[0] in (0xDC, 0xDD))
+
+
+def decode_reply(data: bytes) -> ChatReply:
+    """Decode one sf.chat reply. msgspec cannot decode the `ChatReply` union itself (ChatDelta
+    is array_like, ChatDone and ChatFailed are not), so dispatch on the msgpack container."""
+    if _is_msgpack_array(data):
+        return decode(data, ChatDelta)
+    return decode(data, ChatDone | ChatFailed)
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig, conn: Connections) -> None:
+        self.cfg = cfg
+        self.conn = conn
+        self.metrics = Metrics()
+        self.store: KeyStore | None = None
+        self._nc: NATS | None = None
+        self._connecting: asyncio.Task | None = None
+        self._users = 0
+        self._lock = asyncio.Lock()
+        self.started = int(time.time())
+
+    # 1. lifecycle ------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator["Gateway"]:
+        async with self._lock:
+            self._users += 1
+            if self._users == 1:
+                self._start()
+        try:
+            yield self
+        finally:
+            async with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    await self._stop()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self) -> AsyncIterator[None]:
+        """A Starlette lifespan (which must yield None or a state dict)."""
+        async with self.running():
+            yield
+
+    def _start(self) -> None:
+        self.store = KeyStore(self.conn.redis_url, self.cfg.static_keys(), self.cfg.redis_timeout,
+                              self.cfg.session_key_ttl)
+        self._connecting = asyncio.get_running_loop().create_task(self._connect(), name="gateway-nats-connect")
+
+    async def _connect(self) -> None:
+        # shared.bus.connect retries forever while NATS is down; this task is cancelled on shutdown.
+        self._nc = await connect(self.conn, name="sf-gateway")
+        log.info("connected to NATS at %s", self.conn.redacted()["nats_url"])
+
+    async def _stop(self) -> None:
+        if self._connecting is not None:
+            self._connecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._connecting
+        if self._nc is not None:
+            await wait_closed(self._nc)
+            self._nc = None
+        if self.store is not None:
+            await self.store.close()
+
+    @property
+    def keys(self) -> KeyStore:
+        assert self.store is not None, "Gateway used outside gateway.running()"
+        return self.store
+
+    @property
+    def nc(self) -> NATS:
+        if self._nc is None or not self._nc.is_connected:
+            raise BusUnavailable("not connected to NATS" + (" yet" if self._nc is None else ""))
+        return self._nc
+
+    async def health(self) -> dict[str, str]:
+        nats_ok = self._nc is not None and self._nc.is_connected
+        redis_ok = self.store is not None and await self.store.ping()
+        return {"nats": "ok" if nats_ok else "down", "redis": "ok" if redis_ok else "down"}
+
+    # 2. the trajectory manager, over NATS -----------------------------------------------------
+
+    async def chat(self, req: ChatRequest) -> AsyncIterator[ChatReply]:
+        """Send one turn; yield its replies (ChatDelta* then ChatDone | ChatFailed).
+
+        Liveness has two levels. Any reply, keepalives included, must come within
+        `silence_timeout`, or the replica is presumed dead and the same request is re-sent
+        (bounded), for another replica to resume; its deltas restart at offset 0, which the
+        caller de-duplicates by offset. Generated text must come within `first_token_timeout`,
+        then within `idle_timeout` of the previous text: otherwise ReplyTimeout (504).
+        """
+        cfg = self.cfg
+        payload = encode(req)
+        progress = time.monotonic()
+        limit, what = cfg.first_token_timeout, "first token"
+        for attempt in range(cfg.resend_attempts + 1):
+            if attempt:
+                log.warning("request %s: no reply for %.1fs, re-sending (%d/%d)", req.request_id,
+                            cfg.silence_timeout, attempt, cfg.resend_attempts)
+            try:
+                async with stream_request(self.nc, subjects.CHAT, payload, cfg.silence_timeout,
+                                          cfg.silence_timeout) as raw:
+                    async for data in raw:
+                        reply = decode_reply(data)
+                        now = time.monotonic()
+                        if isinstance(reply, ChatDelta) and not reply.text:
+                            if now - progress > limit:
+                                raise NoProgress(f"no {what} within {limit:.0f}s")
+                            continue  # a keepalive
+                        progress, limit, what = now, cfg.idle_timeout, "new tokens"
+                        yield reply
+                        if not isinstance(reply, ChatDelta):
+                            return
+            except NoProgress:
+                raise
+            except ReplyTimeout:
+                if attempt == cfg.resend_attempts:
+                    raise ReplyTimeout(f"the trajectory manager went silent ({cfg.silence_timeout:.1f}s without "
+                                       f"a reply, {cfg.resend_attempts} re-sends)") from None
+            except BusUnavailable:
+                if not attempt or attempt == cfg.resend_attempts:
+                    raise  # nobody serves sf.chat at all: answer 503 now
+                await asyncio.sleep(min(cfg.silence_timeout, 1.0))  # a replica restarting: try again
+
+    async def cancel(self, request_id: str, reason: str) -> None:
+        """Tell whoever serves `request_id` to stop it. Best effort: never raises."""
+        self.metrics.cancels.labels(reason).inc()
+        try:
+            await self.nc.publish(subjects.CHAT_CANCEL, encode(ChatCancel(request_id=request_id)))
+        except Exception as e:  # NATS down: the trajectory manager's own timeouts end the turn
+            log.warning("could not publish ChatCancel for %s: %s", request_id, e)
+
+    async def session(self, req: SessionRequest) -> SessionReply:
+        data = await request(self.nc, subjects.session_op(req.op), encode(req), self.cfg.session_timeout)
+        return decode(data, SessionReply)

@@ -1,0 +1,111 @@
+"""API keys in Redis: the only gateway module that touches Redis.
+
+A key is never stored, only its SHA-256: `sf:key:<sha256 hex>` -> JSON
+{"kind": "user"|"session", "session_id": ..., "created": ..., "name": ...}.
+Static user keys from the config are hashed in memory and need no Redis.
+Logs name a key by `key_id` (a short hash prefix), never by the key itself.
+
+Every call has a socket timeout and at most one retry, so a Redis outage turns
+into StoreUnavailable (503) quickly instead of a hung request; redis-py reconnects
+on the next call once Redis is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import secrets
+import time
+from typing import Literal
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ConstantBackoff
+from redis.exceptions import RedisError
+
+from services.gateway.errors import StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "sf:key:"
+SESSION_KEY_PREFIX = "sk-sf-"
+
+
+class KeyRecord(msgspec.Struct, frozen=True):
+    kind: Literal["user", "session"]
+    session_id: str = ""
+    created: float = 0.0
+    name: str = ""
+
+
+_record = msgspec.json.Decoder(KeyRecord)
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def key_id(key: str) -> str:
+    """What logs and admin output may show of a key."""
+    return digest(key)[:10]
+
+
+def mint() -> str:
+    return SESSION_KEY_PREFIX + secrets.token_urlsafe(24)
+
+
+class KeyStore:
+    def __init__(self, redis_url: str, static_keys: list[str], timeout: float, session_ttl: int) -> None:
+        self.timeout = timeout
+        self.session_ttl = session_ttl
+        self.redis = aioredis.from_url(
+            redis_url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(ConstantBackoff(0.05), retries=1),
+            health_check_interval=10,
+        )
+        now = time.time()
+        self.static = {digest(k): KeyRecord(kind="user", created=now, name="static") for k in static_keys}
+
+    async def _call(self, what: str, coro):
+        # The socket timeouts bound each try; this bounds the whole call including the retry.
+        try:
+            async with asyncio.timeout(self.timeout * 3 + 0.5):
+                return await coro
+        except (RedisError, OSError, TimeoutError) as e:
+            raise StoreUnavailable(f"{what} failed: {type(e).__name__}: {e}") from None
+
+    async def lookup(self, key: str) -> KeyRecord | None:
+        h = digest(key)
+        if (record := self.static.get(h)) is not None:
+            return record
+        raw = await self._call("key lookup", self.redis.get(KEY_PREFIX + h))
+        return None if raw is None else _record.decode(raw)
+
+    async def add_user_key(self, name: str = "") -> tuple[str, KeyRecord]:
+        key = mint()
+        record = KeyRecord(kind="user", created=time.time(), name=name)
+        await self._call("key create", self.redis.set(KEY_PREFIX + digest(key), msgspec.json.encode(record)))
+        log.info("created user key %s (%s)", key_id(key), name or "unnamed")
+        return key, record
+
+    async def add_session_key(self, session_id: str) -> str:
+        key = mint()
+        record = KeyRecord(kind="session", session_id=session_id, created=time.time())
+        await self._call("key create", self.redis.set(
+            KEY_PREFIX + digest(key), msgspec.json.encode(record), ex=self.session_ttl or None))
+        log.info("created session key %s for session %s", key_id(key), session_id)
+        return key
+
+    async def ping(self) -> bool:
+        try:
+            await self._call("ping", self.redis.ping())
+            return True
+        except StoreUnavailable:
+            return False
+
+    async def close(self) -> None:
+        await self.redis.aclose()

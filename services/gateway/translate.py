@@ -1,0 +1,159 @@
+"""HTTP bodies -> wire messages: the rules a JSON schema cannot say, and the mapping to ChatRequest.
+
+Pure: no I/O. The gateway checks what it cheaply can (model name, n, stop strings,
+max_tokens against max_context); the trajectory manager owns everything that
+needs the tokenizer (the exact context-length check) and answers ChatFailed.
+
+What reaches the trajectory manager in `ChatRequest.messages`, one dict per message:
+    {"role": "system"|"user"|"assistant"|"tool", "content": str}
+    + "name" when the client sent one
+    + "tool_calls": [{"id", "type": "function", "function": {"name", "arguments": str}}] (assistant)
+    + "tool_call_id" (tool)
+Content is always a string: text parts are joined with "\\n", null becomes "";
+the "developer" role is forwarded as "system".
+`ChatRequest.tools` holds OpenAI tool objects {"type": "function", "function": {...}}.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from services.gateway.config import GatewayConfig
+from services.gateway.errors import ApiError
+from services.gateway.schemas import (
+    AssistantMessage,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DeveloperMessage,
+    SamplingParams,
+    ToolChoice,
+    ToolMessage,
+    text_of,
+)
+from shared.messages.chat import ChatRequest
+from shared.messages.rollout import Sampling
+
+COMPLETIONS_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions
+
+
+def check_model(model: str, served: str) -> None:
+    if model != served:
+        raise ApiError(404, f"The model `{model}` does not exist; this gateway serves `{served}`.",
+                       "model_not_found", "model")
+
+
+def sampling(p: SamplingParams, max_tokens: int | None, default_max_tokens: int, max_context: int) -> Sampling:
+    """Validate the cross-field rules and build the wire Sampling (None -> its default)."""
+    if p.n not in (None, 1):
+        raise ApiError(400, f"n={p.n} is not supported: only n=1; send one request per sample "
+                            "(or one session per sample with a shared group_id)", "unsupported_value", "n")
+    if p.stop:
+        raise ApiError(400, "stop strings are not supported; use stop_token_ids", "unsupported_value", "stop")
+    tokens = default_max_tokens if max_tokens is None else max_tokens
+    if tokens >= max_context:
+        raise ApiError(400, f"max_tokens={tokens} leaves no room for the prompt: this model's context "
+                            f"length is {max_context} tokens", "context_length_exceeded", "max_tokens")
+    bias: dict[int, float] = {}
+    for token, value in (p.logit_bias or {}).items():
+        if not token.isdigit():
+            raise ApiError(400, f"logit_bias keys must be token ids, got {token!r}", "invalid_value", "logit_bias")
+        bias[int(token)] = value
+    fields: dict[str, Any] = {
+        "max_tokens": tokens,
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "top_k": None if p.top_k is None else max(p.top_k, 0),  # -1 (vLLM) and 0 both disable it
+        "min_p": p.min_p,
+        "seed": p.seed,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "stop_token_ids": p.stop_token_ids,
+        "logit_bias": bias or None,
+    }
+    return Sampling(**{k: v for k, v in fields.items() if v is not None})
+
+
+def _message(m: ChatMessage) -> dict[str, Any]:
+    role = "system" if isinstance(m, DeveloperMessage) else type(m).__struct_config__.tag
+    out: dict[str, Any] = {"role": role, "content": text_of(m.content)}
+    if getattr(m, "name", None):
+        out["name"] = m.name
+    if isinstance(m, AssistantMessage) and m.tool_calls:
+        out["tool_calls"] = [msgspec.to_builtins(c) for c in m.tool_calls]
+    if isinstance(m, ToolMessage):
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _no_nulls(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def _tools(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    tools = [{"type": "function", "function": _no_nulls(msgspec.to_builtins(t.function))} for t in req.tools or []]
+    choice = req.tool_choice
+    if choice is None or choice == "auto":
+        return tools
+    if choice == "none":
+        return []  # the model must not call tools: it does not see them
+    if choice == "required":
+        raise ApiError(400, "tool_choice 'required' is not supported; use 'auto', 'none' or a named function",
+                       "unsupported_value", "tool_choice")
+    assert isinstance(choice, ToolChoice)
+    # A named function: the model sees only that tool (a nudge, not a grammar constraint).
+    named = [t for t in tools if t["function"]["name"] == choice.function.name]
+    if not named:
+        raise ApiError(400, f"tool_choice names function {choice.function.name!r}, which is not in tools",
+                       "invalid_value", "tool_choice")
+    return named
+
+
+def chat_request(req: ChatCompletionRequest, request_id: str, session_id: str, cfg: GatewayConfig) -> ChatRequest:
+    check_model(req.model, cfg.model)
+    if req.logprobs or req.top_logprobs:
+        raise ApiError(400, "logprobs are not supported yet: set logprobs to false "
+                            "(the trajectory records behaviour logprobs for training itself)",
+                       "unsupported_value", "logprobs")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise ApiError(400, f"response_format {req.response_format.type!r} is not supported; only 'text'",
+                       "unsupported_value", "response_format")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return ChatRequest(
+        request_id=request_id,
+        session_id=session_id,
+        kind="chat",
+        model=req.model,
+        sampling=sampling(req, max_tokens, cfg.max_tokens_default, cfg.max_context),
+        messages=[_message(m) for m in req.messages],
+        tools=_tools(req),
+        stream=True,  # always: deltas double as liveness, so the idle timeout means the same for both modes
+    )
+
+
+def completion_request(req: CompletionRequest, request_id: str, session_id: str, cfg: GatewayConfig) -> ChatRequest:
+    check_model(req.model, cfg.model)
+    if req.echo:
+        raise ApiError(400, "echo is not supported", "unsupported_value", "echo")
+    if req.suffix:
+        raise ApiError(400, "suffix is not supported", "unsupported_value", "suffix")
+    if req.best_of not in (None, 1):
+        raise ApiError(400, "best_of must be 1", "unsupported_value", "best_of")
+    if req.logprobs:
+        raise ApiError(400, "logprobs are not supported yet: leave logprobs unset",
+                       "unsupported_value", "logprobs")
+    return ChatRequest(
+        request_id=request_id,
+        session_id=session_id,
+        kind="completion",
+        model=req.model,
+        sampling=sampling(req, req.max_tokens, COMPLETIONS_MAX_TOKENS_DEFAULT, cfg.max_context),
+        prompt=req.prompt,
+        stream=True,
+    )
+
+
+def wants_usage(p: SamplingParams) -> bool:
+    return bool(p.stream_options and p.stream_options.include_usage)

@@ -1,0 +1,212 @@
+"""Request validation and translation (services/gateway/schemas.py, translate.py, errors.py, config.py).
+
+Pure: no sockets. Each rule is checked for the status, `param` and message an agent sees.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from services.gateway import translate
+from services.gateway.config import GatewayConfig
+from services.gateway.errors import ApiError, from_exception
+from services.gateway.openapi import document
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, RewardBody, SessionCreate, decode
+from shared.bus import BusUnavailable, ReplyTimeout
+from shared.config import ConfigError, load
+from shared.messages.rollout import Sampling
+
+CFG = GatewayConfig(model="m", max_context=1024, max_tokens_default=100)
+USER = {"role": "user", "content": "hi"}
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    body = {"model": "m", "messages": [USER], **fields}
+    return decode(msgspec.json.encode(body), ChatCompletionRequest)
+
+
+def rejected(fn, *args, **kwargs) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        fn(*args, **kwargs)
+    return info.value
+
+
+# --- decoding: shape and ranges come from the Structs ----------------------------------------------
+
+@pytest.mark.parametrize("field,value,param,code", [
+    ("temperature", "hot", "temperature", "invalid_type"),
+    ("temperature", 2.5, "temperature", "invalid_value"),
+    ("temperature", -0.1, "temperature", "invalid_value"),
+    ("top_p", 0, "top_p", "invalid_value"),
+    ("top_p", 1.5, "top_p", "invalid_value"),
+    ("presence_penalty", 3, "presence_penalty", "invalid_value"),
+    ("frequency_penalty", -2.5, "frequency_penalty", "invalid_value"),
+    ("max_tokens", 0, "max_tokens", "invalid_value"),
+    ("max_tokens", "10", "max_tokens", "invalid_type"),
+    ("stream", "yes", "stream", "invalid_type"),
+    ("top_k", -2, "top_k", "invalid_value"),
+    ("min_p", 1.5, "min_p", "invalid_value"),
+    ("seed", 1.5, "seed", "invalid_type"),
+    ("logit_bias", {"5": 101}, "logit_bias[...]", "invalid_value"),
+    ("stop_token_ids", [-1], "stop_token_ids[0]", "invalid_value"),
+    ("tool_choice", "sometimes", "tool_choice", "invalid_value"),
+    ("messages", [], "messages", "invalid_value"),
+    ("messages", [{"role": "robot", "content": "x"}], "messages[0].role", "invalid_value"),
+    ("messages", [{"role": "user", "content": None}], "messages[0].content", "invalid_type"),
+    ("messages", [{"role": "user", "content": 5}], "messages[0].content", "invalid_type"),
+    ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+     "messages[0].content[0].type", "invalid_value"),
+    ("messages", [{"role": "tool", "content": "x"}], "messages[0].tool_call_id", "missing_required_parameter"),
+    ("tools", [{"type": "function", "function": {"name": "bad name!"}}], "tools[0].function.name", "invalid_value"),
+])
+def test_bad_fields_are_400_naming_the_field(field, value, param, code):
+    e = rejected(chat, **{field: value})
+    assert (e.status, e.type, e.param, e.code) == (400, "invalid_request_error", param, code)
+    assert param.split(".")[0].split("[")[0] in e.message
+
+
+def test_missing_model_and_malformed_json():
+    e = rejected(decode, b'{"messages": [{"role": "user", "content": "x"}]}', ChatCompletionRequest)
+    assert (e.status, e.param, e.code) == (400, "model", "missing_required_parameter")
+    e = rejected(decode, b'{"model": "m", "messages": [', ChatCompletionRequest)
+    assert (e.status, e.code) == (400, "invalid_json") and "not valid JSON" in e.message
+    e = rejected(decode, b"[1, 2]", ChatCompletionRequest)
+    assert e.status == 400
+
+
+def test_unknown_fields_and_nulls_are_accepted():
+    req = chat(store=True, reasoning_effort="low", temperature=None, tools=None, n=None,
+               messages=[{"role": "user", "content": "x", "extra": 1}])
+    assert req.temperature is None and req.n is None
+
+
+def test_empty_body_decodes_as_empty_object_for_optional_bodies():
+    assert decode(b"", SessionCreate).group_id is None
+    e = rejected(decode, b"", RewardBody)
+    assert e.param == "reward"
+
+
+# --- translation: cross-field rules and the ChatRequest the trajectory manager sees -------------------
+
+def test_chat_request_fields():
+    req = chat(
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "u"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        ],
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        temperature=0.5, top_p=0.9, top_k=-1, min_p=0.1, seed=3, presence_penalty=0.5,
+        frequency_penalty=-0.5, logit_bias={"7": -100}, stop_token_ids=[2], max_tokens=50,
+        stream=True, user="agent-1", metadata={"k": "v"}, parallel_tool_calls=False,
+    )
+    out = translate.chat_request(req, "rid", "sess", CFG)
+    assert (out.request_id, out.session_id, out.kind, out.model, out.stream) == ("rid", "sess", "chat", "m", True)
+    assert out.messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a\nb", "name": "u"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
+    assert out.tools == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert out.sampling == Sampling(max_tokens=50, temperature=0.5, top_p=0.9, top_k=0, min_p=0.1, seed=3,
+                                    presence_penalty=0.5, frequency_penalty=-0.5, stop_token_ids=[2],
+                                    logit_bias={7: -100.0})
+
+
+def test_defaults_and_max_tokens_precedence():
+    assert translate.chat_request(chat(), "r", "", CFG).sampling == Sampling(max_tokens=100)
+    both = chat(max_tokens=10, max_completion_tokens=20)
+    assert translate.chat_request(both, "r", "", CFG).sampling.max_tokens == 20
+    comp = decode(b'{"model": "m", "prompt": "once"}', CompletionRequest)
+    out = translate.completion_request(comp, "r", "", CFG)
+    assert (out.kind, out.prompt, out.messages, out.sampling.max_tokens) == ("completion", "once", [], 16)
+
+
+def test_tool_choice():
+    tools = [{"type": "function", "function": {"name": "a"}}, {"type": "function", "function": {"name": "b"}}]
+    names = lambda req: [t["function"]["name"] for t in translate.chat_request(req, "r", "", CFG).tools]  # noqa: E731
+    assert names(chat(tools=tools, tool_choice="auto")) == ["a", "b"]
+    assert names(chat(tools=tools, tool_choice="none")) == []
+    assert names(chat(tools=tools, tool_choice={"type": "function", "function": {"name": "b"}})) == ["b"]
+    e = rejected(translate.chat_request, chat(tools=tools, tool_choice={"type": "function", "function": {"name": "z"}}),
+                 "r", "", CFG)
+    assert (e.status, e.param) == (400, "tool_choice")
+    e = rejected(translate.chat_request, chat(tools=tools, tool_choice="required"), "r", "", CFG)
+    assert e.status == 400 and "required" in e.message
+
+
+@pytest.mark.parametrize("fields,param,needle", [
+    ({"n": 2}, "n", "only n=1"),
+    ({"stop": ["\n"]}, "stop", "stop strings are not supported; use stop_token_ids"),
+    ({"stop": "END"}, "stop", "stop strings are not supported; use stop_token_ids"),
+    ({"logprobs": True}, "logprobs", "logprobs are not supported"),
+    ({"top_logprobs": 2}, "logprobs", "logprobs are not supported"),
+    ({"max_tokens": 1024}, "max_tokens", "context length is 1024"),
+    ({"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+])
+def test_unsupported_values_are_400(fields, param, needle):
+    e = rejected(translate.chat_request, chat(**fields), "r", "", CFG)
+    assert (e.status, e.param) == (400, param) and needle in e.message
+
+
+def test_empty_stop_and_false_logprobs_are_fine():
+    translate.chat_request(chat(stop=[], logprobs=False, top_logprobs=0, n=1), "r", "", CFG)
+
+
+def test_unknown_model_is_404():
+    e = rejected(translate.chat_request, chat(model="gpt-4o"), "r", "", CFG)
+    assert (e.status, e.code, e.param) == (404, "model_not_found", "model")
+    assert "gpt-4o" in e.message
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"best_of": 2}, "best_of"), ({"logprobs": 1}, "logprobs"),
+])
+def test_completion_rules(body, param):
+    req = decode(msgspec.json.encode({"model": "m", "prompt": "p", **body}), CompletionRequest)
+    assert rejected(translate.completion_request, req, "r", "", CFG).param == param
+
+
+def test_completion_prompt_must_be_one_string():
+    e = rejected(decode, b'{"model": "m", "prompt": ["a", "b"]}', CompletionRequest)
+    assert (e.status, e.param) == (400, "prompt")
+
+
+# --- errors and config ----------------------------------------------------------------------------
+
+def test_error_shape_and_backend_mapping():
+    assert ApiError(401, "no", "invalid_api_key").body() == {
+        "error": {"message": "no", "type": "authentication_error", "param": None, "code": "invalid_api_key"}}
+    e = from_exception(BusUnavailable("nobody serves sf.chat"))
+    assert (e.status, e.code) == (503, "trajectory_unavailable") and "sf.chat" in e.message
+    e = from_exception(BusUnavailable("not connected to NATS"))
+    assert (e.status, e.code) == (503, "nats_unavailable") and "NATS" in e.message
+    assert from_exception(ReplyTimeout("slow")).status == 504
+
+
+def test_config_from_env():
+    cfg = GatewayConfig()
+    assert (cfg.port, cfg.admin_port, cfg.max_body_bytes) == (8000, 8001, 1024 * 1024)
+    cfg = load(GatewayConfig, "SF_GATEWAY_", env={"SF_GATEWAY_API_KEYS": " a, b ,,", "SF_GATEWAY_PORT": "9"})
+    assert cfg.static_keys() == ["a", "b"] and cfg.port == 9
+    with pytest.raises(ConfigError):
+        load(GatewayConfig, "SF_GATEWAY_", env={"SF_GATEWAY_PROT": "9"})
+
+
+def test_openapi_is_generated_from_the_request_structs():
+    doc = document(CFG)
+    schemas = doc["components"]["schemas"]
+    chat_schema = schemas["ChatCompletionRequest"]
+    assert doc["openapi"].startswith("3.1")
+    assert set(chat_schema["required"]) == {"model", "messages"}
+    temp = chat_schema["properties"]["temperature"]["anyOf"][0]
+    assert (temp["minimum"], temp["maximum"]) == (0.0, 2.0)
+    assert {f.name for f in msgspec.structs.fields(ChatCompletionRequest)} == set(chat_schema["properties"])
+    body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]
+    assert body["content"]["application/json"]["schema"]["$ref"] == "#/components/schemas/ChatCompletionRequest"
