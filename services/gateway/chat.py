@@ -41,7 +41,8 @@ Reason = Literal["disconnect", "timeout", "shutdown", "error"]  # why a turn was
 
 
 def failed(reply: ChatFailed) -> ApiError:
-    return ApiError(reply.status, reply.message, reply.code or None)
+    status = reply.status if 400 <= reply.status <= 599 else 502  # never answer a failure with 2xx
+    return ApiError(status, reply.message, reply.code or None)
 
 
 class _Turn:

@@ -86,9 +86,16 @@ class Gateway:
         self._connecting = asyncio.get_running_loop().create_task(self._connect(), name="gateway-nats-connect")
 
     async def _connect(self) -> None:
-        # shared.bus.connect retries forever while NATS is down; this task is cancelled on shutdown.
-        self._nc = await connect(self.conn, name="sf-gateway")
-        log.info("connected to NATS at %s", self.conn.redacted()["nats_url"])
+        # shared.bus.connect retries by itself while NATS refuses connections; other failures
+        # (bad credentials, a bad URL) are retried here, slowly. Cancelled on shutdown.
+        while True:
+            try:
+                self._nc = await connect(self.conn, name="sf-gateway")
+                log.info("connected to NATS at %s", self.conn.redacted()["nats_url"])
+                return
+            except BusUnavailable as e:
+                log.error("%s; retrying in 5s", e)
+                await asyncio.sleep(5)
 
     async def _stop(self) -> None:
         if self._connecting is not None:
