@@ -34,16 +34,8 @@ class NoProgress(ReplyTimeout):
     """The replica is alive (keepalives come) but generates no text within the deadline."""
 
 
-def _is_msgpack_array(data: bytes) -> bool:
-    return bool(data) and (0x90 <= data[0] <= 0x9F or data[0] in (0xDC, 0xDD))
-
-
 def decode_reply(data: bytes) -> ChatReply:
-    """Decode one sf.chat reply. msgspec cannot decode the `ChatReply` union itself (ChatDelta
-    is array_like, ChatDone and ChatFailed are not), so dispatch on the msgpack container."""
-    if _is_msgpack_array(data):
-        return decode(data, ChatDelta)
-    return decode(data, ChatDone | ChatFailed)
+    return decode(data, ChatReply)
 
 
 class Gateway:

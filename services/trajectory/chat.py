@@ -32,10 +32,10 @@ from services.trajectory.store import DeltaRecord, InFlight, SessionNotFound, St
 from services.trajectory.turns import Turn, path, token_ids
 from shared.codec import decode, encode
 from shared.messages import ChatDelta, ChatDone, ChatRequest, TokenDelta, Usage
+from shared.messages.chat import KEEPALIVE_INTERVAL
 
 Emit = Callable[[Any], Awaitable[None]]
 LEASE_MS = 3000
-KEEPALIVE_S = 1.0
 
 
 class TurnError(Exception):
@@ -70,7 +70,7 @@ class TurnHandler:
 
     async def _keepalive(self, rid: str, emit: Emit) -> None:
         while True:
-            await asyncio.sleep(KEEPALIVE_S)
+            await asyncio.sleep(KEEPALIVE_INTERVAL)
             await emit(ChatDelta(rid, "", 0))
             try:
                 await self.store.renew_lease(rid, LEASE_MS)

@@ -37,10 +37,13 @@ class Usage(msgspec.Struct):
     completion_tokens: int
 
 
-class ChatDelta(msgspec.Struct, tag=True, array_like=True, gc=False):
+class ChatDelta(msgspec.Struct, tag=True, gc=False):
     """`text` starts at character `offset` of the reply's content. A replica that resumes a
     request re-sends from offset 0, and the gateway forwards only what the agent lacks. An
-    empty `text` is a keepalive: the replica serving the request is alive."""
+    empty `text` is a keepalive: the replica serving a request sends one at least every
+    KEEPALIVE_INTERVAL seconds, so the gateway can tell a dead replica from a slow model.
+
+    Not array_like: msgspec decodes a tagged union only when all members share one layout."""
 
     request_id: str
     text: str
@@ -68,6 +71,8 @@ class ChatFailed(msgspec.Struct, tag=True):
 
 
 ChatReply = ChatDelta | ChatDone | ChatFailed
+
+KEEPALIVE_INTERVAL = 1.0  # seconds between keepalive ChatDeltas while a request runs
 
 
 class ChatCancel(msgspec.Struct, tag=True):
