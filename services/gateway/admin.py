@@ -1,4 +1,5 @@
-"""The admin app (port 8001): key management, Prometheus metrics, health.
+"""The admin app (port 8001): key management, rollout workers (list, vacate, resume),
+Prometheus metrics, health.
 
 Every route but /healthz needs `Authorization: Bearer <SF_GATEWAY_ADMIN_KEY>`; agent
 keys never work here. With no admin key configured, the admin API refuses
@@ -12,6 +13,7 @@ A handler reaches the shared runtime as `request.app.state.gateway`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from starlette.applications import Starlette
@@ -26,6 +28,7 @@ from services.gateway.errors import EXCEPTION_HANDLERS, ApiError
 from services.gateway.schemas import KeyCreate, decode
 from services.gateway.service import Gateway
 from services.gateway.store import key_id
+from shared.bus import BusUnavailable, ReplyTimeout
 
 OPEN_PATHS = frozenset({"/healthz"})
 
@@ -61,6 +64,33 @@ async def create_key(request: Request) -> Response:
                  "created": record.created}, status_code=201)
 
 
+def _worker_json(s) -> dict:
+    return {"id": s.worker_id, "state": s.state, "version": s.version, "running": s.running,
+            "capacity": s.capacity, "model": s.model, "generated_tokens": s.generated_tokens,
+            "host": s.host, "age_s": round(time.time() - s.ts, 2)}
+
+
+async def list_workers(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    return JSON({"workers": [_worker_json(s) for s in gw.worker_table()]})
+
+
+async def steer_worker(request: Request) -> Response:
+    """POST /admin/workers/{id}/vacate | /resume: vacate aborts the worker's in-flight requests
+    (the trajectory manager re-dispatches them) and keeps it from taking new ones."""
+    gw: Gateway = request.app.state.gateway
+    worker_id, op = request.path_params["worker_id"], request.path_params["op"]
+    if op not in ("vacate", "resume"):
+        raise ApiError(404, f"unknown worker operation {op!r}; use vacate or resume", "not_found")
+    try:
+        status = await gw.control_worker(worker_id, op)
+    except BusUnavailable:
+        raise ApiError(404, f"no rollout worker {worker_id!r} is listening", "worker_not_found") from None
+    except ReplyTimeout:
+        raise ApiError(504, f"rollout worker {worker_id!r} did not answer", "timeout") from None
+    return JSON(_worker_json(status))
+
+
 async def metrics(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
@@ -74,6 +104,8 @@ async def healthz(request: Request) -> Response:
 
 ROUTES: list[BaseRoute] = [
     Route("/admin/keys", create_key, methods=["POST"]),
+    Route("/admin/workers", list_workers, methods=["GET"]),
+    Route("/admin/workers/{worker_id}/{op}", steer_worker, methods=["POST"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/healthz", healthz, methods=["GET"]),
 ]

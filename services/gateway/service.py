@@ -25,6 +25,7 @@ from shared.bus import BusUnavailable, ReplyTimeout, connect, request, stream_re
 from shared.codec import decode, encode
 from shared.config import Connections
 from shared.messages.chat import ChatCancel, ChatDelta, ChatDone, ChatFailed, ChatReply, ChatRequest
+from shared.messages.rollout import RolloutControl, WorkerStatus
 from shared.messages.session import SessionReply, SessionRequest
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class Gateway:
         self._users = 0
         self._lock = asyncio.Lock()
         self.started = int(time.time())
+        self.workers: dict[str, WorkerStatus] = {}  # latest heartbeat per rollout worker
 
     # 1. lifecycle ------------------------------------------------------------------------------
 
@@ -83,6 +85,7 @@ class Gateway:
         while True:
             try:
                 self._nc = await connect(self.conn, name="sf-gateway")
+                await self._nc.subscribe(subjects.ROLLOUT_STATUS, cb=self._on_worker_status)
                 log.info("connected to NATS at %s", self.conn.redacted()["nats_url"])
                 return
             except BusUnavailable as e:
@@ -171,3 +174,23 @@ class Gateway:
     async def session(self, req: SessionRequest) -> SessionReply:
         data = await request(self.nc, subjects.session_op(req.op), encode(req), self.cfg.session_timeout)
         return decode(data, SessionReply)
+
+    # 3. rollout workers (admin) ----------------------------------------------------------------
+
+    async def _on_worker_status(self, msg) -> None:
+        try:
+            status = decode(msg.data, WorkerStatus)
+        except Exception:
+            return
+        self.workers[status.worker_id] = status
+
+    def worker_table(self, stale_after: float = 10.0) -> list[WorkerStatus]:
+        now = time.time()
+        return sorted((s for s in self.workers.values() if now - s.ts <= stale_after), key=lambda s: s.worker_id)
+
+    async def control_worker(self, worker_id: str, op: str, timeout: float = 30.0) -> WorkerStatus:
+        """vacate / resume one worker; raises BusUnavailable if no such worker listens."""
+        data = await request(self.nc, subjects.rollout_ctl(worker_id), encode(RolloutControl(op=op)), timeout)
+        status = decode(data, WorkerStatus)
+        self.workers[status.worker_id] = status
+        return status
