@@ -1,6 +1,6 @@
 """Build a small Llama-architecture checkpoint and a BPE tokenizer with a chat template, offline.
 
-    seamlessflow init-model var/model            # hidden 64, 2 layers: tests and the demo
+    seamlessflow init-model var/model            # hidden 128, 2 layers: tests and the demo
     seamlessflow init-model var/model --size small   # hidden 256, 4 layers
 
 vLLM and DeepSpeed both load the directory this writes. Nothing is downloaded:
@@ -42,8 +42,9 @@ CHAT_TEMPLATE = (
 )
 
 SIZES = {
-    # name: (hidden, layers, heads, ffn)
-    "tiny": (64, 2, 4, 256),
+    # name: (hidden, layers, heads, ffn). vLLM's CPU attention needs head_dim 32/64/128...:
+    # head_dim 16 fails at the first forward ("Unsupported CPU attention configuration").
+    "tiny": (128, 2, 2, 512),
     "small": (256, 4, 4, 1024),
     "medium": (512, 8, 8, 2048),
 }
