@@ -62,13 +62,15 @@ def chat(client, messages, stream: bool, **kw) -> tuple[str, dict]:
     return text, {"usage": next(c.usage for c in chunks if c.usage).model_dump()}
 
 
-def run_conversation(stack, stream: bool, turns: int = 3) -> tuple[str, list[dict]]:
+def run_conversation(stack, stream: bool, turns: int = 3, seed: int | None = None) -> tuple[str, list[dict]]:
+    """Greedy by default; with a seed, sampled at temperature 1."""
     s = new_session(stack, group_id="g-e2e")
     client = sdk(stack, s["api_key"])
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hello world"}]
     usages = []
+    sampling = {"temperature": 0.0} if seed is None else {"temperature": 1.0, "seed": seed}
     for t in range(turns):
-        text, resp = chat(client, messages, stream, max_tokens=12, temperature=0.0)
+        text, resp = chat(client, messages, stream, max_tokens=12, **sampling)
         usages.append(resp["usage"])
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"and number {t}?"}]
     return s["id"], usages
@@ -138,7 +140,7 @@ def test_retokenization_drift_is_avoided(stack, hf):
     _, tok = hf
     drifted = 0
     for i in range(4):
-        sid, _ = run_conversation(stack, stream=False, turns=2)
+        sid, _ = run_conversation(stack, stream=False, turns=2, seed=100 + i)
         [sample] = trajectory(stack, sid)["samples"]
         messages = sample["messages"]
         naive = tok.apply_chat_template(messages, tokenize=False)
