@@ -158,6 +158,10 @@ class Stack:
         return self._spawn(name, [sys.executable, "-m", "services.rollout", "--model", str(self.o.model),
                                   "--worker-id", name], env, ready=f"rollout worker {name} ready")
 
+    def spawn(self, name: str, argv: list[str], ready: str) -> Proc:
+        """Start any process with the stack's environment (for benchmarks and tests)."""
+        return self._spawn(name, argv, self.env(), ready=ready)
+
     def kill(self, name: str, sig: int = 9) -> None:
         """Send `sig` to one service (SIGKILL by default) and forget it."""
         for p in list(self.procs):

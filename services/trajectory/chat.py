@@ -28,7 +28,7 @@ from services.trajectory.conversation import candidate_prefixes, conversation_ke
 from services.trajectory.generation import Call, Generated, GenerationFailed, generate
 from services.trajectory.rendering import IncrementalText, Renderer, RenderError
 from services.trajectory.routing import WorkerTable
-from services.trajectory.store import DeltaRecord, InFlight, SessionNotFound, Store
+from services.trajectory.store import DeltaRecord, InFlight, Lookup, SessionNotFound, Store
 from services.trajectory.turns import Turn, path, token_ids
 from shared.codec import decode, encode
 from shared.messages import ChatDelta, ChatDone, ChatRequest, TokenDelta, Usage
@@ -36,6 +36,7 @@ from shared.messages.chat import KEEPALIVE_INTERVAL
 
 Emit = Callable[[Any], Awaitable[None]]
 LEASE_MS = 3000
+PERSIST_CHUNK = 32  # tokens a plain (non-stream) request buffers before persisting
 
 
 class TurnError(Exception):
@@ -59,12 +60,17 @@ class TurnHandler:
 
     async def handle(self, req: ChatRequest, emit: Emit) -> ChatDone:
         rid = req.request_id
+        sid = req.session_id or await self.store.create_session(anonymous=True)
+        try:
+            look = await self.store.lookup(rid, sid)
+        except SessionNotFound:
+            raise TurnError(404, "session_not_found", f"session {sid} does not exist") from None
         # 0. a retry of a request that already finished gets the same answer
-        if (done := await self.store.result(rid)) is not None:
-            return decode(done, ChatDone)
+        if look.done is not None:
+            return decode(look.done, ChatDone)
         keepalive = asyncio.create_task(self._keepalive(rid, emit))
         try:
-            return await self._handle(req, emit)
+            return await self._handle(req, emit, sid, look)
         finally:
             keepalive.cancel()
 
@@ -77,24 +83,26 @@ class TurnHandler:
             except Exception:  # Redis hiccup: the next write reports it
                 pass
 
-    async def _handle(self, req: ChatRequest, emit: Emit) -> ChatDone:
+    async def _handle(self, req: ChatRequest, emit: Emit, sid: str, look: Lookup) -> ChatDone:
         rid = req.request_id
         # 1. resume a request a dead replica was serving, or start a new one
-        resumed = await self._resume(rid)
-        if resumed:
-            sid, prompt, partial = resumed
+        if look.state is not None:
+            prompt, partial, turn_id = await self._resume(rid)
             sticky = None
         else:
-            sid, sticky = await self._session(req)
+            assert look.meta is not None
+            if look.meta["status"] == "finished":
+                raise TurnError(409, "session_finished", f"session {sid} is finished; start a new one")
+            sticky = look.meta.get("worker")
             prompt = await self._prompt(sid, req)
-            partial = None
+            partial, turn_id = None, look.turn_id
         max_len = self.table.max_model_len(time.time(), self.cfg.max_model_len)
         if len(prompt.ids) >= max_len:
             raise TurnError(400, "context_length_exceeded",
                             f"the prompt is {len(prompt.ids)} tokens; this model's context window is "
                             f"{max_len} tokens")
-        if not resumed:
-            state = InFlight(sid, prompt.ids, prompt.new_ids, prompt.parent, prompt.new_messages)
+        if partial is None:
+            state = InFlight(sid, turn_id, prompt.ids, prompt.new_ids, prompt.parent, prompt.new_messages)
             if not await self.store.begin_request(rid, state, self.owner, LEASE_MS):
                 raise TurnError(409, "duplicate_request", f"request {rid} is already running")
 
@@ -116,8 +124,15 @@ class TurnHandler:
             text.add(partial.token_ids)
             await stream_text()
 
+        # A stream persists each delta before the agent sees it. A plain request shows nothing
+        # until the end, so it persists in chunks: a resume regenerates at most one chunk.
+        pending: list[DeltaRecord] = []
+
         async def on_tokens(delta: TokenDelta, worker: str, first: bool) -> None:
-            await self.store.append_delta(rid, DeltaRecord(worker, first, delta.version, delta.token_ids, delta.logprobs))
+            pending.append(DeltaRecord(worker, first, delta.version, delta.token_ids, delta.logprobs))
+            if req.stream or first or sum(len(r.token_ids) for r in pending) >= PERSIST_CHUNK:
+                await self.store.append_deltas(rid, pending)
+                pending.clear()
             text.add(delta.token_ids)
             await stream_text()
 
@@ -159,7 +174,7 @@ class TurnHandler:
                 for c in calls
             ]
         turn = Turn(
-            turn_id=await self.store.next_turn_id(sid),
+            turn_id=turn_id,
             parent=prompt.parent,
             prefix_ids=prompt.new_ids,
             segments=gen.segments,
@@ -187,33 +202,23 @@ class TurnHandler:
         await self.store.save_turn(sid, turn, last_worker, result=encode(done))
         return done
 
-    async def _session(self, req: ChatRequest) -> tuple[str, str | None]:
-        """The agent's session, or a one-off one for a plain API key; and its sticky worker."""
-        if not req.session_id:
-            return await self.store.create_session(anonymous=True), None
-        try:
-            meta = await self.store.session(req.session_id)
-        except SessionNotFound:
-            raise TurnError(404, "session_not_found", f"session {req.session_id} does not exist") from None
-        if meta["status"] == "finished":
-            raise TurnError(409, "session_finished", f"session {req.session_id} is finished; start a new one")
-        return req.session_id, meta.get("worker")
-
-    async def _resume(self, rid: str) -> tuple[str, Prompt, Generated] | None:
-        found = await self.store.load_request(rid)
-        if found is None:
-            return None
+    async def _resume(self, rid: str) -> tuple[Prompt, Generated, int]:
         deadline = time.monotonic() + 3 * LEASE_MS / 1000
         while not await self.store.claim_request(rid, self.owner, LEASE_MS):
             if time.monotonic() > deadline:
                 raise TurnError(409, "duplicate_request", f"request {rid} is being served by another replica")
             await asyncio.sleep(0.2)
-        state, records = await self.store.load_request(rid) or found
+        # read again now that the lease is ours: the dead owner may have written more
+        found = await self.store.load_request(rid)
+        if found is None:
+            raise TurnError(409, "duplicate_request", f"request {rid} ended while being resumed; retry")
+        state, records = found
         partial = Generated()
         for r in records:
             partial.add(TokenDelta(rid, r.token_ids, r.logprobs, r.version), r.worker, r.starts_dispatch)
         partial.dispatches = sum(r.starts_dispatch for r in records)
-        return state.session_id, Prompt(state.prompt_ids, state.new_ids, state.parent, state.new_messages), partial
+        prompt = Prompt(state.prompt_ids, state.new_ids, state.parent, state.new_messages)
+        return prompt, partial, state.turn_id
 
     async def _prompt(self, sid: str, req: ChatRequest) -> Prompt:
         try:

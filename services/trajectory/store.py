@@ -40,6 +40,7 @@ _turn_dec = msgspec.msgpack.Decoder(Turn)
 
 class InFlight(msgspec.Struct, array_like=True):
     session_id: str
+    turn_id: int
     prompt_ids: list[int]
     new_ids: list[int]
     parent: int
@@ -65,6 +66,23 @@ class SessionNotFound(KeyError):
 
 class SessionFinished(RuntimeError):
     pass
+
+
+class Lookup(msgspec.Struct):
+    done: bytes | None
+    state: InFlight | None
+    deltas: list[DeltaRecord]
+    meta: dict[str, Any] | None
+    turn_id: int
+
+
+def _meta(sid: str, raw: dict[bytes, bytes]) -> dict[str, Any]:
+    if not raw:
+        raise SessionNotFound(sid)
+    meta = {k.decode(): v.decode() for k, v in raw.items()}
+    meta["metadata"] = json.loads(meta.get("metadata", "{}"))
+    meta["reward"] = float(meta["reward"]) if "reward" in meta else None
+    return meta
 
 
 def _k(sid: str, part: str = "") -> str:
@@ -112,14 +130,31 @@ class Store:
     async def count_open(self, newer_than: float) -> int:
         return int(await self.r.zcount(OPEN, newer_than, "+inf"))
 
+    async def lookup(self, rid: str, sid: str) -> "Lookup":
+        """Everything a new request needs to know, in one round trip: a finished result (a
+        retry), a running request's state (a resume), the session, and a fresh turn id (ids
+        of requests that fail or turn out to be retries are skipped: ids only increase)."""
+        async with self.r.pipeline(transaction=False) as p:
+            p.get(f"sf:done:{rid}")
+            p.get(f"sf:req:{rid}")
+            p.lrange(f"sf:req:{rid}:deltas", 0, -1)
+            if sid:
+                p.hgetall(_k(sid))
+                p.incr(_k(sid, "seq"))
+            out = await p.execute()
+        done, state, deltas = out[:3]
+        meta = _meta(sid, out[3]) if sid else None
+        return Lookup(
+            done=done,
+            state=_inflight_dec.decode(state) if state is not None else None,
+            deltas=[_delta_dec.decode(d) for d in deltas],
+            meta=meta,
+            turn_id=int(out[4]) - 1 if sid else -1,
+        )
+
     async def session(self, sid: str) -> dict[str, Any]:
-        raw = await self.r.hgetall(_k(sid))
-        if not raw:
-            raise SessionNotFound(sid)
-        meta = {k.decode(): v.decode() for k, v in raw.items()}
-        meta["metadata"] = json.loads(meta.get("metadata", "{}"))
-        meta["reward"] = float(meta["reward"]) if "reward" in meta else None
-        return meta
+        return _meta(sid, await self.r.hgetall(_k(sid)))
+
 
     async def turns(self, sid: str) -> dict[int, Turn]:
         raw = await self.r.hgetall(_k(sid, "turns"))
@@ -135,17 +170,13 @@ class Store:
                 return key, int(tid)
         return None
 
-    async def next_turn_id(self, sid: str) -> int:
-        return int(await self.r.incr(_k(sid, "seq"))) - 1
-
-    # -- partial-rollout state of running requests ------------------------------------------------
-
     async def begin_request(self, rid: str, state: InFlight, owner: str, lease_ms: int) -> bool:
         """Record a new request and take its lease. False if the request already exists."""
-        ok = await self.r.set(f"sf:req:{rid}", _turn_enc.encode(state), nx=True, ex=REQUEST_TTL)
-        if ok:
-            await self.r.set(f"sf:req:{rid}:owner", owner, px=lease_ms)
-        return bool(ok)
+        async with self.r.pipeline(transaction=True) as p:
+            p.set(f"sf:req:{rid}", _turn_enc.encode(state), nx=True, ex=REQUEST_TTL)
+            p.set(f"sf:req:{rid}:owner", owner, px=lease_ms, nx=True)
+            created, _ = await p.execute()
+        return bool(created)
 
     async def load_request(self, rid: str) -> tuple[InFlight, list[DeltaRecord]] | None:
         async with self.r.pipeline(transaction=True) as p:
@@ -166,9 +197,9 @@ class Store:
     async def renew_lease(self, rid: str, lease_ms: int) -> None:
         await self.r.pexpire(f"sf:req:{rid}:owner", lease_ms)
 
-    async def append_delta(self, rid: str, rec: DeltaRecord) -> None:
+    async def append_deltas(self, rid: str, recs: list[DeltaRecord]) -> None:
         async with self.r.pipeline(transaction=False) as p:
-            p.rpush(f"sf:req:{rid}:deltas", _turn_enc.encode(rec))
+            p.rpush(f"sf:req:{rid}:deltas", *(_turn_enc.encode(r) for r in recs))
             p.expire(f"sf:req:{rid}:deltas", REQUEST_TTL)
             await p.execute()
 

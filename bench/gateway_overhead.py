@@ -1,0 +1,151 @@
+"""What the gateway and trajectory manager add over calling a rollout worker directly.
+
+    .venv/bin/python bench/gateway_overhead.py                      # vLLM-CPU worker, tiny model
+    .venv/bin/python bench/gateway_overhead.py --engine simulated   # calibrated simulated engine
+
+Both paths run in the same process against the same worker, in alternating rounds, with the
+same prompt token ids and greedy sampling (so both generate the same tokens):
+  direct:  NATS request sf.rollout.gen.<worker>  (Generate -> TokenDelta* -> GenerateDone)
+  gateway: HTTP POST /v1/chat/completions with a session key (gateway -> trajectory -> worker),
+           one fresh single-turn conversation per request, recorded in Redis as usual.
+Reports p50/p99 latency per path at each concurrency, the added latency, and requests/s.
+`--engine simulated` swaps vLLM for bench/simulated_engine.py (a calibrated stand-in, for
+measuring the gateway's own capacity; never real inference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from seamlessflow import servers  # noqa: E402
+from seamlessflow.modelgen import init_model  # noqa: E402
+from seamlessflow.stack import Stack, StackOptions  # noqa: E402
+from shared import bus, subjects  # noqa: E402
+from shared.codec import decode, encode  # noqa: E402
+from shared.config import Connections  # noqa: E402
+from shared.messages import Generate, GenerateDone, RolloutReply, Sampling  # noqa: E402
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+async def direct_path(nc, worker: str, prompt_ids: list[int], max_tokens: int) -> float:
+    cmd = Generate(uuid.uuid4().hex, prompt_ids, Sampling(max_tokens=max_tokens, temperature=0.0))
+    t0 = time.perf_counter()
+    async with bus.stream_request(nc, subjects.rollout_gen(worker), encode(cmd), 60, 60) as replies:
+        async for data in replies:
+            if isinstance(decode(data, RolloutReply), GenerateDone):
+                break
+    return time.perf_counter() - t0
+
+
+async def gateway_path(http: httpx.AsyncClient, key: str, messages: list[dict], max_tokens: int) -> float:
+    t0 = time.perf_counter()
+    r = await http.post("/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                        json={"model": "seamlessflow-tiny", "messages": messages, "max_tokens": max_tokens,
+                              "temperature": 0.0})
+    r.raise_for_status()
+    return time.perf_counter() - t0
+
+
+async def run(args) -> dict:
+    from transformers import AutoTokenizer
+
+    tmp = Path(tempfile.mkdtemp(prefix="sf-bench-"))
+    model = init_model(tmp / "model")
+    tok = AutoTokenizer.from_pretrained(model)
+    messages = [{"role": "user", "content": "hello world, please reverse 12345"}]
+    prompt_ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                            add_special_tokens=False)
+    opts = StackOptions(model=model, data_dir=tmp, workers=0 if args.engine == "simulated" else 1,
+                        gateway_port=servers.free_port(), admin_port=servers.free_port(),
+                        nats_port=servers.free_port(), redis_port=servers.free_port(),
+                        max_num_seqs=max(args.concurrency), max_model_len=512)
+    stack = Stack(opts)
+    stack.start()
+    worker = "rollout-0"
+    if args.engine == "simulated":
+        stack.wait_ready(stack.spawn("rollout-0", [sys.executable, str(ROOT / "bench" / "simulated_engine.py"),
+                                                   "--worker-id", worker, "--model", str(model),
+                                                   "--capacity", str(max(args.concurrency))],
+                                     ready="rollout worker rollout-0 ready"))
+    results: dict = {"engine": args.engine, "max_tokens": args.max_tokens, "prompt_tokens": len(prompt_ids),
+                     "rows": []}
+    try:
+        nc = await bus.connect(Connections(nats_url=stack.nats_url), name="bench")
+        limits = httpx.Limits(max_connections=max(args.concurrency) + 8)
+        async with httpx.AsyncClient(base_url=stack.gateway_url, timeout=120, limits=limits) as http:
+            admin = {"Authorization": f"Bearer {stack.api_key}"}
+            sessions = [(await http.post("/sessions", json={}, headers=admin)).json()["api_key"]
+                        for _ in range(max(args.concurrency))]
+            # warm up both paths (vLLM's first logprobs request is slow)
+            for _ in range(3):
+                await direct_path(nc, worker, prompt_ids, args.max_tokens)
+                await gateway_path(http, sessions[0], messages, args.max_tokens)
+            for conc in args.concurrency:
+                lat = {"direct": [], "gateway": []}
+                wall = {"direct": 0.0, "gateway": 0.0}
+                per_round = max(conc, args.requests // args.rounds)
+                for _ in range(args.rounds):
+                    for path in ("direct", "gateway"):
+                        queue = list(range(per_round))
+
+                        async def loop(i: int) -> None:
+                            while queue:
+                                queue.pop()
+                                if path == "direct":
+                                    lat[path].append(await direct_path(nc, worker, prompt_ids, args.max_tokens))
+                                else:
+                                    lat[path].append(await gateway_path(http, sessions[i], messages, args.max_tokens))
+
+                        t0 = time.perf_counter()
+                        await asyncio.gather(*(loop(i) for i in range(conc)))
+                        wall[path] += time.perf_counter() - t0
+                row = {"concurrency": conc, "requests_per_path": len(lat["direct"])}
+                for path in ("direct", "gateway"):
+                    row[f"{path}_p50_ms"] = round(1000 * statistics.median(lat[path]), 2)
+                    row[f"{path}_p99_ms"] = round(1000 * pct(lat[path], 0.99), 2)
+                    row[f"{path}_rps"] = round(len(lat[path]) / wall[path], 1)
+                row["added_p50_ms"] = round(row["gateway_p50_ms"] - row["direct_p50_ms"], 2)
+                row["added_p99_ms"] = round(row["gateway_p99_ms"] - row["direct_p99_ms"], 2)
+                results["rows"].append(row)
+                print(json.dumps(row), flush=True)
+        await bus.wait_closed(nc)
+    finally:
+        stack.stop()
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", choices=["vllm", "simulated"], default="vllm")
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64])
+    ap.add_argument("--requests", type=int, default=256, help="requests per path per concurrency level")
+    ap.add_argument("--rounds", type=int, default=4, help="alternating direct/gateway rounds")
+    ap.add_argument("--max-tokens", type=int, default=4)
+    args = ap.parse_args()
+    res = asyncio.run(run(args))
+    print("\n| concurrency | direct p50 / p99 ms | gateway p50 / p99 ms | added p50 / p99 ms | direct / gateway req/s |")
+    print("|---|---|---|---|---|")
+    for r in res["rows"]:
+        print(f"| {r['concurrency']} | {r['direct_p50_ms']} / {r['direct_p99_ms']} | {r['gateway_p50_ms']} / "
+              f"{r['gateway_p99_ms']} | {r['added_p50_ms']} / {r['added_p99_ms']} | {r['direct_rps']} / {r['gateway_rps']} |")
+
+
+if __name__ == "__main__":
+    main()
