@@ -4,14 +4,20 @@
 
 Every default runs on one CPU laptop with the tiny model. The loss knobs are the
 fields of `algorithms.AlgoConfig`, repeated here flat so the environment can set
-them; `algo()` builds the nested config.
+them; `algo()` builds the nested config. The service knobs (consumer, weight store,
+checkpoint cadence, metrics) only matter to `service.py`; `load_config()` is what
+`__main__` uses: SF_TRAINER_* plus flags, with the weight store falling back to the
+operator CLI's SF_WEIGHTS_DIR.
 """
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 
 from services.trainer.algorithms import AlgoConfig
+from shared.config import ConfigError, load
 
 
 class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -47,6 +53,27 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     aggregation: str = "token-mean"
+    # service: consuming sf.traj.completed
+    durable: str = "trainer"  # the trajectory manager reads this consumer's backlog for admission control
+    ack_wait: float = 60.0  # seconds; held messages get in_progress() every ack_wait/3
+    max_deliver: int = 10
+    max_ack_pending: int = 10000  # must exceed what a checkpoint interval holds unacked
+    fetch_batch: int = 64
+    fetch_timeout: float = 1.0  # seconds one fetch waits (bounds the reaction to quit)
+    group_timeout: float = 900.0  # an incomplete group older than this is dropped (terminated); 0 = never
+    max_steps: int = 0  # exit after this many steps in total (0 = run until told to quit)
+    # service: cadences and retention
+    checkpoint_every: int = 1  # steps; messages are acked only once a checkpoint covers them
+    publish_every: int = 1  # steps between published weight versions
+    weights_dir: str = ""  # the weight store root; "" = $SF_WEIGHTS_DIR or var/weights
+    keep_versions: int = 2  # newest versions kept besides those a rollout worker still serves
+    worker_stale_after: float = 10.0  # a worker heartbeat older than this no longer pins its version
+    ledger_keep_steps: int = 10000  # trained ids older than this many steps leave the ledger; 0 = keep all
+    # service: metrics
+    metrics_port: int = 9401  # Prometheus /metrics on rank 0; 0 = off
+    metrics_host: str = "127.0.0.1"  # 0.0.0.0 lets a Prometheus on another host scrape it
+    tensorboard_dir: str = "var/trainer/tb"  # "" = off
+    audit_log: str = "var/trainer/trained.jsonl"  # one JSON line per step with the trained ids; "" = off
 
     def __post_init__(self):
         if self.zero_stage not in (0, 1, 2, 3):
@@ -55,8 +82,28 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("dtype must be auto, fp32 or bf16")
         if self.ppo_epochs < 1 or self.groups_per_step < 1 or self.micro_batch_tokens < 2:
             raise ValueError("ppo_epochs and groups_per_step must be >= 1, micro_batch_tokens >= 2")
+        if self.group_size < 1 or self.checkpoint_every < 1 or self.publish_every < 1 or self.keep_versions < 1:
+            raise ValueError("group_size, checkpoint_every, publish_every and keep_versions must be >= 1")
+        if self.ack_wait <= 0 or self.fetch_timeout <= 0 or self.fetch_batch < 1 or self.max_deliver < 1:
+            raise ValueError("ack_wait and fetch_timeout must be > 0, fetch_batch and max_deliver >= 1")
+        held = self.group_size * self.groups_per_step * (self.checkpoint_every + 2)
+        if 0 < self.max_ack_pending < held:
+            raise ValueError(f"max_ack_pending={self.max_ack_pending} cannot hold a checkpoint interval's "
+                             f"unacked trajectories ({held}); raise it or lower checkpoint_every")
         self.algo()  # validate the loss knobs now, not at the first step
 
     def algo(self) -> AlgoConfig:
         names = [f.name for f in msgspec.structs.fields(AlgoConfig)]
         return AlgoConfig(**{n: getattr(self, n) for n in names})
+
+
+def load_config(env=None, **overrides) -> TrainerConfig:
+    """SF_TRAINER_* plus overrides (CLI flags); the weight store defaults like the operator CLI's."""
+    env = os.environ if env is None else env
+    try:
+        cfg = load(TrainerConfig, "SF_TRAINER_", env=env, **overrides)
+    except ValueError as e:  # __post_init__ checks surface as ValidationError or ValueError
+        raise ConfigError(str(e)) from None
+    if not cfg.weights_dir:
+        cfg = msgspec.structs.replace(cfg, weights_dir=env.get("SF_WEIGHTS_DIR", "var/weights"))
+    return cfg

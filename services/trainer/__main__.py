@@ -1,0 +1,92 @@
+"""Run the trainer: consume completed trajectories, train with DeepSpeed, publish weight versions.
+
+    python -m services.trainer --model var/model
+    torchrun --nproc_per_node 2 -m services.trainer --model var/model     # data parallel
+
+Settings come from SF_TRAINER_* (see config.py), NATS from SF_NATS_URL; flags
+override the environment. Rank 0 consumes from NATS and drives the other ranks.
+Logs "trainer ready" on stderr once it consumes. SIGINT/SIGTERM finish the step in
+flight, checkpoint, and exit 0; any other failure exits 1 (restart it: the
+checkpoint makes the restart train every trajectory exactly once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m services.trainer")
+    ap.add_argument("--model", help="HF checkpoint dir to start from (SF_TRAINER_MODEL_DIR)")
+    ap.add_argument("--checkpoint-dir", help="SF_TRAINER_CHECKPOINT_DIR")
+    ap.add_argument("--weights-dir", help="weight store root (SF_TRAINER_WEIGHTS_DIR, else SF_WEIGHTS_DIR)")
+    ap.add_argument("--max-steps", type=int, help="exit after this many steps in total (SF_TRAINER_MAX_STEPS)")
+    args = ap.parse_args()
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr,
+                        format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s %(message)s")
+    log = logging.getLogger("services.trainer")
+
+    from services.trainer.config import load_config
+    from shared.config import ConfigError, connections
+
+    try:
+        cfg = load_config(model_dir=args.model, checkpoint_dir=args.checkpoint_dir, weights_dir=args.weights_dir,
+                          max_steps=args.max_steps)
+        conn = connections()
+    except ConfigError as e:
+        ap.error(str(e))
+
+    # Heavy imports after argument checks, so `--help` and config errors are instant.
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from services.trainer.engine import TrainEngine
+    from services.trainer.runner import Command, Runner
+    from services.trainer.service import TrainerService
+
+    # 1. every rank: the engine, then the newest checkpoint (model, optimizer and our client state)
+    engine = TrainEngine(cfg)
+    resume = engine.load_checkpoint(cfg.checkpoint_dir)
+    if resume is not None and engine.rank == 0:
+        log.info("resumed from %s at step %s (version %s)", cfg.checkpoint_dir, resume.get("step"),
+                 resume.get("version"))
+    runner = Runner(engine, cfg.checkpoint_dir)
+
+    # 2. ranks > 0 follow rank 0 until it says stop; rank 0 drains on a signal and then tells them
+    if engine.rank != 0:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        runner.follow()
+        dist.destroy_process_group()
+        return 0
+
+    vocab = AutoConfig.from_pretrained(cfg.model_dir).vocab_size
+
+    async def run() -> int:
+        quit = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, quit.set)
+        return await TrainerService(cfg, conn, runner, resume, vocab).run(quit)
+
+    rc = 1
+    try:
+        rc = asyncio.run(run())
+    except Exception:
+        log.exception("trainer failed")
+    finally:
+        if engine.world > 1 and rc == 0:
+            runner.run(Command("stop", step=0))
+    if rc == 0:
+        dist.destroy_process_group()
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""The trainer's NATS wiring, on rank 0: the only trainer module that touches NATS.
+
+    sf.traj.completed     durable pull consumer `cfg.durable` ("trainer"), explicit ack: TrajectoryCompleted in
+    sf.weights.published  WeightsPublished out (via shared.weightstore.announce), after each `publish_every` steps
+    sf.rollout.status     WorkerStatus heartbeats in: versions still served are kept by weight GC
+
+The loop, one global batch at a time:
+1. a fetch task pulls deliveries, decodes and checks them (a bad one is terminated),
+   and offers them to the intake: new ones buffer towards complete groups, repeats
+   are held or acked (intake.py, ledger.py);
+2. once `groups_per_step` groups are complete, every rank trains on them
+   (runner.py broadcasts the batch); then snapshot the weights into the store,
+   announce the version, collect old versions;
+3. every `checkpoint_every` steps, save a checkpoint whose client state holds the
+   step, the version and the ledger, and only then ack the deliveries it covers.
+Meanwhile a keepalive task sends in_progress() for every held delivery, so none is
+redelivered while it waits for its group, its step or its checkpoint.
+
+On quit: finish the step in flight, checkpoint what was trained since the last
+checkpoint (so it is acked, not retrained), nak what was not trained, stop the
+other ranks, close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from services.trainer.audit import AuditLog
+from services.trainer.config import TrainerConfig
+from services.trainer.intake import Action, Intake, check_trajectory
+from services.trainer.ledger import Ledger
+from services.trainer.metrics import Metrics
+from services.trainer.runner import Command, Runner, encode_groups
+from shared import bus, subjects, weightstore
+from shared.codec import decode
+from shared.config import Connections
+from shared.messages.rollout import WorkerStatus
+from shared.messages.trajectory import TrajectoryCompleted
+
+log = logging.getLogger(__name__)
+
+TRAJ_STREAM = next(st.name for st in subjects.STREAMS if subjects.TRAJ_COMPLETED in st.subjects)
+RANK_KEEPALIVE = 60.0  # seconds idle before ranks > 0 get a no-op (their broadcast wait must not time out)
+ACK_CHUNK = 64  # concurrent ack_sync calls
+
+
+class TrainerService:
+    def __init__(self, cfg: TrainerConfig, conn: Connections, runner: Runner, resume: dict | None,
+                 vocab_size: int, metrics: Metrics | None = None):
+        self.cfg = cfg
+        self.conn = conn
+        self.runner = runner
+        self.vocab_size = vocab_size
+        resume = resume or {}
+        self.step = int(resume.get("step", 0))
+        self.checkpointed_step = self.step
+        self.version = int(resume.get("version", 0))  # the newest version announced (staleness reference)
+        self.intake = Intake(cfg.group_size, Ledger.restore(resume.get("ledger")))
+        self.metrics = metrics or Metrics(cfg.metrics_port, cfg.tensorboard_dir, cfg.metrics_host)
+        self.audit = AuditLog(cfg.audit_log or None)
+        self.store = Path(cfg.weights_dir)
+        self.served: dict[str, tuple[int, float]] = {}  # worker id -> (version, monotonic receive time)
+        self._wake = asyncio.Event()
+        self._stop_fetch = asyncio.Event()
+        self._resumed = bool(resume)
+        self._listening_since = float("inf")
+        self.js = None
+
+    async def run(self, quit: asyncio.Event) -> int:
+        cfg = self.cfg
+        async with AsyncExitStack() as stack:
+            # 1. connect, declare streams, learn where versions stand
+            nc = await bus.connect(self.conn, name="trainer")
+            stack.push_async_callback(bus.wait_closed, nc)
+            self.js = js = nc.jetstream()
+            await bus.ensure_streams(js, subjects.STREAMS)
+            await self._init_version()
+            self.audit.resume(self.step)
+            await nc.subscribe(subjects.ROLLOUT_STATUS, cb=self._on_status)
+            self._listening_since = time.monotonic()
+
+            # 2. the durable consumer. Declared here rather than with bus.durable_pull: it needs a
+            # max_ack_pending that holds a whole checkpoint interval (the server default is 1000), and
+            # add_consumer is create-or-update, so a changed ack_wait or limit applies to an existing
+            # consumer too (pull_subscribe alone keeps the old config).
+            await js.add_consumer(TRAJ_STREAM, ConsumerConfig(
+                durable_name=cfg.durable, filter_subject=subjects.TRAJ_COMPLETED, ack_policy=AckPolicy.EXPLICIT,
+                deliver_policy=DeliverPolicy.ALL, ack_wait=cfg.ack_wait, max_deliver=cfg.max_deliver,
+                max_ack_pending=cfg.max_ack_pending))
+            sub = await js.pull_subscribe(subjects.TRAJ_COMPLETED, durable=cfg.durable, stream=TRAJ_STREAM)
+            fetcher = asyncio.create_task(self._fetch_loop(sub), name="fetch")
+            keepalive = asyncio.create_task(self._keepalive_loop(), name="keepalive")
+            log.info("trainer ready: consuming %s as durable %r (step %d, version %d, %d rank(s), metrics port %s)",
+                     subjects.TRAJ_COMPLETED, cfg.durable, self.step, self.version, self.runner.world,
+                     self.metrics.port or "off")
+
+            # 3. steps
+            clean = False
+            try:
+                while not quit.is_set() and not (cfg.max_steps and self.step >= cfg.max_steps):
+                    t0 = time.perf_counter()
+                    groups = await self._next_batch(quit, fetcher)
+                    if groups is None:
+                        break
+                    await self._train(groups, wait_s=time.perf_counter() - t0)
+                clean = True
+            finally:
+                # 4. drain: stop fetching, keep what was trained, hand back the rest
+                self._stop_fetch.set()
+                try:
+                    await asyncio.wait_for(fetcher, cfg.fetch_timeout + 5)
+                except Exception:  # timed out, or it had failed: either way it is over
+                    fetcher.cancel()
+                try:  # a drain would wait on deliveries nobody will read; they come back after ack_wait
+                    await sub.unsubscribe()
+                except Exception as e:
+                    log.debug("unsubscribe: %s", e)
+                # After a failure the ranks may be out of step: no more collectives, nothing acked;
+                # the uncheckpointed trajectories come back to the next run and train once there.
+                if clean and self.step > self.checkpointed_step:
+                    await self._checkpoint()
+                keepalive.cancel()
+                untrained = self.intake.untrained()
+                await asyncio.gather(*(self._settle(m, "nak") for m in untrained))
+                log.info("trainer stopped at step %d, version %d (%d untrained deliveries handed back)",
+                         self.step, self.version, len(untrained))
+                self.metrics.close()
+        return 0
+
+    async def _init_version(self) -> None:
+        cur = await weightstore.current(self.js)
+        announced = cur.version if cur else 0
+        if not self._resumed and announced > 0:
+            log.warning("no checkpoint: training starts from %s although version %d (%s) is announced",
+                        self.cfg.model_dir, announced, cur.path)
+        self.version = max(self.version, announced)
+
+    def next_version(self) -> int:
+        return max([self.version, *weightstore.versions_on_disk(self.store)]) + 1
+
+    # -- data in ----------------------------------------------------------------------------------
+
+    async def _fetch_loop(self, sub) -> None:
+        n = self.cfg.groups_per_step
+        while not self._stop_fetch.is_set():
+            if self.intake.ready_groups() >= 2 * n:  # prefetch at most one batch ahead
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                msgs = await sub.fetch(self.cfg.fetch_batch, timeout=self.cfg.fetch_timeout)
+            except NatsTimeout:
+                continue
+            except Exception as e:  # reconnecting; the client retries the connection itself
+                log.warning("fetch failed: %s", e)
+                await asyncio.sleep(1.0)
+                continue
+            for msg in msgs:
+                await self._on_msg(msg)
+            self._wake.set()
+
+    async def _on_msg(self, msg: Msg) -> None:
+        try:
+            traj = decode(msg.data, TrajectoryCompleted)
+            check_trajectory(traj, self.vocab_size)
+        except (msgspec.DecodeError, ValueError) as e:
+            log.warning("bad message (stream seq %s) terminated: %s", _seq(msg), e)
+            self.metrics.count("bad")
+            await self._settle(msg, "term")
+            return
+        action = self.intake.offer(traj, msg, time.time())
+        if action is not Action.TRAIN:
+            self.metrics.count("duplicate")
+            log.info("trajectory %s delivered again (stream seq %s): %s", traj.session_id, _seq(msg),
+                     "covered by a checkpoint, acked" if action is Action.ACK else "held with its first delivery")
+        if action is Action.ACK:
+            await self._settle(msg, "ack")
+
+    async def _next_batch(self, quit: asyncio.Event, fetcher: asyncio.Task):
+        idle = time.monotonic()
+        while not quit.is_set():
+            self._wake.clear()
+            groups = self.intake.take(self.cfg.groups_per_step)
+            if groups:
+                return groups
+            if fetcher.done():
+                fetcher.result()  # raises what stopped it
+                raise RuntimeError("the fetch task ended")
+            try:
+                await asyncio.wait_for(self._wake.wait(), 1.0)
+            except TimeoutError:
+                pass
+            if self.runner.world > 1 and time.monotonic() - idle > RANK_KEEPALIVE:
+                await asyncio.to_thread(self.runner.run, Command("noop"))
+                idle = time.monotonic()
+        return None
+
+    async def _keepalive_loop(self) -> None:
+        interval = max(0.2, self.cfg.ack_wait / 3)
+        while True:
+            await asyncio.sleep(interval)
+            held = self.intake.held()
+            await asyncio.gather(*(self._settle(m, "in_progress") for m in held))
+            groups, msgs = self.intake.expire(time.time(), self.cfg.group_timeout)
+            if groups:
+                log.warning("dropped %d group(s) incomplete after %.0fs (%s): %d deliveries terminated",
+                            len(groups), self.cfg.group_timeout, ", ".join(groups[:5]), len(msgs))
+                self.metrics.count("expired", len(msgs))
+                await asyncio.gather(*(self._settle(m, "term") for m in msgs))
+
+    # -- a step ----------------------------------------------------------------------------------
+
+    async def _train(self, groups, wait_s: float) -> None:
+        cfg = self.cfg
+        step = self.step + 1
+        publish = step % cfg.publish_every == 0
+        version = self.next_version() if publish else self.version
+        dest = weightstore.version_dir(self.store, version) if publish else None
+
+        # 1. every rank trains (and, if publishing, snapshots the weights into the store)
+        cmd = Command("train", step=step, batch=encode_groups(groups), version=self.version,
+                      publish_dir=str(dest) if dest else "")
+        out = await asyncio.to_thread(self.runner.run, cmd)
+        ids = out["ids"]
+        self.intake.trained(ids, step)
+        self.step = step
+        self.metrics.count("trained", len(ids))
+        m = dict(out["metrics"])
+
+        # 2. announce the new version, then drop versions nobody needs
+        t0 = time.perf_counter()
+        if dest is not None:
+            await asyncio.to_thread(weightstore.check_checkpoint, dest)
+            await weightstore.announce(self.js, version, dest, step=step)
+            self.version = version
+            in_use = self.in_use()
+            if in_use is not None:  # else: too soon after start to know; a later publish collects
+                removed = await asyncio.to_thread(weightstore.collect_garbage, self.store, in_use,
+                                                  cfg.keep_versions)
+                if removed:
+                    log.info("weight store: removed versions %s", removed)
+        self.audit.step(step, self.version, ids)
+
+        # 3. checkpoint, then ack what it covers
+        ckpt_s = 0.0
+        if step % cfg.checkpoint_every == 0 or (cfg.max_steps and step >= cfg.max_steps):
+            ckpt_s = await self._checkpoint()
+
+        m.update(wait_s=wait_s, publish_s=out.get("save_s", 0.0) + time.perf_counter() - t0 - ckpt_s,
+                 checkpoint_s=ckpt_s)
+        m["step_s"] = wait_s + m["compute_s"] + m["publish_s"] + ckpt_s
+        m["train_tokens_per_s"] = m.get("tokens", 0.0) / m["compute_s"] if m["compute_s"] else 0.0
+        m["tokens_per_s"] = m.get("tokens", 0.0) / m["step_s"] if m["step_s"] else 0.0
+        for k, v in self.intake.counts().items():
+            m[f"intake_{k}"] = float(v)
+        log.info("%s", self.metrics.step(step, self.version, m, out["staleness"]))
+
+    async def _checkpoint(self) -> float:
+        t0 = time.perf_counter()
+        keep = self.cfg.ledger_keep_steps
+        if keep:
+            self.intake.ledger.prune(self.step - keep)
+        client = {"step": self.step, "version": self.version, "ledger": self.intake.snapshot(self.step)}
+        out = await asyncio.to_thread(self.runner.run, Command("checkpoint", step=self.step, client_state=client))
+        self.audit.checkpoint(self.step, out["tag"])
+        self.checkpointed_step = self.step
+        msgs = self.intake.committed(self.step)
+        for i in range(0, len(msgs), ACK_CHUNK):
+            await asyncio.gather(*(self._settle(m, "ack") for m in msgs[i:i + ACK_CHUNK]))
+        log.info("checkpoint %s saved; acked %d deliveries", out["tag"], len(msgs))
+        return time.perf_counter() - t0
+
+    # -- weights in use ------------------------------------------------------------------------
+
+    async def _on_status(self, msg: Msg) -> None:
+        try:
+            st = decode(msg.data, WorkerStatus)
+        except msgspec.DecodeError as e:
+            log.debug("bad worker status: %s", e)
+            return
+        self.served[st.worker_id] = (st.version, time.monotonic())
+
+    def in_use(self) -> set[int] | None:
+        """Versions rollout workers serve now; None until heartbeats had `worker_stale_after` seconds to arrive."""
+        now = time.monotonic()
+        if now - self._listening_since < self.cfg.worker_stale_after:
+            return None
+        return {v for v, t in self.served.values() if now - t <= self.cfg.worker_stale_after}
+
+    # -- acks --------------------------------------------------------------------------------------
+
+    async def _settle(self, msg: Msg, how: str) -> None:
+        """ack (waiting for the server), nak, term or in_progress; a failure is logged, never raised.
+
+        A lost ack is safe: the message comes back, and the ledger acks it as already trained.
+        """
+        try:
+            if how == "ack":
+                await msg.ack_sync(timeout=5.0)
+            else:
+                await getattr(msg, how)()
+        except Exception as e:
+            log.warning("%s of stream seq %s failed: %s", how, _seq(msg), e)
+
+
+def _seq(msg: Msg) -> str:
+    try:
+        return str(msg.metadata.sequence.stream)
+    except Exception:
+        return "?"
