@@ -140,7 +140,7 @@ class Stack:
         env.setdefault("VLLM_CACHE_ROOT", str(self.data / "cache" / "vllm"))
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.data / "cache" / "inductor"))
         env.setdefault("TORCH_EXTENSIONS_DIR", str(self.data / "cache" / "torch_extensions"))
-        env.update(SF_NATS_URL=self.nats_url, SF_REDIS_URL=self.redis_url)
+        env.update(SF_NATS_URL=self.nats_url, SF_REDIS_URL=self.redis_url, SF_WEIGHTS_DIR=str(self.weights_dir))
         env.update(self.o.extra_env)
         return env
 
@@ -157,6 +157,21 @@ class Stack:
         }
         return self._spawn(name, [sys.executable, "-m", "services.rollout", "--model", str(self.o.model),
                                   "--worker-id", name], env, ready=f"rollout worker {name} ready")
+
+    def spawn_trainer(self, name: str = "trainer", model: Path | None = None, **settings: object) -> Proc:
+        """The DeepSpeed trainer; `settings` become SF_TRAINER_<NAME> variables."""
+        env = self.env() | {f"SF_TRAINER_{k.upper()}": str(v) for k, v in settings.items()}
+        env.setdefault("SF_TRAINER_METRICS_PORT", "0")
+        env.setdefault("SF_TRAINER_TENSORBOARD_DIR", str(self.data / "trainer" / "tb"))
+        env.setdefault("SF_TRAINER_AUDIT_LOG", str(self.data / "trainer" / "trained.jsonl"))
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return self._spawn(name, [sys.executable, "-m", "services.trainer", "--model", str(model or self.o.model),
+                                  "--checkpoint-dir", str(self.data / "trainer" / "checkpoints"),
+                                  "--weights-dir", str(self.weights_dir)], env, ready="trainer ready")
+
+    @property
+    def weights_dir(self) -> Path:
+        return self.data / "weights"
 
     def spawn(self, name: str, argv: list[str], ready: str) -> Proc:
         """Start any process with the stack's environment (for benchmarks and tests)."""
