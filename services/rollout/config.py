@@ -1,0 +1,57 @@
+"""Rollout worker settings, from SF_ROLLOUT_* (connections come from SF_NATS_*).
+
+    SF_ROLLOUT_MODEL=var/model SF_ROLLOUT_WORKER_ID=w0 python -m services.rollout
+
+The defaults run one tiny model on a laptop CPU. On a GPU set dtype=bfloat16,
+enforce_eager=false and a larger max_num_seqs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+
+import msgspec
+
+from shared.config import ConfigError, load
+
+_SUBJECT_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+class RolloutConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    model: str  # HF checkpoint dir that vLLM loads; its weights are version 0
+    worker_id: str = ""  # one NATS subject token; "" = "<hostname>-<pid>"
+    served_model_name: str = ""  # reported in heartbeats; "" = the model dir's name
+    max_model_len: int = 2048
+    max_num_seqs: int = 16  # reported as capacity
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE, unless that is already set
+    enforce_eager: bool = True
+    dtype: str = "float32"
+    seed: int = 0
+    status_interval: float = 1.0  # seconds between heartbeats
+    max_request_seconds: float = 600.0  # hard bound on one Generate
+    host: str = ""  # capability/host name reported to the scheduler
+
+
+def default_worker_id() -> str:
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname()) or "host"
+    return f"{host}-{os.getpid()}"
+
+
+def load_config(**overrides) -> RolloutConfig:
+    """SF_ROLLOUT_* plus overrides (CLI flags); fills in the worker id and checks it."""
+    cfg = load(RolloutConfig, "SF_ROLLOUT_", **overrides)
+    if not cfg.model:
+        raise ConfigError("SF_ROLLOUT_MODEL (or --model) is required")
+    if not cfg.worker_id:
+        cfg = msgspec.structs.replace(cfg, worker_id=default_worker_id())
+    if not _SUBJECT_TOKEN.match(cfg.worker_id):
+        raise ConfigError(f"worker id {cfg.worker_id!r} must be one NATS subject token: [A-Za-z0-9_-]+")
+    if cfg.max_model_len < 2 or cfg.max_num_seqs < 1 or cfg.status_interval <= 0 or cfg.max_request_seconds <= 0:
+        raise ConfigError(f"bad rollout limits: {cfg}")
+    return cfg
+
+
+def served_name(cfg: RolloutConfig) -> str:
+    return cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model))

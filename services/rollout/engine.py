@@ -1,0 +1,313 @@
+"""One vLLM `AsyncLLM`, token ids in, token ids and behaviour logprobs out, plus the
+operations the RL loop needs: abort one request, vacate (abort all), resume, and an
+in-place weight reload that bumps the policy version.
+
+The engine knows token ids and weight directories. It knows nothing about text,
+chat templates, sessions or NATS (`service.py` owns the transport).
+
+Rules the rest of the system relies on:
+- every delta is stamped with the weight version being served when vLLM produced it;
+- when a request finishes "stop", its last token is the EOS/stop token (vLLM 0.32
+  includes it in `token_ids`; `_pump` appends it if a vLLM ever does not);
+- a request ended by `abort`, `pause_abort_all` or a dead engine finishes
+  "preempted", and every token sampled before that was already yielded;
+- a weight directory is checked before the reload, and after a failed reload the
+  engine is dead: it is never resumed (vLLM would run on half-loaded weights);
+- the reload runs in vLLM's worker through `vllm_ext.py`, which also repacks the CPU
+  kernels that vLLM's own `reload_weights` leaves stale (a tied LM head).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.rollout.checkpoint import TensorSpecs, check_checkpoint, eos_token_ids
+from services.rollout.config import RolloutConfig
+from services.rollout.sampling import finish_reason, sampling_kwargs
+from shared.messages.rollout import FinishReason, Sampling
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "services.rollout.vllm_ext.RolloutWorkerExtension"  # adds reload_weights_in_place
+RELOAD_TIMEOUT = 600.0  # seconds; a reload that takes longer leaves the engine dead
+SETTLE_SECONDS = 0.05  # after a pause: lets the pumps read what vLLM emitted before it
+
+
+class EngineError(RuntimeError):
+    """One request failed (bad request or a vLLM error); the engine still serves."""
+
+
+class EngineDead(RuntimeError):
+    """The engine cannot serve any more; the process should exit."""
+
+
+@dataclass(slots=True)
+class Delta:
+    token_ids: list[int]
+    logprobs: list[float]
+    version: int
+    finish: FinishReason | None = None  # set on the last delta of a request
+    error: str = ""
+
+
+@dataclass(slots=True)
+class _Stream:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    pump: asyncio.Task | None = None
+    stamped: list[list[int]] = field(default_factory=list)  # [version, n_tokens] runs
+    aborted: bool = False
+
+
+def _is(e: BaseException, name: str) -> bool:
+    # vLLM's exceptions are matched by name, so this module imports vLLM only to start it
+    return any(c.__name__ == name for c in type(e).__mro__)
+
+
+def _vllm_request(prompt_ids: list[int], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    from vllm import SamplingParams, TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
+    return TokensPrompt(prompt_token_ids=prompt_ids), params
+
+
+def _build_llm(cfg: RolloutConfig) -> Any:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(
+        model=cfg.model,
+        skip_tokenizer_init=True,
+        dtype=cfg.dtype,
+        enforce_eager=cfg.enforce_eager,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        seed=cfg.seed,
+        disable_log_stats=True,
+        worker_extension_cls=WORKER_EXTENSION,
+    )
+    return AsyncLLM.from_engine_args(args)
+
+
+class Engine:
+    def __init__(self, cfg: RolloutConfig, llm: Any = None):
+        self.cfg = cfg
+        self.version = 0
+        self.dead = ""  # why, once the engine is dead
+        self.vacated = False
+        self.updating = False
+        self._llm = llm
+        self._eos: list[int] = eos_token_ids(cfg.model)
+        self._reference: TensorSpecs | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._lock = asyncio.Lock()  # pause/resume/load, one at a time
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self, warmup: bool = True) -> None:
+        """Build the engine (blocking: tens of seconds on CPU) and warm it up."""
+        self._reference = check_checkpoint(self.cfg.model)
+        if self._llm is None:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.kv_cache_gib))
+            self._llm = _build_llm(self.cfg)
+        await self._llm.update_weight_version(str(self.version))
+        if warmup:
+            # The first request that asks for logprobs pays a one-time warm-up of seconds.
+            async for _ in self.generate("warmup", [0, 1], Sampling(max_tokens=2, temperature=0.0)):
+                pass
+        if not self._eos:
+            log.warning("no eos_token_id in %s: only stop_token_ids end a request", self.cfg.model)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown(timeout=timeout)
+        # Dropping the last reference now lets AsyncLLM.__del__ run while the interpreter
+        # is whole (at exit it raises "'NoneType' object is not callable").
+
+    @property
+    def running(self) -> int:
+        return len(self._streams)
+
+    # -- generation -----------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling: Sampling) -> AsyncIterator[Delta]:
+        """Deltas of one request; the last has `finish` set. Raises EngineError / EngineDead
+        before the first delta if the request cannot start."""
+        if self.dead:
+            raise EngineDead(self.dead)
+        if request_id in self._streams:
+            raise EngineError(f"request {request_id!r} is already running")
+        n, limit = len(prompt_ids), self.cfg.max_model_len
+        if n == 0:
+            raise EngineError("empty prompt")
+        if n >= limit:
+            raise EngineError(f"prompt of {n} tokens is longer than max_model_len={limit} allows ({limit - 1})")
+        try:
+            prompt, params = _vllm_request(list(prompt_ids), sampling_kwargs(sampling, self._eos))
+        except Exception as e:  # vLLM validates the sampling values here
+            raise EngineError(f"bad sampling: {e}") from None
+        stream = _Stream()
+        self._streams[request_id] = stream
+        stream.pump = asyncio.create_task(self._pump(request_id, prompt, params, stream))
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish is not None:
+                    return
+        finally:
+            if not stream.pump.done():
+                stream.pump.cancel()  # vLLM aborts a request whose consumer is cancelled
+            self._streams.pop(request_id, None)
+
+    async def _pump(self, request_id: str, prompt: Any, params: Any, stream: _Stream) -> None:
+        """Read vLLM's outputs as soon as they exist, so each is stamped with the version
+        that produced it even while the consumer is busy sending the previous one."""
+        last_token: int | None = None
+        if stream.aborted:  # aborted before it reached vLLM
+            stream.queue.put_nowait(Delta([], [], self.version, "preempted"))
+            return
+        try:
+            async for out in self._llm.generate(prompt, params, request_id):
+                if stream.aborted and not out.finished and not stream.stamped:
+                    # The abort may have reached vLLM before the request did: abort again
+                    # now that vLLM surely knows it (aborting twice is harmless).
+                    await self._llm.abort(request_id)
+                c = out.outputs[0]
+                ids = list(c.token_ids)
+                lps = [_sampled_logprob(d, t) for d, t in zip(c.logprobs or (), ids)]
+                lps += [math.nan] * (len(ids) - len(lps))
+                if ids:
+                    last_token = ids[-1]
+                finish = finish_reason(c.finish_reason) if out.finished else None
+                if finish == "stop" and isinstance(c.stop_reason, int) and last_token != c.stop_reason:
+                    # The contract: a "stop" stream ends with its EOS/stop token. vLLM 0.32 sends it;
+                    # if a vLLM does not, append it (its logprob is unknown).
+                    log.warning("vLLM left stop token %d out of %s; appending it", c.stop_reason, request_id)
+                    ids.append(c.stop_reason)
+                    lps.append(math.nan)
+                if ids:
+                    _stamp(stream.stamped, self.version, len(ids))
+                stream.queue.put_nowait(Delta(ids, lps, self.version, finish))
+                if out.finished:
+                    _check_versions(request_id, stream.stamped, getattr(c, "weight_versions", None))
+                    return
+            stream.queue.put_nowait(EngineError("vLLM ended the request without a final output"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if _is(e, "EngineDeadError"):
+                self._mark_dead(f"vLLM engine died: {e}")
+                return  # _mark_dead ended this stream
+            cause = e.__cause__ if _is(e, "EngineGenerateError") and e.__cause__ else e
+            stream.queue.put_nowait(EngineError(f"{type(cause).__name__}: {cause}"))
+
+    async def abort(self, request_id: str) -> bool:
+        """End one request now; it finishes "preempted". False if it is not running here."""
+        stream = self._streams.get(request_id)
+        if stream is None or self.dead:
+            return False
+        stream.aborted = True
+        await self._llm.abort(request_id)
+        return True
+
+    # -- pause, resume, weights -----------------------------------------------------------------
+
+    async def pause_abort_all(self) -> None:
+        """Vacate: every in-flight request finishes "preempted" with all its tokens, and the
+        engine stays paused (new requests would queue) until `resume`."""
+        async with self._lock:
+            if self.dead:
+                return
+            self.vacated = True
+            await self._llm.pause_generation(mode="abort")
+
+    async def resume(self) -> None:
+        async with self._lock:
+            if self.dead:
+                raise EngineDead(self.dead)
+            await self._llm.resume_generation()
+            self.vacated = False
+
+    async def load_weights(self, path: str | Path, version: int) -> None:
+        """Pause in keep mode, reload weights in place from `path`, bump the version, resume.
+
+        Raises CheckpointError (nothing touched, still serving the old version) or
+        EngineDead (the reload failed halfway; in-flight requests end "preempted")."""
+        async with self._lock:
+            if self.dead:
+                raise EngineDead(self.dead)
+            # 1. check the directory while still serving: a bad one must not reach vLLM
+            check_checkpoint(path, self._reference)
+            self.updating = True
+            try:
+                # 2. freeze requests (their KV cache is dropped and recomputed with the new weights)
+                await self._llm.pause_generation(mode="keep", clear_cache=True)
+                await asyncio.sleep(SETTLE_SECONDS)
+                # 3. reload; a failure here leaves vLLM with half-loaded weights: never resume
+                try:
+                    # vllm_ext: vLLM's reload_weights, plus a repack of the tied LM head
+                    rpc = self._llm.collective_rpc("reload_weights_in_place", kwargs={"weights_path": str(path)})
+                    repacked = await asyncio.wait_for(rpc, RELOAD_TIMEOUT)
+                except BaseException as e:
+                    self._mark_dead(f"reload of {path} failed: {type(e).__name__}: {e}")
+                    if isinstance(e, asyncio.CancelledError):
+                        raise
+                    raise EngineDead(self.dead) from e
+                log.info("reloaded %s (repacked layers per worker: %s)", path, repacked)
+                # 4. tokens sampled from here on come from `version`
+                self.version = version
+                await self._llm.update_weight_version(str(version))
+                if not self.vacated:
+                    await self._llm.resume_generation()
+            finally:
+                self.updating = False
+
+    def _mark_dead(self, why: str) -> None:
+        if not self.dead:
+            log.error("engine dead: %s", why)
+            self.dead = why
+        me = asyncio.current_task()
+        for stream in list(self._streams.values()):
+            if stream.pump is not None and stream.pump is not me and not stream.pump.done():
+                stream.pump.cancel()
+            stream.queue.put_nowait(Delta([], [], self.version, "preempted", error=f"worker engine dead: {why}"))
+
+
+def _sampled_logprob(entry: Any, token_id: int) -> float:
+    # logprobs=0: a {token_id: Logprob} dict holding the sampled token only
+    if entry is None:
+        return math.nan
+    lp = entry.get(token_id)
+    return float(lp.logprob) if lp is not None else math.nan
+
+
+def _stamp(runs: list[list[int]], version: int, n: int) -> None:
+    if runs and runs[-1][0] == version:
+        runs[-1][1] += n
+    else:
+        runs.append([version, n])
+
+
+def _check_versions(request_id: str, stamped: list[list[int]], spans: Any) -> None:
+    """Compare our per-delta stamps with vLLM's own per-token version spans."""
+    if not spans:
+        return
+    theirs: list[list[int]] = []
+    for s in spans:
+        try:
+            _stamp(theirs, int(s.version), s.end - s.start)
+        except (ValueError, AttributeError):
+            return
+    if theirs != stamped:
+        log.warning("request %s: version stamps %s differ from vLLM's %s", request_id, stamped, theirs)

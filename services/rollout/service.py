@@ -1,0 +1,260 @@
+"""The rollout worker's NATS wiring: the only module here that touches NATS.
+
+    sf.rollout.gen.<worker_id>   Generate -> TokenDelta* then exactly one GenerateDone, to msg.reply
+    sf.rollout.ctl.<worker_id>   RolloutControl -> WorkerStatus (after the op is done)
+    sf.rollout.status            WorkerStatus heartbeat every `status_interval` seconds
+
+No queue group on the gen subject: the trajectory manager picks the worker. The
+worker holds no session state; everything it needs is in each Generate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import AsyncExitStack, aclosing
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from services.rollout.checkpoint import CheckpointError
+from services.rollout.config import RolloutConfig, served_name
+from services.rollout.engine import Engine, EngineDead, EngineError
+from shared import bus, subjects
+from shared.codec import decode, encode
+from shared.config import Connections
+from shared.messages.rollout import (
+    FinishReason,
+    Generate,
+    GenerateDone,
+    RolloutControl,
+    TokenDelta,
+    WorkerState,
+    WorkerStatus,
+)
+
+log = logging.getLogger(__name__)
+
+CONTROL_WAIT = 10.0  # seconds a control reply waits for the requests it ended to send their GenerateDone
+SHUTDOWN_WAIT = 15.0  # seconds shutdown waits for in-flight requests to end "preempted"
+EXIT_ENGINE_DEAD = 3  # process exit code when the engine died (a supervisor restarts the worker)
+
+
+class RolloutService:
+    def __init__(self, cfg: RolloutConfig, conn: Connections, engine: Engine | None = None):
+        self.cfg = cfg
+        self.conn = conn
+        self.engine = engine or Engine(cfg)
+        self.model = served_name(cfg)
+        self.nc: NATS | None = None
+        self.tasks: dict[str, asyncio.Task] = {}  # request_id -> its generate task
+        self.generated_tokens = 0
+        self.closing = False
+        self._ctl_tasks: set[asyncio.Task] = set()
+        self._aborted: set[str] = set()  # aborted before their task started
+        self._quit = asyncio.Event()
+
+    async def run(self, quit: asyncio.Event) -> int:
+        """Serve until `quit` is set or the engine dies; returns the process exit code."""
+        self._quit = quit
+        wid = self.cfg.worker_id
+        t0 = time.monotonic()
+        await self.engine.start()
+        log.info("engine up in %.1fs (%s, max_model_len=%d)",
+                 time.monotonic() - t0, self.cfg.model, self.cfg.max_model_len)
+        try:
+            async with AsyncExitStack() as stack:
+                # 1. connect and subscribe
+                self.nc = await bus.connect(self.conn, name=f"rollout-{wid}")
+                stack.push_async_callback(bus.wait_closed, self.nc)
+                gen_sub = await self.nc.subscribe(subjects.rollout_gen(wid), cb=self._on_generate)
+                await self.nc.subscribe(subjects.rollout_ctl(wid), cb=self._on_control)
+                await self.nc.flush(timeout=5)
+                await self._publish_status()
+                log.info("rollout worker %s ready", wid)
+                # 2. heartbeat until told to quit, or the engine is dead
+                while not quit.is_set():
+                    try:
+                        await asyncio.wait_for(quit.wait(), self.cfg.status_interval)
+                    except TimeoutError:
+                        pass
+                    if self.engine.dead:
+                        quit.set()
+                    await self._publish_status()
+                # 3. stop taking work, end what is in flight ("preempted"), say so, then drain
+                log.info("shutting down: %d requests in flight", len(self.tasks))
+                self.closing = True
+                await gen_sub.unsubscribe()
+                await self._end_inflight()
+                await self._publish_status()
+        finally:
+            self.engine.shutdown()
+        log.info("rollout worker %s stopped", wid)
+        return EXIT_ENGINE_DEAD if self.engine.dead else 0
+
+    # -- status ---------------------------------------------------------------------------------
+
+    def state(self) -> WorkerState:
+        e = self.engine
+        if e.dead or self.closing:
+            return "paused"
+        if e.updating:
+            return "updating"
+        return "vacated" if e.vacated else "serving"
+
+    def status(self) -> WorkerStatus:
+        return WorkerStatus(
+            worker_id=self.cfg.worker_id,
+            state=self.state(),
+            version=self.engine.version,
+            running=len(self.tasks),
+            capacity=self.cfg.max_num_seqs,
+            model=self.model,
+            max_model_len=self.cfg.max_model_len,
+            ts=time.time(),
+            host=self.cfg.host,
+            generated_tokens=self.generated_tokens,
+        )
+
+    async def _publish_status(self) -> None:
+        await self._send(subjects.ROLLOUT_STATUS, self.status())
+
+    async def _send(self, subject: str, msg: msgspec.Struct) -> None:
+        try:
+            await self.nc.publish(subject, encode(msg))
+        except Exception as e:  # connection closed or buffer full: the caller times out and re-dispatches
+            log.warning("publish to %s failed: %s", subject, e)
+
+    # -- generate -------------------------------------------------------------------------------
+
+    async def _on_generate(self, msg: Msg) -> None:
+        try:
+            req = decode(msg.data, Generate)
+        except msgspec.ValidationError as e:
+            log.warning("bad Generate: %s", e)
+            if msg.reply:
+                await self._send(msg.reply, self._done("", "error", 0, error=f"bad Generate: {e}"))
+            return
+        if not msg.reply:
+            log.warning("Generate %s has no reply inbox; ignored", req.request_id)
+            return
+        if req.request_id in self.tasks:
+            await self._send(msg.reply, self._done(req.request_id, "error", len(req.prompt_ids),
+                                                   error=f"request {req.request_id!r} is already running"))
+            return
+        task = asyncio.create_task(self._generate(req, msg.reply))
+        self.tasks[req.request_id] = task
+        task.add_done_callback(lambda t, rid=req.request_id: self.tasks.pop(rid) if self.tasks.get(rid) is t else None)
+
+    async def _generate(self, req: Generate, reply: str) -> None:
+        rid, n = req.request_id, len(req.prompt_ids)
+        finish: FinishReason = "preempted"
+        error = ""
+        version = self.engine.version
+        if self.engine.dead:
+            error = f"worker engine dead: {self.engine.dead}"
+        elif rid in self._aborted:
+            self._aborted.discard(rid)
+        elif not (self.closing or self.engine.vacated):
+            try:
+                async with asyncio.timeout(self.cfg.max_request_seconds):
+                    async with aclosing(self.engine.generate(rid, req.prompt_ids, req.sampling)) as deltas:
+                        async for d in deltas:
+                            if d.token_ids:
+                                await self._send(reply, TokenDelta(rid, d.token_ids, d.logprobs, d.version))
+                                self.generated_tokens += len(d.token_ids)
+                                version = d.version
+                            if d.finish is not None:
+                                finish, error = d.finish, d.error
+            except TimeoutError:
+                finish, error = "error", f"request exceeded max_request_seconds={self.cfg.max_request_seconds:g}"
+            except EngineError as e:
+                finish, error = "error", str(e)
+            except EngineDead as e:
+                finish, error = "preempted", f"worker engine dead: {e}"
+            except asyncio.CancelledError:  # shutdown, after the engine would not end it
+                await self._send(reply, self._done(rid, "preempted", n, version))
+                raise
+            except Exception as e:
+                log.exception("request %s failed", rid)
+                finish, error = "error", f"{type(e).__name__}: {e}"
+        await self._send(reply, self._done(rid, finish, n, version, error))
+
+    def _done(self, rid: str, finish: FinishReason, n: int, version: int | None = None,
+              error: str = "") -> GenerateDone:
+        version = self.engine.version if version is None else version
+        return GenerateDone(rid, finish, n, version, self.cfg.worker_id, error)
+
+    # -- control --------------------------------------------------------------------------------
+
+    async def _on_control(self, msg: Msg) -> None:
+        # A load can take a while; an abort must not wait behind it. The engine serialises
+        # pause/resume/load itself.
+        task = asyncio.create_task(self._control(msg))
+        self._ctl_tasks.add(task)
+        task.add_done_callback(self._ctl_tasks.discard)
+
+    async def _control(self, msg: Msg) -> None:
+        try:
+            ctl = decode(msg.data, RolloutControl)
+        except msgspec.ValidationError as e:
+            log.warning("bad RolloutControl: %s", e)
+        else:
+            log.info("control %s", ctl)
+            try:
+                await self._apply(ctl)
+            except CheckpointError as e:
+                log.error("rejected weights version %d: %s (still serving version %d)",
+                          ctl.version, e, self.engine.version)
+            except EngineDead as e:
+                log.error("engine dead after %s: %s; exiting", ctl.op, e)
+                self._quit.set()
+            except Exception:
+                log.exception("control %s failed", ctl.op)
+        if msg.reply:
+            await self._send(msg.reply, self.status())
+
+    async def _apply(self, ctl: RolloutControl) -> None:
+        match ctl.op:
+            case "abort":
+                task = self.tasks.get(ctl.request_id)
+                if not await self.engine.abort(ctl.request_id) and task is not None:
+                    self._aborted.add(ctl.request_id)  # its task has not reached the engine yet
+                if task is not None:
+                    await asyncio.wait([task], timeout=CONTROL_WAIT)
+            case "vacate":
+                await self.engine.pause_abort_all()
+                if self.tasks:
+                    await asyncio.wait(list(self.tasks.values()), timeout=CONTROL_WAIT)
+            case "resume":
+                await self.engine.resume()
+            case "load":
+                if ctl.version == self.engine.version:
+                    log.info("version %d is already loaded", ctl.version)
+                    return
+                t0 = time.monotonic()
+                await self.engine.load_weights(ctl.path, ctl.version)
+                log.info("loaded version %d from %s in %.2fs", ctl.version, ctl.path, time.monotonic() - t0)
+
+    async def _end_inflight(self) -> None:
+        # Let a running load finish: cancelled halfway it would leave the engine dead.
+        if self._ctl_tasks:
+            _, left = await asyncio.wait(list(self._ctl_tasks), timeout=CONTROL_WAIT)
+            for task in left:
+                task.cancel()
+        if not self.tasks:
+            return
+        if not self.engine.dead:
+            try:
+                await asyncio.wait_for(self.engine.pause_abort_all(), SHUTDOWN_WAIT)
+            except Exception as e:
+                log.warning("vacate on shutdown failed: %s", e)
+        pending = list(self.tasks.values())
+        if pending:
+            _, left = await asyncio.wait(pending, timeout=SHUTDOWN_WAIT)
+            for task in left:
+                task.cancel()
+            if left:
+                await asyncio.wait(left, timeout=2.0)

@@ -1,0 +1,37 @@
+"""services/rollout/config.py: env-driven settings, CLI overrides, worker ids that are subject tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.rollout.config import RolloutConfig, load_config, served_name
+from shared.config import ConfigError, load
+
+
+def test_defaults_and_env(monkeypatch):
+    monkeypatch.setenv("SF_ROLLOUT_MODEL", "/m/qwen/")
+    monkeypatch.setenv("SF_ROLLOUT_MAX_NUM_SEQS", "4")
+    monkeypatch.setenv("SF_ROLLOUT_ENFORCE_EAGER", "false")
+    cfg = load_config(worker_id="w-1")
+    assert (cfg.model, cfg.worker_id, cfg.max_num_seqs, cfg.enforce_eager) == ("/m/qwen/", "w-1", 4, False)
+    assert (cfg.max_model_len, cfg.dtype, cfg.kv_cache_gib, cfg.max_request_seconds) == (2048, "float32", 1, 600)
+    assert served_name(cfg) == "qwen"
+
+
+def test_worker_id_defaults_to_host_pid(monkeypatch):
+    monkeypatch.delenv("SF_ROLLOUT_WORKER_ID", raising=False)
+    cfg = load_config(model="m")
+    assert cfg.worker_id.endswith(f"-{__import__('os').getpid()}") and "." not in cfg.worker_id
+
+
+@pytest.mark.parametrize("wid", ["a.b", "a b", "w*", "w>"])
+def test_worker_id_must_be_one_subject_token(wid):
+    with pytest.raises(ConfigError):
+        load_config(model="m", worker_id=wid)
+
+
+def test_model_is_required_and_typos_fail():
+    with pytest.raises(ConfigError):
+        load(RolloutConfig, "SF_ROLLOUT_", env={})
+    with pytest.raises(ConfigError, match="unknown setting"):
+        load(RolloutConfig, "SF_ROLLOUT_", env={"SF_ROLLOUT_MODEL": "m", "SF_ROLLOUT_MAX_SEQS": "3"})

@@ -1,0 +1,219 @@
+"""services/rollout/engine.py against a fake AsyncLLM.
+
+The engine's code stays real; only vLLM is faked. The fake emits one token per tick,
+honours abort and pause like vLLM 0.32 does (an aborted request finishes "abort" with
+its tokens so far), and can fail a reload halfway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from services.rollout import engine as engine_mod
+from services.rollout.checkpoint import CheckpointError
+from services.rollout.config import RolloutConfig
+from services.rollout.engine import Engine, EngineDead, EngineError
+from shared.messages.rollout import Sampling
+
+EOS = 2
+
+
+def write_ckpt(d: Path) -> Path:
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": EOS}))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS}))
+    save_file({"w": np.zeros((4, 4), np.float32)}, str(d / "model.safetensors"))
+    return d
+
+
+def out(ids, finish=None, stop_reason=None):
+    logprobs = [{t: SimpleNamespace(logprob=-1.0 - t / 100)} for t in ids]
+    c = SimpleNamespace(token_ids=ids, logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason,
+                        weight_versions=None)
+    return SimpleNamespace(outputs=[c], finished=finish is not None)
+
+
+class FakeLLM:
+    def __init__(self, script=(10, 11, 12, 13, 14, 15), include_stop=True):
+        self.script = list(script)
+        self.include_stop = include_stop
+        self.calls: list[tuple] = []
+        self.aborted: set[str] = set()
+        self.running: set[str] = set()
+        self.unpaused = asyncio.Event()
+        self.unpaused.set()
+        self.fail_reload = False
+
+    async def generate(self, prompt, params, request_id):
+        stop = set(params["stop_token_ids"])
+        self.running.add(request_id)
+        try:
+            for i in range(params["max_tokens"]):
+                await asyncio.sleep(0.002)
+                await self.unpaused.wait()
+                if request_id in self.aborted:
+                    yield out([], "abort")
+                    return
+                t = self.script[i % len(self.script)]
+                if t in stop:
+                    yield out([t] if self.include_stop else [], "stop", t)
+                    return
+                yield out([t], "length" if i == params["max_tokens"] - 1 else None)
+        finally:
+            self.running.discard(request_id)
+
+    async def abort(self, request_id):
+        self.calls.append(("abort", request_id))
+        self.aborted.add(request_id)
+
+    async def pause_generation(self, mode="abort", clear_cache=True):
+        self.calls.append(("pause", mode))
+        if mode == "abort":
+            self.aborted |= self.running
+        else:
+            self.unpaused.clear()
+
+    async def resume_generation(self):
+        self.calls.append(("resume",))
+        self.unpaused.set()
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append(("rpc", method, kwargs))
+        if self.fail_reload:
+            raise RuntimeError("meta tensors")
+        return [2]
+
+    async def update_weight_version(self, v):
+        self.calls.append(("version", v))
+
+    def shutdown(self, timeout=None):
+        self.calls.append(("shutdown",))
+
+
+@pytest.fixture
+def model(tmp_path):
+    return write_ckpt(tmp_path / "model")
+
+
+@pytest.fixture
+def make(model, monkeypatch):
+    monkeypatch.setattr(engine_mod, "_vllm_request", lambda ids, kw: (ids, kw))
+
+    async def make(llm=None, **cfg):
+        e = Engine(RolloutConfig(model=str(model), worker_id="w", **cfg), llm or FakeLLM())
+        await e.start(warmup=False)
+        return e
+    return make
+
+
+async def collect(e, rid="r", prompt=(1, 2, 3), **sampling):
+    return [d async for d in e.generate(rid, list(prompt), Sampling(**sampling))]
+
+
+def flat(deltas):
+    return [t for d in deltas for t in d.token_ids], [lp for d in deltas for lp in d.logprobs]
+
+
+async def test_deltas_carry_tokens_logprobs_and_version(make):
+    e = await make()
+    ds = await collect(e, max_tokens=3)
+    assert flat(ds) == ([10, 11, 12], [-1.1, -1.11, -1.12])
+    assert [d.finish for d in ds] == [None, None, "length"] and {d.version for d in ds} == {0}
+    assert e.running == 0
+
+
+@pytest.mark.parametrize("include_stop", [True, False])
+async def test_stop_finishes_with_the_stop_token_last(make, include_stop):
+    e = await make(FakeLLM(script=(10, 11, EOS, 12), include_stop=include_stop))
+    ids, lps = flat(await collect(e, max_tokens=10))
+    assert ids == [10, 11, EOS]
+    assert math.isnan(lps[-1]) != include_stop  # appended by the engine: logprob unknown
+
+
+async def test_explicit_stop_token(make):
+    e = await make()
+    ds = await collect(e, max_tokens=10, stop_token_ids=[12])
+    assert flat(ds)[0] == [10, 11, 12] and ds[-1].finish == "stop"
+
+
+async def test_bad_prompts_fail_before_vllm(make):
+    e = await make(max_model_len=8)
+    with pytest.raises(EngineError, match="max_model_len"):
+        await collect(e, prompt=range(8))
+    with pytest.raises(EngineError, match="empty"):
+        await collect(e, prompt=())
+
+
+async def test_abort_ends_preempted_with_partial_tokens(make):
+    e = await make()
+    got = []
+    async for d in e.generate("r", [1], Sampling(max_tokens=1000)):
+        got.append(d)
+        if len(got) == 3:
+            assert await e.abort("r")
+    assert got[-1].finish == "preempted" and len(flat(got)[0]) == 3
+    assert not await e.abort("r")  # no longer running
+
+
+async def test_vacate_ends_everything_then_resume(make):
+    e = await make()
+    tasks = [asyncio.create_task(collect(e, f"r{i}", max_tokens=1000)) for i in range(3)]
+    await asyncio.sleep(0.02)
+    await e.pause_abort_all()
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert all(r[-1].finish == "preempted" for r in results) and e.vacated
+    await e.resume()
+    assert not e.vacated and (await collect(e, max_tokens=2))[-1].finish == "length"
+
+
+async def test_load_in_flight_bumps_version_between_deltas(make, tmp_path):
+    llm = FakeLLM()
+    e = await make(llm)
+    new = write_ckpt(tmp_path / "v1")
+    got = []
+    async for d in e.generate("r", [1], Sampling(max_tokens=40)):
+        got.append(d)
+        if len(got) == 5:
+            await e.load_weights(new, 1)
+    versions = [d.version for d in got]
+    assert versions == sorted(versions) and versions[0] == 0 and versions[-1] == 1
+    assert len(flat(got)[0]) == 40 and got[-1].finish == "length"
+    ops = [c[0] for c in llm.calls if c[0] in ("pause", "rpc", "version", "resume")]
+    assert ops == ["version", "pause", "rpc", "version", "resume"]
+    assert ("pause", "keep") in llm.calls and ("version", "1") in llm.calls
+    assert ("rpc", "reload_weights_in_place", {"weights_path": str(new)}) in llm.calls
+
+
+async def test_bad_dir_is_rejected_without_touching_vllm(make, tmp_path):
+    llm = FakeLLM()
+    e = await make(llm)
+    bad = write_ckpt(tmp_path / "bad")
+    (bad / "model.safetensors").write_bytes(b"\x00" * 3)
+    with pytest.raises(CheckpointError):
+        await e.load_weights(bad, 1)
+    assert not any(c[0] == "pause" for c in llm.calls) and e.version == 0 and not e.dead
+
+
+async def test_failed_reload_kills_engine_and_never_resumes(make, tmp_path):
+    llm = FakeLLM()
+    llm.fail_reload = True
+    e = await make(llm)
+    task = asyncio.create_task(collect(e, max_tokens=1000))
+    await asyncio.sleep(0.02)
+    with pytest.raises(EngineDead):
+        await e.load_weights(write_ckpt(tmp_path / "v1"), 1)
+    ds = await asyncio.wait_for(task, 5)
+    assert ds[-1].finish == "preempted" and "dead" in ds[-1].error
+    assert ("resume",) not in llm.calls and e.dead and e.version == 0
+    with pytest.raises(EngineDead):
+        await collect(e)
+    with pytest.raises(EngineDead):
+        await e.resume()
