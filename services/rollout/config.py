@@ -32,6 +32,16 @@ class RolloutConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     status_interval: float = 1.0  # seconds between heartbeats
     max_request_seconds: float = 600.0  # hard bound on one Generate
     host: str = ""  # capability/host name reported to the scheduler
+    # following WeightsPublished (the WEIGHTS stream's last value)
+    follow_weights: bool = True
+    update_policy: str = "immediate"  # immediate: pause (keep), load, resume; drain: hold new
+    #                                   requests, let in-flight ones finish, then load
+    weights_poll: float = 0.5  # seconds between checks of the newest published version
+    drain_timeout: float = 30.0  # seconds a drain waits for in-flight requests before loading anyway
+
+    def __post_init__(self) -> None:
+        if self.update_policy not in ("immediate", "drain"):
+            raise ValueError("update_policy must be immediate or drain")
 
 
 def default_worker_id() -> str:

@@ -3,6 +3,7 @@
     sf.rollout.gen.<worker_id>   Generate -> TokenDelta* then exactly one GenerateDone, to msg.reply
     sf.rollout.ctl.<worker_id>   RolloutControl -> WorkerStatus (after the op is done)
     sf.rollout.status            WorkerStatus heartbeat every `status_interval` seconds
+    sf.weights.published         polled (last value): newer versions are loaded in place
 
 No queue group on the gen subject: the trajectory manager picks the worker. The
 worker holds no session state; everything it needs is in each Generate.
@@ -22,7 +23,7 @@ from nats.aio.msg import Msg
 from services.rollout.checkpoint import CheckpointError
 from services.rollout.config import RolloutConfig, served_name
 from services.rollout.engine import Engine, EngineDead, EngineError
-from shared import bus, subjects
+from shared import bus, subjects, weightstore
 from shared.codec import decode, encode
 from shared.config import Connections
 from shared.messages.rollout import (
@@ -34,6 +35,7 @@ from shared.messages.rollout import (
     WorkerState,
     WorkerStatus,
 )
+from shared.messages.weights import WeightsPublished
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,9 @@ class RolloutService:
         self._ctl_tasks: set[asyncio.Task] = set()
         self._aborted: set[str] = set()  # aborted before their task started
         self._quit = asyncio.Event()
+        self._admit = asyncio.Event()  # cleared while a drain-policy update holds new requests
+        self._admit.set()
+        self._rejected: set[int] = set()  # published versions whose checkpoint failed the checks
 
     async def run(self, quit: asyncio.Event) -> int:
         """Serve until `quit` is set or the engine dies; returns the process exit code."""
@@ -72,6 +77,9 @@ class RolloutService:
                 gen_sub = await self.nc.subscribe(subjects.rollout_gen(wid), cb=self._on_generate)
                 await self.nc.subscribe(subjects.rollout_ctl(wid), cb=self._on_control)
                 await self.nc.flush(timeout=5)
+                if self.cfg.follow_weights:
+                    follower = asyncio.create_task(self._follow_weights())
+                    stack.callback(follower.cancel)
                 await self._publish_status()
                 log.info("rollout worker %s ready", wid)
                 # 2. heartbeat until told to quit, or the engine is dead
@@ -160,6 +168,7 @@ class RolloutService:
         elif not (self.closing or self.engine.vacated):
             try:
                 async with asyncio.timeout(self.cfg.max_request_seconds):
+                    await self._admit.wait()  # a drain-policy update holds new requests here
                     async with aclosing(self.engine.generate(rid, req.prompt_ids, req.sampling)) as deltas:
                         async for d in deltas:
                             if d.token_ids:
@@ -237,6 +246,42 @@ class RolloutService:
                 t0 = time.monotonic()
                 await self.engine.load_weights(ctl.path, ctl.version)
                 log.info("loaded version %d from %s in %.2fs", ctl.version, ctl.path, time.monotonic() - t0)
+
+    # -- weights --------------------------------------------------------------------------------
+
+    async def _follow_weights(self) -> None:
+        """Load each newly published version (the WEIGHTS stream's last value).
+
+        Polling the last value, rather than a consumer, means a worker that starts late or
+        misses versions simply jumps to the newest one."""
+        js = self.nc.jetstream()
+        while not self._quit.is_set():
+            try:
+                cur = await weightstore.current(js)
+            except Exception as e:  # NATS reconnecting, or no WEIGHTS stream yet
+                log.debug("weights poll: %s", e)
+                cur = None
+            if (cur is not None and cur.version > self.engine.version and cur.version not in self._rejected
+                    and not self.engine.dead and not self.closing):
+                await self._update(cur)
+            await asyncio.sleep(self.cfg.weights_poll)
+
+    async def _update(self, ev: WeightsPublished) -> None:
+        if self.cfg.update_policy == "drain":
+            self._admit.clear()
+            if self.tasks:
+                await asyncio.wait(list(self.tasks.values()), timeout=self.cfg.drain_timeout)
+        try:
+            await self._apply(RolloutControl(op="load", version=ev.version, path=ev.path))
+        except CheckpointError as e:
+            self._rejected.add(ev.version)
+            log.error("rejected published version %d: %s (still serving %d)", ev.version, e, self.engine.version)
+        except EngineDead as e:
+            log.error("engine dead loading version %d: %s; exiting", ev.version, e)
+            self._quit.set()
+        finally:
+            self._admit.set()
+            await self._publish_status()
 
     async def _end_inflight(self) -> None:
         # Let a running load finish: cancelled halfway it would leave the engine dead.
