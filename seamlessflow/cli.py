@@ -96,7 +96,11 @@ def cmd_up(a: argparse.Namespace) -> None:
 def cmd_demo(a: argparse.Namespace) -> None:
     from seamlessflow.demo import run_demo
 
-    sys.exit(run_demo(_stack_options(a), sessions=a.sessions, turns=a.turns))
+    from seamlessflow.demo import prepare_model
+
+    if a.model is None:  # the tiny model, warm-started on the demo task
+        a.model = prepare_model(a.data_dir, log=lambda m: print(m, file=sys.stderr, flush=True))
+    sys.exit(run_demo(_stack_options(a), rounds=a.rounds, groups=a.groups, group_size=a.group_size))
 
 
 def cmd_export(a: argparse.Namespace) -> None:
@@ -161,8 +165,9 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("demo", help="start the stack, run agents through it, export their trajectories")
     _add_stack_args(p)
-    p.add_argument("--sessions", type=int, default=8)
-    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=40, help="rounds of agents; the trainer steps once per round")
+    p.add_argument("--groups", type=int, default=4, help="GRPO groups (prompts) per round")
+    p.add_argument("--group-size", type=int, default=8, help="sessions per group")
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("export", help="write finished trajectories as JSONL (reads SF_NATS_URL)")

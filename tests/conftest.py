@@ -75,3 +75,15 @@ def connections(nats_url, redis_url):
     from shared.config import Connections
 
     return Connections(nats_url=nats_url, redis_url=redis_url)
+
+
+@pytest.fixture(scope="session")
+def warm_model(tiny_model) -> Path:
+    """The tiny model after the documented supervised warm start on the reverse task."""
+    from seamlessflow.warmstart import warm_start
+
+    src = (ROOT / "seamlessflow" / "warmstart.py").read_bytes()
+    path = CACHE / f"model-warm-{_model_key()}-{hashlib.sha256(src).hexdigest()[:8]}"
+    if not (path / "config.json").exists():
+        warm_start(tiny_model, path)
+    return path

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import math
 import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,6 +104,7 @@ class Engine:
         self.dead = ""  # why, once the engine is dead
         self.vacated = False
         self.updating = False
+        self.last_update: dict[str, float] = {}  # timings of the last in-place weight update
         self._llm = llm
         self._eos: list[int] = eos_token_ids(cfg.model)
         self._reference: TensorSpecs | None = None
@@ -250,10 +252,12 @@ class Engine:
             # 1. check the directory while still serving: a bad one must not reach vLLM
             check_checkpoint(path, self._reference)
             self.updating = True
+            t0 = time.perf_counter()
             try:
                 # 2. freeze requests (their KV cache is dropped and recomputed with the new weights)
                 await self._llm.pause_generation(mode="keep", clear_cache=True)
                 await asyncio.sleep(SETTLE_SECONDS)
+                t1 = time.perf_counter()
                 # 3. reload; a failure here leaves vLLM with half-loaded weights: never resume
                 try:
                     # vllm_ext: vLLM's reload_weights, plus a repack of the tied LM head
@@ -265,11 +269,17 @@ class Engine:
                         raise
                     raise EngineDead(self.dead) from e
                 log.info("reloaded %s (repacked layers per worker: %s)", path, repacked)
+                t2 = time.perf_counter()
                 # 4. tokens sampled from here on come from `version`
                 self.version = version
                 await self._llm.update_weight_version(str(version))
                 if not self.vacated:
                     await self._llm.resume_generation()
+                t3 = time.perf_counter()
+                self.last_update = {"version": version, "pause_ms": 1000 * (t1 - t0),
+                                    "load_ms": 1000 * (t2 - t1), "resume_ms": 1000 * (t3 - t2)}
+                log.info("weight update v%d: pause %.1f ms, load %.1f ms, resume %.1f ms", version,
+                         *(self.last_update[k] for k in ("pause_ms", "load_ms", "resume_ms")))
             finally:
                 self.updating = False
 

