@@ -170,37 +170,70 @@ async def test_tokens_after_an_update_come_from_the_new_weights(stack, tmp_path)
     await publish(stack, variant(stack.o.model, tmp_path / "orig", "noise", seed=99))
 
 
+async def load_worker(stack, worker: str, n: int = 8, tokens: int = 300):
+    """Busy `worker` with n long generations sent straight to it, so a request there takes long
+    enough to be cut mid-way."""
+    from shared import bus, subjects
+    from shared.codec import decode, encode
+    from shared.messages import Generate, GenerateDone, RolloutReply, Sampling
+
+    nc = await bus.connect(Connections(nats_url=stack.nats_url), name="load")
+
+    async def one(i: int) -> None:
+        cmd = Generate(f"load-{i}-{time.time()}", [1, 5, 6, 7], Sampling(max_tokens=tokens, temperature=1.0))
+        async with bus.stream_request(nc, subjects.rollout_gen(worker), encode(cmd), 60, 60) as replies:
+            async for data in replies:
+                if isinstance(decode(data, RolloutReply), GenerateDone):
+                    return
+
+    return [asyncio.create_task(one(i)) for i in range(n)], nc
+
+
 async def test_abort_and_resume_elsewhere_equals_uninterrupted(stack, tmp_path):
+    from shared import bus, subjects
+    from shared.codec import encode
+    from shared.messages import RolloutControl
+
     await wait_for_version(stack, max(served_versions(stack).values()))
     headers = {"Authorization": f"Bearer {stack.api_key}"}
-    messages = [{"role": "user", "content": "tell me a long story"}]
 
     async def run(cut: bool) -> dict:
+        """Turn 1 pins the session to a worker (sticky routing); turn 2 is long and greedy, on
+        that worker made busy; with `cut`, the worker is vacated 0.2 s into turn 2."""
         s = httpx.post(f"{stack.gateway_url}/sessions", json={}, headers=headers).json()
         client = openai.AsyncOpenAI(base_url=stack.gateway_url, api_key=s["api_key"], max_retries=0, timeout=180)
-        stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=80,
+        messages = [{"role": "user", "content": "hi"}]
+        first = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0.0)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "tell me a long story"}]
+        pinned = httpx.get(f"{stack.gateway_url}/sessions/{s['id']}", headers=headers).json()["turns"][0]
+        worker = pinned["segments"][0]["worker_id"]
+        background, nc = await load_worker(stack, worker)
+
+        async def vacate_soon() -> None:
+            await asyncio.sleep(0.2)
+            await bus.request(nc, subjects.rollout_ctl(worker), encode(RolloutControl(op="vacate")), 30)
+
+        cutter = asyncio.create_task(vacate_soon()) if cut else None
+        stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200,
                                                       temperature=0.0, stream=True)
-        vacated = None
-        text = ""
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                text += chunk.choices[0].delta.content
-                if cut and vacated is None:
-                    busy = [w["id"] for w in admin(stack, "GET", "/admin/workers").json()["workers"] if w["running"]]
-                    if busy:
-                        vacated = busy[0]
-                        assert admin(stack, "POST", f"/admin/workers/{vacated}/vacate").status_code == 200
-        if vacated:
-            admin(stack, "POST", f"/admin/workers/{vacated}/resume")
-        turn = httpx.get(f"{stack.gateway_url}/sessions/{s['id']}", headers=headers).json()["turns"][0]
-        return {"text": text, "turn": turn, "vacated": vacated}
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        if cutter:
+            await cutter
+            await bus.request(nc, subjects.rollout_ctl(worker), encode(RolloutControl(op="resume")), 30)
+        await asyncio.wait(background, timeout=60)
+        await bus.wait_closed(nc)
+        turn = httpx.get(f"{stack.gateway_url}/sessions/{s['id']}", headers=headers).json()["turns"][1]
+        return {"text": text, "turn": turn, "vacated": worker if cut else None}
 
     ref = await run(cut=False)
     cut = await run(cut=True)
-    assert cut["vacated"], "no worker was busy to vacate"
-    workers = [seg["worker_id"] for seg in cut["turn"]["segments"]]
-    assert len(set(workers)) == 2, workers  # really moved to the other worker
     ids = lambda t: [x for seg in t["segments"] for x in seg["token_ids"]]  # noqa: E731
+    workers = [seg["worker_id"] for seg in cut["turn"]["segments"]]
+    # really cut, and continued on the other worker
+    assert len(set(workers)) == 2, (workers, [len(s["token_ids"]) for s in cut["turn"]["segments"]])
+    assert workers[0] == cut["vacated"]
+    assert len(ids(ref["turn"])) > 20
     assert ids(cut["turn"]) == ids(ref["turn"])
     assert cut["text"] == ref["text"]
     lp = lambda t: [x for seg in t["segments"] for x in seg["logprobs"]]  # noqa: E731
