@@ -36,7 +36,7 @@ class RolloutConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     follow_weights: bool = True
     update_policy: str = "immediate"  # immediate: pause (keep), load, resume; drain: hold new
     #                                   requests, let in-flight ones finish, then load
-    weights_poll: float = 0.5  # seconds between checks of the newest published version
+    weights_poll: float = 5.0  # seconds between checks of the newest version besides the push
     drain_timeout: float = 30.0  # seconds a drain waits for in-flight requests before loading anyway
 
     def __post_init__(self) -> None:

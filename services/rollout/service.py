@@ -224,6 +224,7 @@ class RolloutService:
                 log.exception("control %s failed", ctl.op)
         if msg.reply:
             await self._send(msg.reply, self.status())
+        await self._publish_status()  # routers learn of a vacate/resume/load now, not at the next beat
 
     async def _apply(self, ctl: RolloutControl) -> None:
         match ctl.op:
@@ -252,9 +253,16 @@ class RolloutService:
     async def _follow_weights(self) -> None:
         """Load each newly published version (the WEIGHTS stream's last value).
 
-        Polling the last value, rather than a consumer, means a worker that starts late or
-        misses versions simply jumps to the newest one."""
+        A core subscription to sf.weights.published wakes it at once; reading the stream's last
+        value (also every `weights_poll` seconds) means a worker that starts late or misses
+        versions simply jumps to the newest one."""
         js = self.nc.jetstream()
+        hint = asyncio.Event()
+
+        async def on_published(_msg: Msg) -> None:  # a JetStream publish is also a core message
+            hint.set()
+
+        await self.nc.subscribe(subjects.WEIGHTS_PUBLISHED, cb=on_published)
         while not self._quit.is_set():
             try:
                 cur = await weightstore.current(js)
@@ -264,7 +272,11 @@ class RolloutService:
             if (cur is not None and cur.version > self.engine.version and cur.version not in self._rejected
                     and not self.engine.dead and not self.closing):
                 await self._update(cur)
-            await asyncio.sleep(self.cfg.weights_poll)
+            try:
+                await asyncio.wait_for(hint.wait(), self.cfg.weights_poll)
+            except TimeoutError:
+                pass
+            hint.clear()
 
     async def _update(self, ev: WeightsPublished) -> None:
         if self.cfg.update_policy == "drain":

@@ -36,6 +36,7 @@ from shared.messages.chat import KEEPALIVE_INTERVAL
 
 Emit = Callable[[Any], Awaitable[None]]
 LEASE_MS = 3000
+PREFER_OTHER_WORKER_S = 2.0  # after a preemption, how long to wait for a worker other than the preempter
 PERSIST_CHUNK = 32  # tokens a plain (non-stream) request buffers before persisting
 
 
@@ -141,9 +142,13 @@ class TurnHandler:
         async def pick(exclude: frozenset[str]) -> str:
             nonlocal last_worker
             deadline = time.monotonic() + self.cfg.worker_wait
+            # after a preemption, wait a little for another worker before going back to the same one
+            prefer_until = time.monotonic() + (PREFER_OTHER_WORKER_S if exclude else 0.0)
             while True:
                 now = time.time()
-                w = self.table.choose(now, sticky, exclude) or self.table.choose(now, sticky)
+                w = self.table.choose(now, sticky, exclude)
+                if w is None and time.monotonic() >= prefer_until:
+                    w = self.table.choose(now, sticky)
                 if w:
                     last_worker = w
                     return w

@@ -80,8 +80,8 @@ class Renderer:
 class IncrementalText:
     """Decodes a growing list of ids and returns only the new, complete text.
 
-    Holds back text that ends in a partial UTF-8 sequence (U+FFFD) until the next
-    token completes it.
+    Holds back up to 3 trailing U+FFFD (a UTF-8 sequence the next token may complete);
+    longer runs are bytes that will never form a character, and are streamed as they are.
     """
 
     def __init__(self, renderer: Renderer):
@@ -92,9 +92,13 @@ class IncrementalText:
     def add(self, ids: list[int]) -> str:
         self.ids += ids
         text = self.renderer.decode(self.ids)
-        if text.endswith("\ufffd") or not text.startswith(self.text):
+        held = 0
+        while held < 3 and held < len(text) and text[-1 - held] == "\ufffd":
+            held += 1
+        stable = text[: len(text) - held]
+        if len(stable) <= len(self.text) or not stable.startswith(self.text):
             return ""
-        new, self.text = text[len(self.text):], text
+        new, self.text = stable[len(self.text):], stable
         return new
 
     def final(self) -> str:

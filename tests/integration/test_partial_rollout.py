@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared import weightstore
+from shared import bus, weightstore
 from shared.config import Connections
 from tests.integration.stack_fixture import make_stack
 
@@ -82,12 +82,14 @@ def admin(stack, method: str, path: str):
                          timeout=60)
 
 
-async def agent(stack, http: httpx.AsyncClient, i: int, turns: int = 3) -> dict:
+async def agent(stack, http: httpx.AsyncClient, i: int, until: asyncio.Event, min_turns: int = 3) -> dict:
+    """Multi-turn: at least `min_turns`, and on until `until` is set (the disturbances are over)."""
     s = (await http.post("/sessions", json={"group_id": f"g{i % 4}"})).json()
     client = openai.AsyncOpenAI(base_url=stack.gateway_url, api_key=s["api_key"], max_retries=0, timeout=180)
     messages = [{"role": "user", "content": f"agent {i} says hello"}]
     replies = []
-    for t in range(turns):
+    t = 0
+    while t < min_turns or not until.is_set():
         stream = (i + t) % 2 == 0
         if stream:
             chunks = [c async for c in await client.chat.completions.create(
@@ -98,6 +100,7 @@ async def agent(stack, http: httpx.AsyncClient, i: int, turns: int = 3) -> dict:
             text = r.choices[0].message.content or ""
         replies.append(text)
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"turn {t}"}]
+        t += 1
     await client.close()
     return {"session": s["id"], "replies": replies}
 
@@ -109,7 +112,8 @@ async def test_agents_never_notice_updates_vacate_and_replica_death(stack, tmp_p
     versions = [variant(stack.o.model, tmp_path / f"w{k}", "noise", seed=k) for k in range(5)]
     headers = {"Authorization": f"Bearer {stack.api_key}"}
     async with httpx.AsyncClient(base_url=stack.gateway_url, headers=headers, timeout=60) as http:
-        agents = [asyncio.create_task(agent(stack, http, i)) for i in range(32)]
+        over = asyncio.Event()
+        agents = [asyncio.create_task(agent(stack, http, i, over)) for i in range(32)]
 
         async def disturb():
             await asyncio.sleep(2.0)
@@ -121,6 +125,7 @@ async def test_agents_never_notice_updates_vacate_and_replica_death(stack, tmp_p
                 if k == 2:
                     stack.kill("trajectory-0")  # SIGKILL
                 await asyncio.sleep(1.5)
+            over.set()
             return published
 
         published, *results = await asyncio.gather(disturb(), *agents, return_exceptions=True)
@@ -134,7 +139,8 @@ async def test_agents_never_notice_updates_vacate_and_replica_death(stack, tmp_p
     for res in results:
         r = httpx.get(f"{stack.gateway_url}/sessions/{res['session']}", headers=headers).json()
         turns = r["turns"]
-        assert len(turns) == 3 and [t["parent"] for t in turns] == [-1, 0, 1]
+        assert len(turns) == len(res["replies"]) >= 3
+        assert [t["parent"] for t in turns] == [-1] + [t["turn_id"] for t in turns[:-1]]
         for turn, reply in zip(turns, res["replies"]):
             ids = [x for seg in turn["segments"] for x in seg["token_ids"]]
             # the response is exactly the concatenation of its segments
@@ -153,12 +159,17 @@ async def test_tokens_after_an_update_come_from_the_new_weights(stack, tmp_path)
     headers = {"Authorization": f"Bearer {stack.api_key}"}
     s = httpx.post(f"{stack.gateway_url}/sessions", json={}, headers=headers).json()
     client = openai.AsyncOpenAI(base_url=stack.gateway_url, api_key=s["api_key"], max_retries=0, timeout=180)
+    # busy workers, so that the request is slow enough for an update to land in its middle
+    loads = [await load_worker(stack, w, n=16, tokens=400) for w in sorted(served_versions(stack))]
     stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "count"}],
-                                                  max_tokens=200, temperature=0.0, stream=True)
+                                                  max_tokens=400, temperature=0.0, stream=True)
     published = None
     async for chunk in stream:
         if published is None and chunk.choices and chunk.choices[0].delta.content:
             published = await publish(stack, forced)
+    for background, conn in loads:
+        await asyncio.wait(background, timeout=60)
+        await bus.wait_closed(conn)
     assert published is not None
     turn = httpx.get(f"{stack.gateway_url}/sessions/{s['id']}", headers=headers).json()["turns"][0]
     before = [x for seg in turn["segments"] if seg["version"] < published for x in seg["token_ids"]]
@@ -198,41 +209,47 @@ async def test_abort_and_resume_elsewhere_equals_uninterrupted(stack, tmp_path):
     headers = {"Authorization": f"Bearer {stack.api_key}"}
 
     async def run(cut: bool) -> dict:
-        """Turn 1 pins the session to a worker (sticky routing); turn 2 is long and greedy, on
-        that worker made busy; with `cut`, the worker is vacated 0.2 s into turn 2."""
+        """Turn 2 is long and greedy while both workers are busy; with `cut`, both are vacated
+        when its first text arrives (it comes back "preempted" with its partial tokens), and
+        resumed 0.3 s later: the re-dispatch prefers the worker that did not preempt it."""
         s = httpx.post(f"{stack.gateway_url}/sessions", json={}, headers=headers).json()
         client = openai.AsyncOpenAI(base_url=stack.gateway_url, api_key=s["api_key"], max_retries=0, timeout=180)
         messages = [{"role": "user", "content": "hi"}]
         first = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0.0)
         messages += [{"role": "assistant", "content": first.choices[0].message.content},
                      {"role": "user", "content": "tell me a long story"}]
-        pinned = httpx.get(f"{stack.gateway_url}/sessions/{s['id']}", headers=headers).json()["turns"][0]
-        worker = pinned["segments"][0]["worker_id"]
-        background, nc = await load_worker(stack, worker)
+        workers = sorted(served_versions(stack))
+        loads = [await load_worker(stack, w) for w in workers]
+        nc = loads[0][1]
 
-        async def vacate_soon() -> None:
-            await asyncio.sleep(0.2)
-            await bus.request(nc, subjects.rollout_ctl(worker), encode(RolloutControl(op="vacate")), 30)
+        async def ctl(op: str) -> None:
+            for w in workers:
+                await bus.request(nc, subjects.rollout_ctl(w), encode(RolloutControl(op=op)), 30)
 
-        cutter = asyncio.create_task(vacate_soon()) if cut else None
         stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200,
                                                       temperature=0.0, stream=True)
-        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
-        if cutter:
-            await cutter
-            await bus.request(nc, subjects.rollout_ctl(worker), encode(RolloutControl(op="resume")), 30)
-        await asyncio.wait(background, timeout=60)
-        await bus.wait_closed(nc)
+        text, vacated = "", False
+        async for c in stream:
+            if c.choices and c.choices[0].delta.content:
+                text += c.choices[0].delta.content
+                if cut and not vacated:  # a worker has produced tokens of this turn: cut it now
+                    vacated = True
+                    await ctl("vacate")
+                    await asyncio.sleep(0.3)
+                    await ctl("resume")
+        for background, conn in loads:
+            await asyncio.wait(background, timeout=60)
+            await bus.wait_closed(conn)
         turn = httpx.get(f"{stack.gateway_url}/sessions/{s['id']}", headers=headers).json()["turns"][1]
-        return {"text": text, "turn": turn, "vacated": worker if cut else None}
+        return {"text": text, "turn": turn, "vacated": vacated}
 
     ref = await run(cut=False)
     cut = await run(cut=True)
     ids = lambda t: [x for seg in t["segments"] for x in seg["token_ids"]]  # noqa: E731
     workers = [seg["worker_id"] for seg in cut["turn"]["segments"]]
     # really cut, and continued on the other worker
-    assert len(set(workers)) == 2, (workers, [len(s["token_ids"]) for s in cut["turn"]["segments"]])
-    assert workers[0] == cut["vacated"]
+    assert cut["vacated"]
+    assert len(set(workers)) == 2, (workers, [len(s["token_ids"]) for s in cut["turn"]["segments"]], ids(ref["turn"])[:12], ref["text"][:40])
     assert len(ids(ref["turn"])) > 20
     assert ids(cut["turn"]) == ids(ref["turn"])
     assert cut["text"] == ref["text"]

@@ -53,3 +53,15 @@ def test_incremental_text_holds_partial_utf8(renderer):
 def test_bad_template_input_is_a_render_error(renderer):
     with pytest.raises(RenderError):
         renderer.render([{"role": "assistant", "content": "x", "tool_calls": [{"function": {}}]}], [], gen=True)
+
+
+def test_incremental_text_streams_bytes_that_never_form_a_character(renderer):
+    """A model may sample byte tokens that never complete a UTF-8 character; the stream
+    must not stall on them until the end of the reply."""
+    tok = renderer.tok
+    lone = [i for i in range(len(tok)) if tok.decode([i]) == "\ufffd"][:1]
+    assert lone, "expected byte-level tokens that decode to U+FFFD alone"
+    inc = IncrementalText(renderer)
+    pieces = [inc.add(lone) for _ in range(8)] + [inc.add(renderer.encode("ok"))]
+    assert "".join(pieces).endswith("ok")
+    assert sum(len(p) for p in pieces[:8]) >= 5  # streamed before the reply ended
