@@ -27,7 +27,7 @@ MODEL = "seamlessflow-tiny"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_model, nats_url, redis_url):
     s = make_stack(tmp_path_factory.mktemp("pr"), tiny_model, nats_url, redis_url, workers=2,
-                   trajectory_replicas=2, max_num_seqs=16)
+                   trajectory_replicas=2, max_num_seqs=16, max_model_len=2048)
     yield s
     s.stop()
 
@@ -161,6 +161,7 @@ async def test_tokens_after_an_update_come_from_the_new_weights(stack, tmp_path)
     client = openai.AsyncOpenAI(base_url=stack.gateway_url, api_key=s["api_key"], max_retries=0, timeout=180)
     # busy workers, so that the request is slow enough for an update to land in its middle
     loads = [await load_worker(stack, w, n=16, tokens=400) for w in sorted(served_versions(stack))]
+    await warm_stream(client)
     stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "count"}],
                                                   max_tokens=400, temperature=0.0, stream=True)
     published = None
@@ -171,7 +172,7 @@ async def test_tokens_after_an_update_come_from_the_new_weights(stack, tmp_path)
         await asyncio.wait(background, timeout=60)
         await bus.wait_closed(conn)
     assert published is not None
-    turn = httpx.get(f"{stack.gateway_url}/sessions/{s['id']}", headers=headers).json()["turns"][0]
+    turn = httpx.get(f"{stack.gateway_url}/sessions/{s['id']}", headers=headers).json()["turns"][-1]
     before = [x for seg in turn["segments"] if seg["version"] < published for x in seg["token_ids"]]
     after = [x for seg in turn["segments"] if seg["version"] == published for x in seg["token_ids"]]
     assert before and after, turn["segments"]
@@ -179,6 +180,15 @@ async def test_tokens_after_an_update_come_from_the_new_weights(stack, tmp_path)
     assert sum(x == 0 for x in before) < len(before) / 2
     # put the ordinary weights back for the next test
     await publish(stack, variant(stack.o.model, tmp_path / "orig", "noise", seed=99))
+
+
+async def warm_stream(client, messages=None) -> str:
+    """The openai SDK's first stream on a client spends ~1 s before yielding its first chunk;
+    tests that act on the first chunk of a later stream warm the client up with this one."""
+    messages = messages or [{"role": "user", "content": "hi"}]
+    stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3,
+                                                  temperature=0.0, stream=True)
+    return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
 
 async def load_worker(stack, worker: str, n: int = 8, tokens: int = 300):
@@ -215,8 +225,8 @@ async def test_abort_and_resume_elsewhere_equals_uninterrupted(stack, tmp_path):
         s = httpx.post(f"{stack.gateway_url}/sessions", json={}, headers=headers).json()
         client = openai.AsyncOpenAI(base_url=stack.gateway_url, api_key=s["api_key"], max_retries=0, timeout=180)
         messages = [{"role": "user", "content": "hi"}]
-        first = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0.0)
-        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+        first = await warm_stream(client, messages)
+        messages += [{"role": "assistant", "content": first},
                      {"role": "user", "content": "tell me a long story"}]
         workers = sorted(served_versions(stack))
         loads = [await load_worker(stack, w) for w in workers]
@@ -243,11 +253,13 @@ async def test_abort_and_resume_elsewhere_equals_uninterrupted(stack, tmp_path):
         turn = httpx.get(f"{stack.gateway_url}/sessions/{s['id']}", headers=headers).json()["turns"][1]
         return {"text": text, "turn": turn, "vacated": vacated}
 
-    ref = await run(cut=False)
-    cut = await run(cut=True)
     ids = lambda t: [x for seg in t["segments"] for x in seg["token_ids"]]  # noqa: E731
+    ref = await run(cut=False)
+    for _ in range(3):  # the cut races the generation; a cut that came after the end is retried
+        cut = await run(cut=True)
+        if len(cut["turn"]["segments"]) > 1:
+            break
     workers = [seg["worker_id"] for seg in cut["turn"]["segments"]]
-    # really cut, and continued on the other worker
     assert cut["vacated"]
     assert len(set(workers)) == 2, (workers, [len(s["token_ids"]) for s in cut["turn"]["segments"]], ids(ref["turn"])[:12], ref["text"][:40])
     assert len(ids(ref["turn"])) > 20
