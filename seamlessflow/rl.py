@@ -26,9 +26,9 @@ from seamlessflow.tasks import reverse_prompt, reverse_reward
 
 # Trainer settings for the tiny model (see ENV-NOTES "How fast a tiny model learns").
 TRAINER_SETTINGS = {
-    "lr": 1e-3,
-    "ppo_epochs": 2,
-    "entropy_coef": 0.01,
+    "lr": 2e-4,
+    "ppo_epochs": 1,
+    "entropy_coef": 0.0,
     "advantage": "grpo",
     "checkpoint_every": 5,
     "publish_every": 1,

@@ -96,12 +96,15 @@ class TrajectoryService:
             await asyncio.sleep(1.0)
 
     async def _untrained(self) -> int:
-        """Completed samples the trainer has not acked yet (0 if no trainer consumer exists)."""
+        """Completed samples not yet delivered to the trainer (0 if no trainer consumer exists).
+
+        Delivered-but-unacked ones do not count: the trainer holds trained messages unacked
+        until a checkpoint covers them, and counting those would close admission for good."""
         try:
             info = await self.js.consumer_info("TRAJECTORIES", self.cfg.trainer_consumer, timeout=2)
         except Exception:
             return 0
-        return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+        return int(info.num_pending or 0)
 
     # -- rollout workers -------------------------------------------------------------------------
 
