@@ -26,7 +26,8 @@ from seamlessflow.tasks import reverse_prompt, reverse_reward
 
 # Trainer settings for the tiny model (see ENV-NOTES "How fast a tiny model learns").
 TRAINER_SETTINGS = {
-    "lr": 2e-4,
+    "lr": 3e-4,
+    "lr_warmup_steps": 5,
     "ppo_epochs": 1,
     "entropy_coef": 0.0,
     "advantage": "grpo",

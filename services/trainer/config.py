@@ -26,6 +26,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     zero_stage: int = 0  # 0..3
     dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU; or "fp32", "bf16"
     lr: float = 1e-5
+    lr_warmup_steps: int = 0  # linear warm-up of the learning rate over this many optimizer steps
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.999

@@ -101,7 +101,14 @@ class TrainEngine:
             "bf16": {"enabled": self.bf16},
             "steps_per_print": 2**31 - 1,
         }
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        # Linear warm-up: AdamW's first steps move every weight by ~lr whatever its gradient,
+        # which wrecks a small policy at RL learning rates. DeepSpeed steps it per update and
+        # keeps it in the checkpoint.
+        warmup = max(cfg.lr_warmup_steps, 0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=ds_config)
         self.device = self.engine.device
         self.ref_model = self._load_reference() if self.algo.kl_coef else None
         self.init_seconds = time.perf_counter() - t0
