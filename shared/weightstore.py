@@ -11,7 +11,6 @@ starts late reads the current version). Trainer and operator CLI share this modu
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import time
@@ -21,38 +20,16 @@ from nats.js import JetStreamContext
 
 from shared import bus, subjects
 from shared.codec import decode
+from shared.checkpoint import CheckpointError, check_checkpoint
 from shared.messages import WeightsPublished
+
+__all__ = ["BadCheckpoint", "CheckpointError", "check_checkpoint", "write_version", "versions_on_disk",
+           "version_dir", "current", "announce", "publish_dir", "collect_garbage"]
 
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 
 
-class BadCheckpoint(ValueError):
-    pass
-
-
-def check_checkpoint(path: Path) -> None:
-    """Cheap checks before anything loads `path`: a failed load in vLLM kills the engine."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise BadCheckpoint(f"{path}: no config.json")
-    try:
-        json.loads((path / "config.json").read_text())
-    except ValueError as e:
-        raise BadCheckpoint(f"{path}/config.json is not JSON: {e}") from None
-    shards = sorted(path.glob("*.safetensors"))
-    if not shards:
-        raise BadCheckpoint(f"{path}: no *.safetensors weights")
-    from safetensors import safe_open
-
-    for shard in shards:
-        try:
-            with safe_open(str(shard), framework="pt") as f:
-                if not list(f.keys()):
-                    raise BadCheckpoint(f"{shard}: holds no tensors")
-        except BadCheckpoint:
-            raise
-        except Exception as e:
-            raise BadCheckpoint(f"{shard}: unreadable safetensors ({e})") from None
+BadCheckpoint = CheckpointError  # kept for callers of the old name
 
 
 def version_dir(root: Path, version: int) -> Path:

@@ -1,101 +1,14 @@
-"""What a weight directory holds, read without loading it: tensor specs from the
-safetensors headers, and the model's EOS ids.
-
-A failed in-place reload leaves vLLM dead (ENV-NOTES), so a directory is checked
-here first: config.json parses, every *.safetensors file is whole and readable, and
-its tensors have the names and shapes of the checkpoint the engine started from.
-This module knows files only; it does not know vLLM or NATS.
-"""
+"""The model's EOS ids, read from its config files; the checkpoint checks themselves live in
+shared/checkpoint.py (trainer, operator CLI and rollout workers use the same ones)."""
 
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
-TensorSpecs = dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape)
+from shared.checkpoint import CheckpointError, TensorSpecs, check_checkpoint, tensor_specs
 
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
-
-
-class CheckpointError(ValueError):
-    pass
-
-
-def _read_header(path: Path) -> TensorSpecs:
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise CheckpointError(f"{path.name}: shorter than a safetensors header")
-            (n,) = struct.unpack("<Q", raw)
-            if n > _MAX_HEADER or 8 + n > size:
-                raise CheckpointError(f"{path.name}: header length {n} does not fit a {size}-byte file")
-            header = json.loads(f.read(n))
-    except OSError as e:
-        raise CheckpointError(f"{path.name}: cannot read: {e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path.name}: bad header: {e}") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path.name}: bad header: not an object")
-    specs: TensorSpecs = {}
-    end = 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (lo, hi) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path.name}: bad header entry for {name!r}") from None
-        if not 0 <= lo <= hi:
-            raise CheckpointError(f"{path.name}: bad data offsets for {name!r}")
-        specs[name] = (dtype, shape)
-        end = max(end, hi)
-    if 8 + n + end != size:
-        raise CheckpointError(f"{path.name}: {size} bytes on disk, the header describes {8 + n + end} (truncated?)")
-    return specs
-
-
-def tensor_specs(model_dir: str | Path) -> TensorSpecs:
-    """Every tensor in the directory's *.safetensors files. Raises CheckpointError."""
-    d = Path(model_dir)
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{d}: no *.safetensors files")
-    specs: TensorSpecs = {}
-    for f in files:
-        for name, spec in _read_header(f).items():
-            if name in specs:
-                raise CheckpointError(f"{d}: tensor {name!r} appears in more than one file")
-            specs[name] = spec
-    return specs
-
-
-def check_checkpoint(model_dir: str | Path, reference: TensorSpecs | None = None) -> TensorSpecs:
-    """Raise CheckpointError unless `model_dir` looks loadable in place of `reference`.
-
-    Each reference tensor must be present with the same shape. The dtype may
-    differ (a trainer may save bf16 for an fp32 engine; vLLM converts on load).
-    """
-    d = Path(model_dir)
-    if not d.is_dir():
-        raise CheckpointError(f"{d}: not a directory")
-    try:
-        config = json.loads((d / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{d}/config.json: {e}") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{d}/config.json: not an object")
-    specs = tensor_specs(d)
-    if reference is not None:
-        missing = sorted(set(reference) - set(specs))
-        if missing:
-            raise CheckpointError(f"{d}: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
-        for name, (_, shape) in reference.items():
-            if specs[name][1] != shape:
-                raise CheckpointError(f"{d}: {name} has shape {list(specs[name][1])}, expected {list(shape)}")
-    return specs
+__all__ = ["CheckpointError", "TensorSpecs", "check_checkpoint", "eos_token_ids", "tensor_specs"]
 
 
 def eos_token_ids(model_dir: str | Path) -> list[int]:
