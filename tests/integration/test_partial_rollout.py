@@ -267,3 +267,35 @@ async def test_abort_and_resume_elsewhere_equals_uninterrupted(stack, tmp_path):
     assert cut["text"] == ref["text"]
     lp = lambda t: [x for seg in t["segments"] for x in seg["logprobs"]]  # noqa: E731
     assert max(abs(a - b) for a, b in zip(lp(cut["turn"]), lp(ref["turn"]))) < 1e-3
+
+
+def test_operator_cli_lists_publishes_and_steers(stack, tmp_path):
+    """`seamlessflow weights publish|list` and `seamlessflow workers list|vacate|resume`."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, SF_NATS_URL=stack.nats_url, SF_WEIGHTS_DIR=str(stack.weights_dir))
+
+    def cli(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "seamlessflow", *args], env=env, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    version = int(cli("weights", "publish", str(variant(stack.o.model, tmp_path / "cli", "noise", seed=7))))
+    asyncio.run(wait_for_version(stack, version))
+    listing = cli("weights", "list")
+    row = next(line for line in listing.splitlines() if line.split()[0] == str(version))
+    assert "*" in row and "rollout-0" in row and "rollout-1" in row
+    assert "rollout-0" in cli("workers", "list") and "serving" in cli("workers", "list")
+    assert "vacated" in cli("workers", "vacate", "rollout-1")
+    assert "serving" in cli("workers", "resume", "rollout-1")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    r = subprocess.run([sys.executable, "-m", "seamlessflow", "weights", "publish", str(bad)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "config.json" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "seamlessflow", "workers", "vacate", "nope"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "no rollout worker 'nope'" in r.stderr
