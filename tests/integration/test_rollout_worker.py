@@ -119,7 +119,8 @@ def worker(tiny_model, nats_url, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SF_ROLLOUT_")}
     env |= {"SF_NATS_URL": nats_url, "SF_ROLLOUT_STATUS_INTERVAL": "0.2",
             "SF_ROLLOUT_MAX_NUM_SEQS": str(MAX_NUM_SEQS), "SF_ROLLOUT_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
-            "SF_ROLLOUT_HOST": "test-host"}
+            "SF_ROLLOUT_HOST": "test-host",
+            "SF_ROLLOUT_FOLLOW_WEIGHTS": "0"}  # loads are driven by the tests here, not by WEIGHTS
     with open(log, "wb") as f:
         # niced: on a busy 2-core machine vLLM's busy-polling processes could otherwise starve
         # this test process, which then sees a request's first token after it has finished
