@@ -1,6 +1,6 @@
 """What DeepSpeed costs the trainer: trained tokens/s of TrainEngine vs a plain-PyTorch loop.
 
-    OMP_NUM_THREADS=2 DS_ACCELERATOR=cpu .venv/bin/python bench/train_step.py   # ~3-4 minutes on 2 CPU cores
+    OMP_NUM_THREADS=2 DS_ACCELERATOR=cpu .venv/bin/python bench/train_step.py   # ~5 minutes on 2 shared CPU cores
 
 Two models written by `seamlessflow.modelgen.init_model`: tiny (hidden 128, 2 layers) and
 medium (hidden 512, 8 layers; its parameter count is printed). For each model, three paths
@@ -14,7 +14,8 @@ All paths load the same HF weights, use lr 1e-4, grad clip 1.0, fp32, and train 
 micro-batches (built once: synthetic TrajectoryCompleted groups -> build_global_batch ->
 micro_batches). The plain loop does the same work as TrainEngine.train_step besides
 DeepSpeed (the detached entropy metric, per-micro-batch metrics), so the difference is
-DeepSpeed's. Each path gets `--warmup` untimed steps, then `--steps` timed ones.
+DeepSpeed's. Each path gets `--warmup` untimed steps, then `--steps` timed ones (tiny) or
+`--medium-steps` (others: the medium model takes ~15 s a step on 2 busy cores, so 3 by default).
 tokens/s = trained (loss-mask) tokens per step / median step time (the machine is shared: the
 median shrugs off a step that another process stalled; mean and min are printed too).
 Overhead = plain tokens/s over the path's tokens/s, minus 1. Goal (the issue): under 15% at ZeRO 0.
@@ -166,8 +167,8 @@ def bench_model(size: str, work: Path, args) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="tiny,medium", help="comma-separated init_model sizes")
-    ap.add_argument("--steps", type=int, default=15, help="timed steps per path, tiny model")
-    ap.add_argument("--medium-steps", type=int, default=5, help="timed steps per path, other models")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per path, tiny model")
+    ap.add_argument("--medium-steps", type=int, default=3, help="timed steps per path, other models")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--groups", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=8)
