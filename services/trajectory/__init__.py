@@ -1,0 +1,23 @@
+"""The trajectory manager: sessions, chat templates, token-exact trajectories, routing,
+partial rollout and staleness admission.
+
+    python -m services.trajectory --model var/model      # one replica; run N behind queue "trajectory"
+
+Modules, from the wire inwards:
+    service.py       NATS wiring (the only module touching NATS): sf.chat, sf.session.*,
+                     sf.chat.cancel, sf.rollout.status, the policy-version watch
+    chat.py          one agent turn: lookup, prompt, generation, persistence, the reply
+    sessions.py      create (admission) / get / reward / finish (TrajectoryCompleted)
+    generation.py    one generation across preemptions: dispatch, segments, re-dispatch
+    rendering.py     chat templates and tokens; continuation without re-tokenizing; streamed text
+    conversation.py  canonical messages and conversation keys
+    turns.py         the per-session token prefix tree and its samples
+    toolcalls.py     <tool_call> parsing and stream hold-back
+    routing.py       worker table: sticky, then least loaded
+    admission.py     the staleness bound
+    store.py         Redis (the only module touching it)
+    config.py        SF_TRAJECTORY_* settings
+
+It knows nothing about HTTP, vLLM or the trainer: text and messages come in over sf.chat,
+token ids go out over sf.rollout.gen.<worker>.
+"""
