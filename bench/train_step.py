@@ -1,6 +1,6 @@
 """What DeepSpeed costs the trainer: trained tokens/s of TrainEngine vs a plain-PyTorch loop.
 
-    OMP_NUM_THREADS=2 DS_ACCELERATOR=cpu .venv/bin/python bench/train_step.py   # ~5 minutes on 2 shared CPU cores
+    OMP_NUM_THREADS=2 DS_ACCELERATOR=cpu .venv/bin/python bench/train_step.py   # 1.5-5 min on 2 shared CPU cores
 
 Two models written by `seamlessflow.modelgen.init_model`: tiny (hidden 128, 2 layers) and
 medium (hidden 512, 8 layers; its parameter count is printed). For each model, three paths
@@ -15,7 +15,7 @@ micro-batches (built once: synthetic TrajectoryCompleted groups -> build_global_
 micro_batches). The plain loop does the same work as TrainEngine.train_step besides
 DeepSpeed (the detached entropy metric, per-micro-batch metrics), so the difference is
 DeepSpeed's. Each path gets `--warmup` untimed steps, then `--steps` timed ones (tiny) or
-`--medium-steps` (others: the medium model takes ~15 s a step on 2 busy cores, so 3 by default).
+`--medium-steps` (others: the medium model takes 4-15 s a step on 2 shared cores, so 3 by default).
 tokens/s = trained (loss-mask) tokens per step / median step time (the machine is shared: the
 median shrugs off a step that another process stalled; mean and min are printed too).
 Overhead = plain tokens/s over the path's tokens/s, minus 1. Goal (the issue): under 15% at ZeRO 0.
