@@ -25,8 +25,9 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trajectory-replicas", type=int, default=1)
     p.add_argument("--gateway-port", type=int, default=8000)
     p.add_argument("--admin-port", type=int, default=8001)
-    p.add_argument("--nats-port", type=int, default=4222)
-    p.add_argument("--redis-port", type=int, default=6379)
+    # not 4222/6379: the embedded servers must not collide with a NATS or Redis already running
+    p.add_argument("--nats-port", type=int, default=14222)
+    p.add_argument("--redis-port", type=int, default=16379)
     p.add_argument("--served-model", default="seamlessflow-tiny")
     p.add_argument("--max-model-len", type=int, default=2048)
 
@@ -72,7 +73,10 @@ def cmd_up(a: argparse.Namespace) -> None:
         sys.exit(f"error: {e}")
     print(f"\nSeamlessFlow is up.\n  OpenAI base_url: {stack.gateway_url}\n  API key:         {stack.api_key}\n"
           f"  admin:           {stack.admin_url} (admin key in {stack.data / 'credentials.json'})\n"
-          f"  logs:            {stack.logs}\nCtrl-C stops everything.", flush=True)
+          f"  logs:            {stack.logs}\n"
+          f"  operator cmds:   seamlessflow workers list | weights list | export (they find this stack\n"
+          f"                   through {stack.data / 'stack.json'}, or set SF_NATS_URL={stack.nats_url})\n"
+          "Ctrl-C stops everything.", flush=True)
     stop = False
 
     def _quit(*_):
@@ -98,6 +102,12 @@ def cmd_demo(a: argparse.Namespace) -> None:
 
     from seamlessflow.demo import prepare_model
 
+    from seamlessflow import servers
+
+    # the demo is self-contained: a busy default port is replaced by a free one
+    for name in ("gateway_port", "admin_port", "nats_port", "redis_port"):
+        if servers.port_open(getattr(a, name)):
+            setattr(a, name, servers.free_port())
     if a.model is None:  # the tiny model, warm-started on the demo task
         a.model = prepare_model(a.data_dir, log=lambda m: print(m, file=sys.stderr, flush=True))
     sys.exit(run_demo(_stack_options(a), rounds=a.rounds, groups=a.groups, group_size=a.group_size))
@@ -105,34 +115,56 @@ def cmd_demo(a: argparse.Namespace) -> None:
 
 def cmd_export(a: argparse.Namespace) -> None:
     from seamlessflow.export import export_file
+
+    n = asyncio.run(export_file(_connections(a), a.out))
+    print(f"wrote {n} samples to {a.out}")
+
+
+def _running_stack(data_dir: Path) -> dict:
+    """What `seamlessflow up` wrote about the stack it runs from DATA_DIR (empty if none)."""
+    import json
+
+    try:
+        return json.loads((data_dir / "stack.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _connections(a: argparse.Namespace):
+    """SF_NATS_URL/SF_REDIS_URL if set, else the stack `seamlessflow up` runs from --data-dir."""
+    import os
+
     from shared.config import connections
 
-    n = asyncio.run(export_file(connections(), a.out))
-    print(f"wrote {n} samples to {a.out}")
+    env = dict(os.environ)
+    stack = _running_stack(a.data_dir)
+    if "nats_url" in stack:
+        env.setdefault("SF_NATS_URL", stack["nats_url"])
+        env.setdefault("SF_REDIS_URL", stack["redis_url"])
+    return connections(env)
 
 
 def _weights_dir(a: argparse.Namespace) -> Path:
     import os
 
-    return Path(a.store or os.environ.get("SF_WEIGHTS_DIR", "var/weights"))
+    default = _running_stack(a.data_dir).get("weights_dir", "var/weights")
+    return Path(a.store or os.environ.get("SF_WEIGHTS_DIR", default))
 
 
 def cmd_workers(a: argparse.Namespace) -> None:
     from seamlessflow import ops
-    from shared.config import connections
 
     if a.action == "list":
-        print(ops.format_workers(asyncio.run(ops.worker_statuses(connections()))))
+        print(ops.format_workers(asyncio.run(ops.worker_statuses(_connections(a)))))
         return
     if not a.worker:
         sys.exit(f"error: workers {a.action} needs a worker id (see: seamlessflow workers list)")
-    s = asyncio.run(ops.control(connections(), a.worker, a.action))
+    s = asyncio.run(ops.control(_connections(a), a.worker, a.action))
     print(f"{s.worker_id}: {s.state}, version {s.version}, {s.running} running")
 
 
 def cmd_weights(a: argparse.Namespace) -> None:
     from seamlessflow import ops
-    from shared.config import connections
     from shared.weightstore import BadCheckpoint
 
     store = _weights_dir(a)
@@ -140,12 +172,12 @@ def cmd_weights(a: argparse.Namespace) -> None:
         if a.dir is None:
             sys.exit("error: weights publish needs a checkpoint DIR")
         try:
-            event = asyncio.run(ops.publish(connections(), store, a.dir))
+            event = asyncio.run(ops.publish(_connections(a), store, a.dir))
         except BadCheckpoint as e:
             sys.exit(f"error: {e}")
         print(event.version)
         return
-    conn = connections()
+    conn = _connections(a)
     print(ops.format_weights(store, asyncio.run(ops.current_version(conn)), asyncio.run(ops.worker_statuses(conn))))
 
 
@@ -172,17 +204,20 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("export", help="write finished trajectories as JSONL (reads SF_NATS_URL)")
     p.add_argument("--out", type=Path, default=Path("trajectories.jsonl"))
+    p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs (for its URLs)")
     p.set_defaults(fn=cmd_export)
 
     p = sub.add_parser("workers", help="list rollout workers, vacate or resume one")
     p.add_argument("action", choices=["list", "vacate", "resume"])
     p.add_argument("worker", nargs="?")
+    p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs (for its URLs)")
     p.set_defaults(fn=cmd_workers)
 
     p = sub.add_parser("weights", help="publish a checkpoint as a new policy version, or list versions")
     p.add_argument("action", choices=["publish", "list"])
     p.add_argument("dir", nargs="?", type=Path)
     p.add_argument("--store", type=Path, help="weight store root (default $SF_WEIGHTS_DIR or var/weights)")
+    p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs (for its URLs)")
     p.set_defaults(fn=cmd_weights)
 
     a = ap.parse_args(argv)

@@ -40,8 +40,8 @@ class StackOptions:
     trajectory_replicas: int = 1
     gateway_port: int = 8000
     admin_port: int = 8001
-    nats_port: int = 4222
-    redis_port: int = 6379
+    nats_port: int = 14222
+    redis_port: int = 16379
     served_model: str = "seamlessflow-tiny"
     max_model_len: int = 2048
     max_num_seqs: int = 16
@@ -114,6 +114,9 @@ class Stack:
         self.logs.mkdir(parents=True, exist_ok=True)
         (self.data / "stack.pid").write_text(str(os.getpid()))
         self._credentials()
+        (self.data / "stack.json").write_text(json.dumps({
+            "nats_url": self.nats_url, "redis_url": self.redis_url, "gateway_url": self.gateway_url,
+            "admin_url": self.admin_url, "weights_dir": str(self.weights_dir)}))
         try:
             self._spawn_infra()
             for i in range(self.o.trajectory_replicas):
@@ -132,6 +135,7 @@ class Stack:
             servers.stop(p.popen, timeout=15)
         self.procs.clear()
         (self.data / "stack.pid").unlink(missing_ok=True)
+        (self.data / "stack.json").unlink(missing_ok=True)
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
