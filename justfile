@@ -54,5 +54,6 @@ rollout MODEL:
 export OUT="trajectories.jsonl":
     {{py}} -m seamlessflow export --out {{OUT}}
 
+# static checks: undefined names, unused imports, syntax
 lint:
-    {{py}} -m compileall -q shared services seamlessflow bench tests
+    .venv/bin/ruff check --select F,E9 shared services seamlessflow bench tests

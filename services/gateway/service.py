@@ -24,7 +24,7 @@ from shared import subjects
 from shared.bus import BusUnavailable, ReplyTimeout, connect, request, stream_request, wait_closed
 from shared.codec import decode, encode
 from shared.config import Connections
-from shared.messages.chat import ChatCancel, ChatDelta, ChatDone, ChatFailed, ChatReply, ChatRequest
+from shared.messages.chat import ChatCancel, ChatDelta, ChatReply, ChatRequest
 from shared.messages.rollout import RolloutControl, WorkerStatus
 from shared.messages.session import SessionReply, SessionRequest
 

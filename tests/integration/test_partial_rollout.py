@@ -5,7 +5,6 @@ Redis, vLLM-CPU."""
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from pathlib import Path
 
