@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "services.rollout.vllm_ext.RolloutWorkerExtension"  # adds reload_weights_in_place
 RELOAD_TIMEOUT = 600.0  # seconds; a reload that takes longer leaves the engine dead
+ABORT_SWEEPS = 5  # vacate: rounds of aborting requests that raced the pause
+ABORT_SWEEP_GAP = 0.05  # seconds between those rounds
 SETTLE_SECONDS = 0.05  # after a pause: lets the pumps read what vLLM emitted before it
 
 
@@ -176,7 +178,7 @@ class Engine:
         """Read vLLM's outputs as soon as they exist, so each is stamped with the version
         that produced it even while the consumer is busy sending the previous one."""
         last_token: int | None = None
-        if stream.aborted:  # aborted before it reached vLLM
+        if stream.aborted or self.vacated:  # aborted or vacated before it reached vLLM
             stream.queue.put_nowait(Delta([], [], self.version, "preempted"))
             return
         try:
@@ -233,6 +235,16 @@ class Engine:
                 return
             self.vacated = True
             await self._llm.pause_generation(mode="abort")
+            # A request still on its way into vLLM when the pause came would sit in the paused
+            # engine's queue and never finish: abort every stream we know, a few times, until
+            # each has ended.
+            for _ in range(ABORT_SWEEPS):
+                if not self._streams:
+                    break
+                for rid, stream in list(self._streams.items()):
+                    stream.aborted = True
+                    await self._llm.abort(rid)
+                await asyncio.sleep(ABORT_SWEEP_GAP)
 
     async def resume(self) -> None:
         async with self._lock:

@@ -171,10 +171,11 @@ async def test_tokens_after_an_update_come_from_the_new_weights(stack, tmp_path)
     await warm_stream(client)
     stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "count"}],
                                                   max_tokens=400, temperature=0.0, stream=True)
-    published = None
-    async for chunk in stream:
-        if published is None and chunk.choices and chunk.choices[0].delta.content:
-            published = await publish(stack, forced)
+    # publish 0.5 s in: the request (400 tokens on busy workers) is well under way by then
+    await asyncio.sleep(0.5)
+    published = await publish(stack, forced)
+    async for _chunk in stream:
+        pass
     for background, conn in loads:
         await asyncio.wait(background, timeout=60)
         await bus.wait_closed(conn)
@@ -227,8 +228,8 @@ async def test_abort_and_resume_elsewhere_equals_uninterrupted(stack, tmp_path):
 
     async def run(cut: bool) -> dict:
         """Turn 2 is long and greedy while both workers are busy; with `cut`, both are vacated
-        when its first text arrives (it comes back "preempted" with its partial tokens), and
-        resumed 0.3 s later: the re-dispatch prefers the worker that did not preempt it."""
+        0.5 s into it (it comes back "preempted" with its partial tokens) and resumed 0.3 s
+        later: the re-dispatch prefers the worker that did not preempt it."""
         s = httpx.post(f"{stack.gateway_url}/sessions", json={}, headers=headers).json()
         client = openai.AsyncOpenAI(base_url=stack.gateway_url, api_key=s["api_key"], max_retries=0, timeout=180)
         messages = [{"role": "user", "content": "hi"}]
@@ -245,15 +246,16 @@ async def test_abort_and_resume_elsewhere_equals_uninterrupted(stack, tmp_path):
 
         stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200,
                                                       temperature=0.0, stream=True)
-        text, vacated = "", False
-        async for c in stream:
-            if c.choices and c.choices[0].delta.content:
-                text += c.choices[0].delta.content
-                if cut and not vacated:  # a worker has produced tokens of this turn: cut it now
-                    vacated = True
-                    await ctl("vacate")
-                    await asyncio.sleep(0.3)
-                    await ctl("resume")
+        async def cutter() -> bool:
+            await asyncio.sleep(0.5)  # the request (200 tokens on busy workers) is under way
+            await ctl("vacate")
+            await asyncio.sleep(0.3)
+            await ctl("resume")
+            return True
+
+        cutting = asyncio.create_task(cutter()) if cut else None
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        vacated = await cutting if cutting else False
         for background, conn in loads:
             await asyncio.wait(background, timeout=60)
             await bus.wait_closed(conn)
