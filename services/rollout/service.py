@@ -258,8 +258,13 @@ class RolloutService:
         versions simply jumps to the newest one."""
         js = self.nc.jetstream()
         hint = asyncio.Event()
+        pushed: list[WeightsPublished] = []
 
-        async def on_published(_msg: Msg) -> None:  # a JetStream publish is also a core message
+        async def on_published(msg: Msg) -> None:  # a JetStream publish is also a core message
+            try:
+                pushed.append(decode(msg.data, WeightsPublished))
+            except msgspec.ValidationError:
+                return
             hint.set()
 
         await self.nc.subscribe(subjects.WEIGHTS_PUBLISHED, cb=on_published)
@@ -269,6 +274,10 @@ class RolloutService:
             except Exception as e:  # NATS reconnecting, or no WEIGHTS stream yet
                 log.debug("weights poll: %s", e)
                 cur = None
+            # the pushed event itself: the stream's last value may not show it yet
+            candidates = [c for c in (cur, *pushed) if c is not None]
+            pushed.clear()
+            cur = max(candidates, key=lambda c: c.version) if candidates else None
             if (cur is not None and cur.version > self.engine.version and cur.version not in self._rejected
                     and not self.engine.dead and not self.closing):
                 await self._update(cur)
