@@ -73,23 +73,21 @@ async def get(request: Request) -> Response:
     return JSON(reply.body)
 
 
-async def reward(request: Request) -> Response:
+async def _settle(request: Request, op: str, body_type: type, status: str) -> Response:
+    """reward and finish: the same checks, one op name apart."""
     gw: Gateway = request.app.state.gateway
     key = await authenticate(request, gw.keys)
     session_id = request.path_params["session_id"]
     _may_use(key, session_id)
-    body = decode(await read_body(request, gw.cfg.max_body_bytes), RewardBody)
+    body = decode(await read_body(request, gw.cfg.max_body_bytes), body_type)
     value = _finite(body.reward)
-    reply = _check(await gw.session(SessionRequest(op="reward", session_id=session_id, reward=value)), session_id)
-    return JSON({"id": session_id, "status": "rewarded", "reward": value, **reply.body})
+    reply = _check(await gw.session(SessionRequest(op=op, session_id=session_id, reward=value)), session_id)
+    return JSON({"id": session_id, "status": status, "reward": value, **reply.body})
+
+
+async def reward(request: Request) -> Response:
+    return await _settle(request, "reward", RewardBody, "rewarded")
 
 
 async def finish(request: Request) -> Response:
-    gw: Gateway = request.app.state.gateway
-    key = await authenticate(request, gw.keys)
-    session_id = request.path_params["session_id"]
-    _may_use(key, session_id)
-    body = decode(await read_body(request, gw.cfg.max_body_bytes), FinishBody)
-    value = _finite(body.reward)
-    reply = _check(await gw.session(SessionRequest(op="finish", session_id=session_id, reward=value)), session_id)
-    return JSON({"id": session_id, "status": "finished", "reward": value, **reply.body})
+    return await _settle(request, "finish", FinishBody, "finished")

@@ -203,9 +203,6 @@ class Store:
             p.expire(f"sf:req:{rid}:deltas", REQUEST_TTL)
             await p.execute()
 
-    async def result(self, rid: str) -> bytes | None:
-        return await self.r.get(f"sf:done:{rid}")
-
     async def drop_request(self, rid: str) -> None:
         await self.r.delete(f"sf:req:{rid}", f"sf:req:{rid}:deltas", f"sf:req:{rid}:owner")
 
