@@ -107,36 +107,61 @@ def _is_no_responders(msg: Msg) -> bool:
     return bool(msg.headers) and msg.headers.get("Status") == "503" and not msg.data
 
 
+class Replies:
+    """The replies to one streamed request, in order: `async for data in replies`.
+
+    The first reply must come within `first_timeout`, each later one within
+    `idle_timeout`; otherwise ReplyTimeout. `ready()` returns the replies that have
+    already arrived, without waiting, so a consumer that fell behind can take them
+    in one go."""
+
+    def __init__(self, subject: str, first_timeout: float, idle_timeout: float):
+        self.subject = subject
+        self.queue: asyncio.Queue[Msg] = asyncio.Queue()
+        self._timeout = first_timeout
+        self._idle = idle_timeout
+
+    async def on_msg(self, msg: Msg) -> None:
+        self.queue.put_nowait(msg)
+
+    def _data(self, msg: Msg) -> bytes:
+        if _is_no_responders(msg):
+            raise BusUnavailable(f"nobody serves {self.subject}")
+        self._timeout = self._idle
+        return msg.data
+
+    def __aiter__(self) -> Replies:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            async with asyncio.timeout(self._timeout):
+                msg = await self.queue.get()
+        except TimeoutError:
+            raise ReplyTimeout(f"no reply on {self.subject} within {self._timeout:.1f}s") from None
+        return self._data(msg)
+
+    def ready(self) -> list[bytes]:
+        out = []
+        while not self.queue.empty():
+            out.append(self._data(self.queue.get_nowait()))
+        return out
+
+
 @asynccontextmanager
 async def stream_request(
     nc: NATS, subject: str, payload: bytes, first_timeout: float, idle_timeout: float
-) -> AsyncIterator[AsyncIterator[bytes]]:
-    """Send one request and iterate over its streamed replies.
-
-    The first reply must come within `first_timeout`, each later one within
-    `idle_timeout`; otherwise ReplyTimeout. The responder decides when the stream
-    ends: the caller stops iterating on its terminal message.
-    """
+) -> AsyncIterator[Replies]:
+    """Send one request and iterate over its streamed replies (see Replies). The
+    responder decides when the stream ends: the caller stops on its terminal message."""
     if not nc.is_connected:
         raise BusUnavailable("not connected to NATS")
     inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox)
+    replies = Replies(subject, first_timeout, idle_timeout)
+    sub = await nc.subscribe(inbox, cb=replies.on_msg)
     try:
         await nc.publish(subject, payload, reply=inbox)
-
-        async def replies() -> AsyncIterator[bytes]:
-            timeout = first_timeout
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=timeout)
-                except NatsTimeout:
-                    raise ReplyTimeout(f"no reply on {subject} within {timeout:.1f}s") from None
-                if _is_no_responders(msg):
-                    raise BusUnavailable(f"nobody serves {subject}")
-                timeout = idle_timeout
-                yield msg.data
-
-        yield replies()
+        yield replies
     finally:
         try:
             await sub.unsubscribe()

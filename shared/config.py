@@ -69,3 +69,14 @@ def connections(env: Mapping[str, str] | None = None) -> Connections:
     picked = {k: v for k, v in env.items() if k.startswith(("SF_NATS_", "SF_REDIS_"))}
     mapped = {k.replace("SF_", "SF_CONN_", 1): v for k, v in picked.items()}
     return load(Connections, prefix="SF_CONN_", env=mapped)
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def log_level(default: str = "INFO", env: Mapping[str, str] | None = None) -> str:
+    """SF_LOG_LEVEL (DEBUG, INFO, WARNING, ERROR) for every service's root logger."""
+    level = (os.environ if env is None else env).get("SF_LOG_LEVEL", default).upper()
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"SF_LOG_LEVEL={level!r}: choose one of {', '.join(LOG_LEVELS)}")
+    return level

@@ -17,7 +17,7 @@ import uvicorn
 
 from services.gateway.app import build_apps
 from services.gateway.config import load_config
-from shared.config import connections
+from shared.config import connections, log_level
 
 log = logging.getLogger("services.gateway")
 
@@ -59,5 +59,5 @@ async def main() -> int:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise SystemExit(asyncio.run(main()))

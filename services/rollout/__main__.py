@@ -17,7 +17,7 @@ import sys
 
 from services.rollout.config import load_config
 from services.rollout.service import RolloutService
-from shared.config import ConfigError, connections
+from shared.config import ConfigError, connections, log_level
 
 
 def main() -> int:
@@ -25,7 +25,7 @@ def main() -> int:
     ap.add_argument("--model", help="HF checkpoint dir (SF_ROLLOUT_MODEL)")
     ap.add_argument("--worker-id", help="this worker's id, one NATS subject token (SF_ROLLOUT_WORKER_ID)")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+    logging.basicConfig(level=log_level(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         cfg = load_config(model=args.model, worker_id=args.worker_id)

@@ -163,7 +163,7 @@ class Engine:
         stream.pump = asyncio.create_task(self._pump(request_id, prompt, params, stream))
         try:
             while True:
-                item = await stream.queue.get()
+                item = _coalesce(await stream.queue.get(), stream.queue)
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -304,6 +304,25 @@ class Engine:
             if stream.pump is not None and stream.pump is not me and not stream.pump.done():
                 stream.pump.cancel()
             stream.queue.put_nowait(Delta([], [], self.version, "preempted", error=f"worker engine dead: {why}"))
+
+
+def _coalesce(item: Delta | BaseException, queue: asyncio.Queue) -> Delta | BaseException:
+    """Merge the deltas already queued behind `item` that carry its version into it, so a
+    consumer that fell behind catches up in one message instead of one per token. Stops at
+    a version change, an error or the final delta (which it includes)."""
+    if isinstance(item, BaseException) or item.finish is not None:
+        return item
+    while not queue.empty():
+        nxt = queue._queue[0]  # peek: asyncio.Queue keeps its items in a deque
+        if isinstance(nxt, BaseException) or nxt.version != item.version or nxt.error:
+            break
+        queue.get_nowait()
+        item.token_ids += nxt.token_ids
+        item.logprobs += nxt.logprobs
+        if nxt.finish is not None:
+            item.finish = nxt.finish
+            break
+    return item
 
 
 def _sampled_logprob(entry: Any, token_id: int) -> float:

@@ -161,6 +161,7 @@ class RolloutService:
         finish: FinishReason = "preempted"
         error = ""
         version = self.engine.version
+        t0, tokens = time.monotonic(), 0
         if self.engine.dead:
             error = f"worker engine dead: {self.engine.dead}"
         elif rid in self._aborted:
@@ -174,6 +175,7 @@ class RolloutService:
                             if d.token_ids:
                                 await self._send(reply, TokenDelta(rid, d.token_ids, d.logprobs, d.version))
                                 self.generated_tokens += len(d.token_ids)
+                                tokens += len(d.token_ids)
                                 version = d.version
                             if d.finish is not None:
                                 finish, error = d.finish, d.error
@@ -189,6 +191,8 @@ class RolloutService:
             except Exception as e:
                 log.exception("request %s failed", rid)
                 finish, error = "error", f"{type(e).__name__}: {e}"
+        log.debug("request %s: %s after %d tokens in %.2fs (last version %d)", rid, finish, tokens,
+                  time.monotonic() - t0, version)
         await self._send(reply, self._done(rid, finish, n, version, error))
 
     def _done(self, rid: str, finish: FinishReason, n: int, version: int | None = None,

@@ -28,7 +28,9 @@ def main() -> int:
     ap.add_argument("--max-steps", type=int, help="exit after this many steps in total (SF_TRAINER_MAX_STEPS)")
     args = ap.parse_args()
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr,
+    from shared.config import log_level
+
+    logging.basicConfig(level=log_level() if rank == 0 else logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s %(message)s")
     log = logging.getLogger("services.trainer")
 

@@ -14,14 +14,14 @@ import signal
 
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.service import TrajectoryService
-from shared.config import connections, load
+from shared.config import connections, load, log_level
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m services.trajectory")
     ap.add_argument("--model", help="HF dir with the tokenizer and chat template")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=log_level(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = load(TrajectoryConfig, "SF_TRAJECTORY_", model=args.model)
     if not cfg.model:
         ap.error("--model or SF_TRAJECTORY_MODEL is required")

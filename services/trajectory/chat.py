@@ -38,6 +38,7 @@ Emit = Callable[[Any], Awaitable[None]]
 LEASE_MS = 3000
 PREFER_OTHER_WORKER_S = 2.0  # after a preemption, how long to wait for a worker other than the preempter
 PERSIST_CHUNK = 32  # tokens a plain (non-stream) request buffers before persisting
+RESUME_POLL = 0.2  # seconds between checks while a re-sent request waits for the replica serving it
 
 
 class TurnError(Exception):
@@ -52,6 +53,11 @@ class Prompt:
     new_ids: list[int]  # the part this turn adds after its parent's tokens
     parent: int
     new_messages: list[dict[str, Any]]
+
+
+class _FinishedElsewhere(Exception):
+    def __init__(self, done: bytes):
+        self.done = done
 
 
 class TurnHandler:
@@ -72,6 +78,8 @@ class TurnHandler:
         keepalive = asyncio.create_task(self._keepalive(rid, emit))
         try:
             return await self._handle(req, emit, sid, look)
+        except _FinishedElsewhere as e:  # a re-sent request whose first copy finished meanwhile
+            return decode(e.done, ChatDone)
         finally:
             keepalive.cancel()
 
@@ -80,7 +88,7 @@ class TurnHandler:
             await asyncio.sleep(KEEPALIVE_INTERVAL)
             await emit(ChatDelta(rid, "", 0))
             try:
-                await self.store.renew_lease(rid, LEASE_MS)
+                await self.store.renew_lease(rid, self.owner, LEASE_MS)
             except Exception:  # Redis hiccup: the next write reports it
                 pass
 
@@ -208,14 +216,21 @@ class TurnHandler:
         return done
 
     async def _resume(self, rid: str) -> tuple[Prompt, Generated, int]:
-        deadline = time.monotonic() + 3 * LEASE_MS / 1000
+        """Take over a request another replica started. If that replica is alive (the gateway
+        re-sent because it was slow, not dead), wait for it: its result is the answer."""
+        deadline = time.monotonic() + self.cfg.resume_wait
         while not await self.store.claim_request(rid, self.owner, LEASE_MS):
+            if (done := await self.store.done(rid)) is not None:
+                raise _FinishedElsewhere(done)
             if time.monotonic() > deadline:
-                raise TurnError(409, "duplicate_request", f"request {rid} is being served by another replica")
-            await asyncio.sleep(0.2)
+                raise TurnError(409, "duplicate_request", f"request {rid} is still being served by another "
+                                f"replica after {self.cfg.resume_wait:.0f}s")
+            await asyncio.sleep(RESUME_POLL)
         # read again now that the lease is ours: the dead owner may have written more
         found = await self.store.load_request(rid)
         if found is None:
+            if (done := await self.store.done(rid)) is not None:
+                raise _FinishedElsewhere(done)
             raise TurnError(409, "duplicate_request", f"request {rid} ended while being resumed; retry")
         state, records = found
         partial = Generated()

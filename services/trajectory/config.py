@@ -11,6 +11,7 @@ class TrajectoryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     worker_wait: float = 30.0  # how long a request waits for any serving rollout worker
     first_token_timeout: float = 120.0  # a worker's first reply (vLLM warms up on first use)
     token_timeout: float = 60.0  # between replies of one generation
+    resume_wait: float = 600.0  # a re-sent request waits this long for the replica still serving it
     max_redispatch: int = 8  # re-dispatches of one request after preemptions
     worker_stale_after: float = 5.0  # heartbeats older than this mark a worker gone
     session_ttl: int = 7 * 24 * 3600  # seconds a session's keys live in Redis

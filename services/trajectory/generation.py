@@ -47,6 +47,21 @@ class Generated:
         seg.logprobs += delta.logprobs
 
 
+def coalesce_deltas(replies: list[RolloutReply]) -> list[RolloutReply]:
+    """Merge consecutive TokenDeltas of one version into one: a turn that fell behind its
+    worker persists and streams what has arrived in one step instead of one per token."""
+    out: list[RolloutReply] = []
+    for r in replies:
+        prev = out[-1] if out else None
+        if (isinstance(r, TokenDelta) and isinstance(prev, TokenDelta) and prev.version == r.version
+                and prev.request_id == r.request_id):
+            out[-1] = TokenDelta(prev.request_id, prev.token_ids + r.token_ids, prev.logprobs + r.logprobs,
+                                 prev.version)
+        else:
+            out.append(r)
+    return out
+
+
 async def generate(
     call: Call,
     pick: Pick,

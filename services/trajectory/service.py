@@ -22,6 +22,7 @@ from nats.aio.msg import Msg
 from services.trajectory.admission import Admission
 from services.trajectory.chat import TurnError, TurnHandler
 from services.trajectory.config import TrajectoryConfig
+from services.trajectory.generation import coalesce_deltas
 from services.trajectory.rendering import Renderer
 from services.trajectory.routing import WorkerTable
 from services.trajectory.sessions import SessionOps
@@ -124,12 +125,13 @@ class TrajectoryService:
                 self.cfg.first_token_timeout, self.cfg.token_timeout,
             ) as replies:
                 async for data in replies:
-                    reply = decode(data, RolloutReply)
-                    if isinstance(reply, GenerateDone):
-                        finished = True
-                    yield reply
-                    if finished:
-                        return
+                    # a turn that fell behind its worker takes what has arrived in one go
+                    for reply in coalesce_deltas([decode(d, RolloutReply) for d in (data, *replies.ready())]):
+                        if isinstance(reply, GenerateDone):
+                            finished = True
+                        yield reply
+                        if finished:
+                            return
         except (bus.ReplyTimeout, bus.BusUnavailable) as e:
             log.warning("worker %s lost request %s (%s); re-dispatching", worker, cmd.request_id, e)
             finished = True

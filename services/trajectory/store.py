@@ -89,6 +89,13 @@ def _k(sid: str, part: str = "") -> str:
     return f"sf:s:{sid}" + (f":{part}" if part else "")
 
 
+# renew a lease only for its holder: a replica waiting to resume must not keep a dead one's alive
+_RENEW_IF_OWNER = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+
 class Store:
     def __init__(self, client: aioredis.Redis, ttl: int):
         self.r = client
@@ -178,6 +185,10 @@ class Store:
             created, _ = await p.execute()
         return bool(created)
 
+    async def done(self, rid: str) -> bytes | None:
+        """The ChatDone of a finished request, if it finished."""
+        return await self.r.get(f"sf:done:{rid}")
+
     async def load_request(self, rid: str) -> tuple[InFlight, list[DeltaRecord]] | None:
         async with self.r.pipeline(transaction=True) as p:
             p.get(f"sf:req:{rid}")
@@ -194,8 +205,9 @@ class Store:
             return False
         return bool(await self.r.set(f"sf:req:{rid}:owner", owner, px=lease_ms, nx=current is None, xx=current is not None))
 
-    async def renew_lease(self, rid: str, lease_ms: int) -> None:
-        await self.r.pexpire(f"sf:req:{rid}:owner", lease_ms)
+    async def renew_lease(self, rid: str, owner: str, lease_ms: int) -> bool:
+        """Extend `owner`'s lease; False (and nothing changed) if another replica holds it."""
+        return bool(await self.r.eval(_RENEW_IF_OWNER, 1, f"sf:req:{rid}:owner", owner, lease_ms))
 
     async def append_deltas(self, rid: str, recs: list[DeltaRecord]) -> None:
         async with self.r.pipeline(transaction=False) as p:

@@ -126,8 +126,25 @@ async def test_deltas_carry_tokens_logprobs_and_version(make):
     e = await make()
     ds = await collect(e, max_tokens=3)
     assert flat(ds) == ([10, 11, 12], [-1.1, -1.11, -1.12])
-    assert [d.finish for d in ds] == [None, None, "length"] and {d.version for d in ds} == {0}
-    assert e.running == 0
+    assert [d.finish for d in ds][-1] == "length" and all(d.finish is None for d in ds[:-1])
+    assert {d.version for d in ds} == {0} and e.running == 0
+
+
+async def test_a_slow_consumer_gets_coalesced_deltas_split_at_version_changes(make, tmp_path):
+    e = await make()
+    new = write_ckpt(tmp_path / "v1")
+    got = []
+    async for d in e.generate("r", [1], Sampling(max_tokens=60)):
+        got.append(d)
+        if len(got) == 2:
+            await e.load_weights(new, 1)
+        await asyncio.sleep(0.03)  # ~15 fake engine steps per read
+    ids, lps = flat(got)
+    assert ids == [10 + i % 6 for i in range(60)] and lps == [-1.0 - t / 100 for t in ids]
+    assert len(got) < 20, "queued deltas were not merged"
+    versions = [d.version for d in got]
+    assert versions == sorted(versions) and versions[0] == 0 and versions[-1] == 1
+    assert got[-1].finish == "length" and all(d.finish is None for d in got[:-1])
 
 
 @pytest.mark.parametrize("include_stop", [True, False])

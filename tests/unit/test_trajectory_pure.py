@@ -8,7 +8,7 @@ import pytest
 
 from services.trajectory import toolcalls
 from services.trajectory.conversation import candidate_prefixes, canonical, conversation_key
-from services.trajectory.generation import GenerationFailed, generate
+from services.trajectory.generation import GenerationFailed, coalesce_deltas, generate
 from services.trajectory.routing import WorkerTable
 from services.trajectory.turns import Segment, Turn, leaves, path, sample, samples
 from shared.messages import GenerateDone, Sampling, TokenDelta, WorkerStatus
@@ -178,3 +178,17 @@ async def test_generation_resumes_from_persisted_partial():
     assert sent[0][1].prompt_ids == [1, 2, 3, 10, 11] and sent[0][1].sampling.max_tokens == 6
     assert sent[0][1].request_id == "r.1"
     assert out.token_ids == [10, 11, 2] and len(out.segments) == 2
+
+
+def test_coalesce_merges_same_version_runs_and_keeps_the_done_last():
+    from shared.messages import GenerateDone, TokenDelta
+
+    replies = [TokenDelta("r", [1], [-0.1], 0), TokenDelta("r", [2, 3], [-0.2, -0.3], 0),
+               TokenDelta("r", [4], [-0.4], 1), TokenDelta("r", [5], [-0.5], 1),
+               GenerateDone("r", "length", 3, 1, "w")]
+    out = coalesce_deltas(replies)
+    assert [(d.token_ids, d.logprobs, d.version) for d in out[:-1]] == [
+        ([1, 2, 3], [-0.1, -0.2, -0.3], 0), ([4, 5], [-0.4, -0.5], 1)]
+    assert out[-1] == replies[-1]
+    assert replies[0].token_ids == [1]  # the inputs are not modified
+    assert coalesce_deltas([]) == []

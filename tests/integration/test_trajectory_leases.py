@@ -1,0 +1,79 @@
+"""Request leases in Redis (real Redis): who may renew them, and what a re-sent request
+does while the replica that started it is still alive, or after it died."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.trajectory import chat
+from services.trajectory.chat import TurnError, TurnHandler
+from services.trajectory.config import TrajectoryConfig
+from services.trajectory.store import DeltaRecord, InFlight, Store
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def store(redis_url):
+    s = Store.connect(redis_url, ttl=60)
+    yield s
+    await s.close()
+
+
+def handler(store: Store, resume_wait: float = 5.0) -> TurnHandler:
+    return TurnHandler(TrajectoryConfig(resume_wait=resume_wait), store, renderer=None, table=None, call=None)
+
+
+def state() -> InFlight:
+    return InFlight("sess-x", 0, [1, 2, 3], [1, 2, 3], -1, [])
+
+
+async def test_only_the_holder_renews_a_lease(store):
+    rid = "lease-renew"
+    assert await store.begin_request(rid, state(), "replica-a", 10_000)
+    assert not await store.renew_lease(rid, "replica-b", 60_000)
+    assert await store.r.pttl(f"sf:req:{rid}:owner") <= 10_000
+    assert await store.renew_lease(rid, "replica-a", 60_000)
+    assert await store.r.pttl(f"sf:req:{rid}:owner") > 10_000
+    await store.drop_request(rid)
+
+
+async def test_a_resend_waits_for_a_live_replica_and_gets_its_result(store):
+    rid = "lease-live"
+    assert await store.begin_request(rid, state(), "replica-a", 1_000)
+    h = handler(store)
+
+    async def replica_a_finishes():  # alive: renews its lease, then finishes
+        for _ in range(6):
+            await asyncio.sleep(0.25)
+            assert await store.renew_lease(rid, "replica-a", 1_000)
+        await store.r.set(f"sf:done:{rid}", b"the result", ex=60)
+        await store.drop_request(rid)
+
+    a = asyncio.create_task(replica_a_finishes())
+    with pytest.raises(chat._FinishedElsewhere) as got:
+        await h._resume(rid)  # replica b, meanwhile, renewing nothing of a's
+    await a
+    assert got.value.done == b"the result"
+
+
+async def test_a_resend_takes_over_when_the_holder_died(store):
+    rid = "lease-dead"
+    assert await store.begin_request(rid, state(), "replica-a", 500)
+    await store.append_deltas(rid, [DeltaRecord("w0", True, 3, [7, 8], [-0.5, -0.25])])
+    h = handler(store)
+    prompt, partial, turn_id = await asyncio.wait_for(h._resume(rid), 5)  # after a's lease lapses
+    assert prompt.ids == [1, 2, 3] and partial.token_ids == [7, 8] and partial.segments[0].version == 3
+    assert await store.r.get(f"sf:req:{rid}:owner") == h.owner.encode()
+    await store.drop_request(rid)
+
+
+async def test_a_resend_gives_up_after_resume_wait(store):
+    rid = "lease-stuck"
+    assert await store.begin_request(rid, state(), "replica-a", 60_000)
+    with pytest.raises(TurnError) as e:
+        await handler(store, resume_wait=0.5)._resume(rid)
+    assert e.value.status == 409 and "still being served" in str(e.value)
+    await store.drop_request(rid)
