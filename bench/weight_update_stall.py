@@ -10,8 +10,9 @@ by side in one run:
   abort     every 3 s one worker is vacated (abort: in-flight requests come back with their
             partial tokens and are re-dispatched to the other worker), then resumed.
 Per phase: request latency p50/p99; for requests that spanned an update (several policy
-versions) or a move (several workers), their latency minus the baseline p50 of requests with
-the same number of generated tokens (the agent-visible stall); and tokens lost = tokens the
+versions) or a move (several workers), their latency minus the p50 of requests with the same
+number of generated tokens that spanned nothing, in the same phase (the agent-visible stall;
+same-phase peers share the machine's load); and tokens lost = tokens the
 workers sampled minus tokens recorded in trajectories (the goal is 0: partial tokens are
 kept). The workers' own pause / load / resume times come from their logs.
 """
@@ -105,8 +106,8 @@ async def disturb(stack: Stack, mode: str, seconds: float, every: float, tmp: Pa
     async with httpx.AsyncClient(base_url=stack.admin_url, headers=headers, timeout=60) as admin:
         while time.monotonic() < t_end:
             await asyncio.sleep(every)
-            if mode == "keep":
-                await weightstore.publish_dir(nc.jetstream(), stack.weights_dir, noisy_copy(stack.o.model, tmp / f"v{n}", n))
+            if mode == "keep":  # the copies were made before the phase: making one blocks this loop
+                await weightstore.publish_dir(nc.jetstream(), stack.weights_dir, tmp / f"v{n}")
             else:
                 w = f"rollout-{n % 2}"
                 (await admin.post(f"/admin/workers/{w}/vacate")).raise_for_status()
@@ -128,10 +129,22 @@ async def phase(stack, mode, args, tmp) -> dict:
     return {"done": done, "sampled": worker_tokens(stack) - before, "events": res[1] if len(res) > 1 else 0}
 
 
+def by_tokens(done: list[dict]) -> dict[int, float]:
+    out: dict[int, list[float]] = {}
+    for d in done:
+        out.setdefault(d["tokens"], []).append(d["latency"])
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
 def summarize(name: str, ph: dict, base_by_tokens: dict[int, float]) -> dict:
+    """Stall of a spanning request = its latency minus the median latency of requests with the
+    same number of tokens that did not span anything: first those of the same phase (same
+    load on the machine), else those of the baseline phase."""
     done = ph["done"]
     span = [d for d in done if len(d["versions"]) > 1 or len(d["workers"]) > 1]
-    stalls = [1000 * (d["latency"] - base_by_tokens.get(d["tokens"], statistics.median(base_by_tokens.values())))
+    calm = by_tokens([d for d in done if d not in span])
+    fallback = statistics.median(base_by_tokens.values())
+    stalls = [1000 * (d["latency"] - calm.get(d["tokens"], base_by_tokens.get(d["tokens"], fallback)))
               for d in span]
     recorded = sum(d["recorded"] for d in done)
     return {
@@ -153,14 +166,14 @@ async def run(args) -> None:
                                redis_port=servers.free_port(), max_model_len=512, max_num_seqs=16))
     stack.start()
     try:
+        for n in range(int(args.seconds // args.every) + 1):
+            noisy_copy(stack.o.model, tmp / f"v{n}", n)
         await agents(stack, 4, 3, args.max_tokens)  # warm up
+        await asyncio.sleep(1.5)  # heartbeats catch up: the warm-up is not counted in the baseline
         phases = {m: await phase(stack, m, args, tmp) for m in ("baseline", "keep", "abort")}
     finally:
         stack.stop()
-    base: dict[int, list[float]] = {}
-    for d in phases["baseline"]["done"]:
-        base.setdefault(d["tokens"], []).append(d["latency"])
-    base_by_tokens = {k: statistics.median(v) for k, v in base.items()}
+    base_by_tokens = by_tokens(phases["baseline"]["done"])
     rows = [summarize(m, ph, base_by_tokens) for m, ph in phases.items()]
     timings = []
     for log in (tmp / "logs").glob("rollout-*.log"):
@@ -179,11 +192,15 @@ async def run(args) -> None:
         mx = [max(t[i] for t in timings) for i in range(3)]
         print(f"\nin-place updates on the workers ({len(timings)}): pause {med[0]:.1f} ms, load {med[1]:.1f} ms, "
               f"resume {med[2]:.1f} ms (median); max {mx[0]:.1f} / {mx[1]:.1f} / {mx[2]:.1f} ms")
+        keep = next(r for r in rows if r["phase"] == "keep")
+        if keep["stall_p50_ms"] is not None:
+            print(f"keep: agent-visible stall p50 {keep['stall_p50_ms']:.1f} ms = load p50 {med[1]:.1f} ms "
+                  f"{keep['stall_p50_ms'] - med[1]:+.1f} ms (goal: at most +100 ms)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--agents", type=int, default=16)
+    ap.add_argument("--agents", type=int, default=16, help="closed-loop agents (fewer: less CPU contention)")
     ap.add_argument("--seconds", type=float, default=30.0, help="length of each phase")
     ap.add_argument("--every", type=float, default=3.0, help="seconds between disturbances")
     ap.add_argument("--max-tokens", type=int, default=48)

@@ -98,17 +98,14 @@ def cmd_up(a: argparse.Namespace) -> None:
 
 
 def cmd_demo(a: argparse.Namespace) -> None:
-    from seamlessflow.demo import run_demo
-
-    from seamlessflow.demo import prepare_model
-
     from seamlessflow import servers
+    from seamlessflow.demo import prepare_model, run_demo
 
     # the demo is self-contained: a busy default port is replaced by a free one
     for name in ("gateway_port", "admin_port", "nats_port", "redis_port"):
         if servers.port_open(getattr(a, name)):
             setattr(a, name, servers.free_port())
-    if a.model is None:  # the tiny model, warm-started on the demo task
+    if a.model is None:  # the small demo model, warm-started on the demo task
         a.model = prepare_model(a.data_dir, log=lambda m: print(m, file=sys.stderr, flush=True))
     sys.exit(run_demo(_stack_options(a), rounds=a.rounds, groups=a.groups, group_size=a.group_size))
 
@@ -197,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("demo", help="start the stack, run agents through it, export their trajectories")
     _add_stack_args(p)
-    p.add_argument("--rounds", type=int, default=40, help="rounds of agents; the trainer steps once per round")
+    p.add_argument("--rounds", type=int, default=60, help="rounds of agents; the trainer steps once per round")
     p.add_argument("--groups", type=int, default=4, help="GRPO groups (prompts) per round")
     p.add_argument("--group-size", type=int, default=8, help="sessions per group")
     p.set_defaults(fn=cmd_demo)

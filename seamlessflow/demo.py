@@ -1,6 +1,7 @@
 """`seamlessflow demo`: the RL demo on one machine, on embedded defaults.
 
-1. build the tiny Llama + tokenizer (offline) and warm-start it on the task (seamlessflow/warmstart.py);
+1. build the "small" Llama (hidden 256, 4 layers) + tokenizer offline and warm-start it on the
+   task (seamlessflow/warmstart.py);
 2. start NATS, Redis, the trajectory manager, a vLLM-CPU rollout worker, the gateway and the
    DeepSpeed trainer;
 3. run agents written with the official `openai` SDK in GRPO groups on "reverse the digits";
@@ -27,17 +28,17 @@ def prepare_model(data: Path, log=print) -> Path:
     from seamlessflow.modelgen import init_model
     from seamlessflow.warmstart import warm_start
 
-    base, sft = data / "model", data / "model-sft"
+    base, sft = data / "model-small", data / "model-small-sft"
     if not (base / "config.json").exists():
-        log(f"building the tiny model in {base}")
-        init_model(base)
+        log(f"building the small demo model in {base}")
+        init_model(base, size="small")
     if not (sft / "config.json").exists():
-        log("supervised warm start (stops once the sampled reward reaches 0.3) ...")
+        log("supervised warm start (stops once a 64-sample check reaches reward 0.3) ...")
         warm_start(base, sft, log=log)
     return sft
 
 
-def run_demo(opts: StackOptions, rounds: int = 40, groups: int = 4, group_size: int = 8) -> int:
+def run_demo(opts: StackOptions, rounds: int = 60, groups: int = 4, group_size: int = 8) -> int:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     samples = groups * group_size
     opts.extra_env.update(SF_TRAJECTORY_MAX_STALENESS="2", SF_TRAJECTORY_BATCH_SAMPLES=str(samples))
@@ -58,7 +59,7 @@ def run_demo(opts: StackOptions, rounds: int = 40, groups: int = 4, group_size: 
         out = stack.data / "trajectories.jsonl"
         n = asyncio.run(export_file(Connections(nats_url=stack.nats_url, redis_url=stack.redis_url), out))
         rows = [json.loads(line) for line in out.read_text().splitlines()]
-        k = max(1, min(5, rounds // 4))
+        k = max(1, min(8, rounds // 4))
         first, last = result.mean_of(result.rounds[:k]), result.mean_of(result.rounds[-k:])
         print(f"\n{rounds} rounds x {samples} agent sessions in {took:.0f}s")
         print(f"mean reward: first {k} rounds {first:.3f} -> last {k} rounds {last:.3f}")

@@ -51,6 +51,19 @@ class StackOptions:
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
+def split_cpus(cpus: list[int], n: int) -> list[str]:
+    """vLLM-CPU binding masks (VLLM_CPU_OMP_THREADS_BIND) for n engines on one host: disjoint
+    core sets when there are enough cores, else one core each, round robin. vLLM's own "auto"
+    binds every engine to the same first core, so two engines would share one core."""
+    cpus = sorted(cpus)
+    if n <= 0 or not cpus:
+        return []
+    if len(cpus) < n:
+        return [str(cpus[i % len(cpus)]) for i in range(n)]
+    per = len(cpus) // n
+    return [",".join(map(str, cpus[i * per:(i + 1) * per])) for i in range(n)]
+
+
 @dataclass
 class Proc:
     name: str
@@ -159,6 +172,9 @@ class Stack:
             "SF_ROLLOUT_MAX_MODEL_LEN": str(self.o.max_model_len),
             "SF_ROLLOUT_MAX_NUM_SEQS": str(self.o.max_num_seqs),
         }
+        if self.o.workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+            index = int(name.rsplit("-", 1)[-1])
+            env["VLLM_CPU_OMP_THREADS_BIND"] = split_cpus(list(os.sched_getaffinity(0)), self.o.workers)[index]
         return self._spawn(name, [sys.executable, "-m", "services.rollout", "--model", str(self.o.model),
                                   "--worker-id", name], env, ready=f"rollout worker {name} ready")
 

@@ -36,18 +36,23 @@ def _model_key() -> str:
     return hashlib.sha256(src).hexdigest()[:12]
 
 
-@pytest.fixture(scope="session")
-def tiny_model() -> Path:
-    """The tiny Llama + BPE tokenizer, built once per modelgen.py version and reused."""
+def _built_model(size: str) -> Path:
+    """A Llama + BPE tokenizer of `size`, built once per modelgen.py version and reused."""
     from seamlessflow.modelgen import init_model
 
-    path = CACHE / f"model-tiny-{_model_key()}"
+    path = CACHE / f"model-{size}-{_model_key()}"
     if not (path / "config.json").exists():
         tmp = path.with_suffix(".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        init_model(tmp, size="tiny")
+        init_model(tmp, size=size)
         tmp.rename(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """hidden 128, 2 layers: the data-plane, rollout and trainer tests."""
+    return _built_model("tiny")
 
 
 @pytest.fixture(scope="session")
@@ -78,12 +83,14 @@ def connections(nats_url, redis_url):
 
 
 @pytest.fixture(scope="session")
-def warm_model(tiny_model) -> Path:
-    """The tiny model after the documented supervised warm start on the reverse task."""
+def warm_model() -> Path:
+    """The "small" model (hidden 256, 4 layers) after the documented supervised warm start on
+    the reverse task: the learning test's starting policy (the tiny one learns too little of
+    the task for a clear margin: bench/probe_learning.py)."""
     from seamlessflow.warmstart import warm_start
 
     src = (ROOT / "seamlessflow" / "warmstart.py").read_bytes()
-    path = CACHE / f"model-warm-{_model_key()}-{hashlib.sha256(src).hexdigest()[:8]}"
+    path = CACHE / f"model-small-warm-{_model_key()}-{hashlib.sha256(src).hexdigest()[:8]}"
     if not (path / "config.json").exists():
-        warm_start(tiny_model, path)
+        warm_start(_built_model("small"), path)
     return path

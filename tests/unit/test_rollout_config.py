@@ -35,3 +35,14 @@ def test_model_is_required_and_typos_fail():
         load(RolloutConfig, "SF_ROLLOUT_", env={})
     with pytest.raises(ConfigError, match="unknown setting"):
         load(RolloutConfig, "SF_ROLLOUT_", env={"SF_ROLLOUT_MODEL": "m", "SF_ROLLOUT_MAX_SEQS": "3"})
+
+
+def test_split_cpus_gives_each_local_engine_its_own_cores():
+    from seamlessflow.stack import split_cpus
+
+    assert split_cpus([0, 1], 2) == ["0", "1"]
+    assert split_cpus([3, 2, 1, 0], 2) == ["0,1", "2,3"]
+    assert split_cpus([0, 1, 2, 3, 4], 2) == ["0,1", "2,3"]
+    assert split_cpus([0], 3) == ["0", "0", "0"]
+    assert split_cpus([0, 1], 3) == ["0", "1", "0"]
+    assert split_cpus([0, 1], 0) == [] and split_cpus([], 2) == []
