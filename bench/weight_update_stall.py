@@ -90,6 +90,7 @@ async def agents(stack: Stack, n: int, seconds: float, max_tokens: int) -> list[
             d["versions"] = sorted({seg["version"] for seg in turn["segments"]})
             d["workers"] = sorted({seg["worker_id"] for seg in turn["segments"]})
             d["recorded"] = sum(len(seg["token_ids"]) for seg in turn["segments"])
+            d["segments"] = len(turn["segments"])
     return done
 
 
@@ -109,7 +110,7 @@ async def disturb(stack: Stack, mode: str, seconds: float, every: float, tmp: Pa
             if mode == "keep":  # the copies were made before the phase: making one blocks this loop
                 await weightstore.publish_dir(nc.jetstream(), stack.weights_dir, tmp / f"v{n}")
             else:
-                w = f"rollout-{n % 2}"
+                w = f"rollout-{n % stack.o.workers}"
                 (await admin.post(f"/admin/workers/{w}/vacate")).raise_for_status()
                 await asyncio.sleep(0.05)
                 (await admin.post(f"/admin/workers/{w}/resume")).raise_for_status()
@@ -141,7 +142,7 @@ def summarize(name: str, ph: dict, base_by_tokens: dict[int, float]) -> dict:
     same number of tokens that did not span anything: first those of the same phase (same
     load on the machine), else those of the baseline phase."""
     done = ph["done"]
-    span = [d for d in done if len(d["versions"]) > 1 or len(d["workers"]) > 1]
+    span = [d for d in done if d["segments"] > 1]  # an update, a move, or a re-dispatch
     calm = by_tokens([d for d in done if d not in span])
     fallback = statistics.median(base_by_tokens.values())
     stalls = [1000 * (d["latency"] - calm.get(d["tokens"], base_by_tokens.get(d["tokens"], fallback)))
@@ -161,7 +162,7 @@ def summarize(name: str, ph: dict, base_by_tokens: dict[int, float]) -> dict:
 async def run(args) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="sf-stall-"))
     model = init_model(tmp / "model")
-    stack = Stack(StackOptions(model=model, data_dir=tmp, workers=2, gateway_port=servers.free_port(),
+    stack = Stack(StackOptions(model=model, data_dir=tmp, workers=args.workers, gateway_port=servers.free_port(),
                                admin_port=servers.free_port(), nats_port=servers.free_port(),
                                redis_port=servers.free_port(), max_model_len=512, max_num_seqs=16))
     stack.start()
@@ -201,6 +202,8 @@ async def run(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--agents", type=int, default=16, help="closed-loop agents (fewer: less CPU contention)")
+    ap.add_argument("--workers", type=int, default=2, help="rollout workers (with 1, abort re-dispatches to the "
+                    "same worker after its resume)")
     ap.add_argument("--seconds", type=float, default=30.0, help="length of each phase")
     ap.add_argument("--every", type=float, default=3.0, help="seconds between disturbances")
     ap.add_argument("--max-tokens", type=int, default=48)

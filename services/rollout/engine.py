@@ -40,7 +40,10 @@ WORKER_EXTENSION = "services.rollout.vllm_ext.RolloutWorkerExtension"  # adds re
 RELOAD_TIMEOUT = 600.0  # seconds; a reload that takes longer leaves the engine dead
 ABORT_SWEEPS = 5  # vacate: rounds of aborting requests that raced the pause
 ABORT_SWEEP_GAP = 0.05  # seconds between those rounds
-SETTLE_SECONDS = 0.05  # after a pause: lets the pumps read what vLLM emitted before it
+# After a pause: lets the pumps read what vLLM emitted before it (AsyncLLM has already handed
+# those outputs to the requests' collectors when pause_generation returns; the pumps only
+# need event-loop turns, and the reload's own awaits give them more before the version bump).
+SETTLE_SECONDS = 0.005
 
 
 class EngineError(RuntimeError):

@@ -150,8 +150,10 @@ class TurnHandler:
         async def pick(exclude: frozenset[str]) -> str:
             nonlocal last_worker
             deadline = time.monotonic() + self.cfg.worker_wait
-            # after a preemption, wait a little for another worker before going back to the same one
-            prefer_until = time.monotonic() + (PREFER_OTHER_WORKER_S if exclude else 0.0)
+            # after a preemption, wait a little for another worker before going back to the same
+            # one, if there is another one at all
+            prefer = exclude and self.table.others(time.time(), exclude)
+            prefer_until = time.monotonic() + (PREFER_OTHER_WORKER_S if prefer else 0.0)
             while True:
                 now = time.time()
                 w = self.table.choose(now, sticky, exclude)

@@ -9,6 +9,7 @@ transport is the `call` function the service passes in.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -20,6 +21,9 @@ from shared.messages import Generate, GenerateDone, RolloutReply, Sampling, Toke
 Call = Callable[[str, Generate], AsyncIterator[RolloutReply]]
 Pick = Callable[[frozenset[str]], Awaitable[str]]
 OnTokens = Callable[[TokenDelta, str, bool], Awaitable[None]]  # (delta, worker, starts a dispatch)
+
+
+MAX_BACKOFF = 1.0  # seconds, between re-dispatches after repeated preemptions
 
 
 class GenerationFailed(RuntimeError):
@@ -72,10 +76,12 @@ async def generate(
     on_tokens: OnTokens,
     max_redispatch: int,
     resume: Generated | None = None,
+    backoff: float = 0.05,
 ) -> Generated:
     """`on_tokens` runs before tokens count as generated: the service persists them there, so
     a replica that resumes this request (`resume`, rebuilt from Redis) continues after them."""
     out = resume or Generated()
+    started_with = out.dispatches
     preempted_on: set[str] = set()
     while True:
         remaining = sampling.max_tokens - len(out.token_ids)
@@ -116,3 +122,7 @@ async def generate(
         preempted_on.add(worker)
         if out.dispatches > max_redispatch:
             raise GenerationFailed(f"request preempted {out.dispatches} times; giving up", 503)
+        # 4. from the second preemption on (say the only worker is still vacated and its status
+        # has not said so yet), wait, doubling each time, before the next dispatch
+        if (repeats := out.dispatches - started_with) > 1:
+            await asyncio.sleep(min(backoff * 2 ** (repeats - 2), MAX_BACKOFF))

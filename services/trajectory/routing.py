@@ -43,6 +43,10 @@ class WorkerTable:
             return sticky
         return min(candidates, key=lambda s: (self.load(s), s.worker_id)).worker_id
 
+    def others(self, now: float, exclude: frozenset[str]) -> bool:
+        """Is any worker outside `exclude` alive (heartbeat fresh), serving or not?"""
+        return any(w not in exclude and now - s.ts <= self.stale_after for w, s in self.status.items())
+
     def max_model_len(self, now: float, default: int) -> int:
         lens = [s.max_model_len for s in self.serving(now)]
         return min(lens) if lens else default

@@ -80,6 +80,9 @@ def test_routing_sticky_then_least_loaded():
     assert t.choose(101) == "a"
     assert t.choose(200) is None  # heartbeats stale
     assert t.choose(101, exclude=frozenset({"a"})) is None
+    # another live worker exists (vacated b), so a re-dispatch may wait for it; none beyond a and b
+    assert t.others(101, frozenset({"a"})) and not t.others(101, frozenset({"a", "b"}))
+    assert not t.others(200, frozenset({"a"}))  # b's heartbeat is stale
 
 
 def _fake_worker(script):
@@ -130,7 +133,7 @@ async def test_generation_gives_up_after_bounded_redispatches():
         pass
 
     with pytest.raises(GenerationFailed, match="preempted"):
-        await generate(call, pick, "r", "s", [1], Sampling(max_tokens=4), on_tokens, 3)
+        await generate(call, pick, "r", "s", [1], Sampling(max_tokens=4), on_tokens, 3, backoff=0.0)
 
 
 async def test_generation_error_maps_to_status():
@@ -143,7 +146,7 @@ async def test_generation_error_maps_to_status():
         pass
 
     with pytest.raises(GenerationFailed) as e:
-        await generate(call, pick, "r", "s", [1], Sampling(max_tokens=4), on_tokens, 3)
+        await generate(call, pick, "r", "s", [1], Sampling(max_tokens=4), on_tokens, 3, backoff=0.0)
     assert e.value.status == 400
 
 
@@ -192,3 +195,26 @@ def test_coalesce_merges_same_version_runs_and_keeps_the_done_last():
     assert out[-1] == replies[-1]
     assert replies[0].token_ids == [1]  # the inputs are not modified
     assert coalesce_deltas([]) == []
+
+
+async def test_repeated_preemptions_back_off_before_redispatching():
+    import time
+
+    from shared.messages import GenerateDone, TokenDelta
+
+    script = [[TokenDelta("r.0", [5], [-0.5], 0), GenerateDone("r.0", "preempted", 1, 0, "w")]] + \
+        [[GenerateDone(f"r.{i}", "preempted", 1, 0, "w")] for i in range(1, 4)] + \
+        [[TokenDelta("r.4", [6], [-0.6], 0), GenerateDone("r.4", "length", 2, 0, "w")]]
+    call, sent = _fake_worker(script)
+
+    async def pick(exclude):
+        return "w"  # the only worker
+
+    async def on_tokens(delta, worker, first):
+        pass
+
+    t0 = time.monotonic()
+    out = await generate(call, pick, "r", "s", [1], Sampling(max_tokens=2), on_tokens, 8, backoff=0.05)
+    waited = time.monotonic() - t0
+    assert out.token_ids == [5, 6] and len(sent) == 5
+    assert 0.05 + 0.1 + 0.2 <= waited < 2.0  # no wait after the first preemption, then doubling
