@@ -175,6 +175,12 @@ def cmd_weights(a: argparse.Namespace) -> None:
         print(event.version)
         return
     conn = _connections(a)
+    if a.action == "gc":
+        if a.keep < 1:
+            sys.exit("error: --keep must be at least 1")
+        removed, in_use = asyncio.run(ops.collect_garbage(conn, store, a.keep))
+        print(f"removed versions {removed or 'none'}; kept the newest {a.keep} and those served: {sorted(in_use)}")
+        return
     print(ops.format_weights(store, asyncio.run(ops.current_version(conn)), asyncio.run(ops.worker_statuses(conn))))
 
 
@@ -210,8 +216,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs (for its URLs)")
     p.set_defaults(fn=cmd_workers)
 
-    p = sub.add_parser("weights", help="publish a checkpoint as a new policy version, or list versions")
-    p.add_argument("action", choices=["publish", "list"])
+    p = sub.add_parser("weights", help="publish a checkpoint as a new policy version, list versions, or "
+                       "delete the ones no worker serves")
+    p.add_argument("action", choices=["publish", "list", "gc"])
+    p.add_argument("--keep", type=int, default=2, help="gc: always keep this many newest versions")
     p.add_argument("dir", nargs="?", type=Path)
     p.add_argument("--store", type=Path, help="weight store root (default $SF_WEIGHTS_DIR or var/weights)")
     p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs (for its URLs)")

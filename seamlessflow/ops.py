@@ -5,6 +5,7 @@
     seamlessflow workers resume rollout-0
     seamlessflow weights publish DIR           # prints the new version
     seamlessflow weights list
+    seamlessflow weights gc [--keep 2]         # delete versions no live worker serves
 
 Connections come from SF_NATS_URL (and SF_NATS_* credentials); the weight store from
 SF_WEIGHTS_DIR (default var/weights).
@@ -61,6 +62,15 @@ async def publish(conn: Connections, store: Path, src: Path) -> WeightsPublished
         return await weightstore.publish_dir(nc.jetstream(), store, src)
     finally:
         await bus.wait_closed(nc)
+
+
+async def collect_garbage(conn: Connections, store: Path, keep: int) -> tuple[list[int], set[int]]:
+    """Delete the versions no live worker serves, keeping the newest `keep` and the current one."""
+    statuses = await worker_statuses(conn)
+    current = await current_version(conn)
+    in_use = {s.version for s in statuses} | ({current.version} if current else set())
+    removed = await asyncio.to_thread(weightstore.collect_garbage, store, in_use, keep)
+    return removed, in_use
 
 
 async def current_version(conn: Connections) -> WeightsPublished | None:

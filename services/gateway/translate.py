@@ -36,7 +36,8 @@ from services.gateway.schemas import (
 from shared.messages.chat import ChatRequest
 from shared.messages.rollout import Sampling
 
-COMPLETIONS_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions
+COMPLETIONS_MAX_TOKENS_DEFAULT = 16
+MAX_STOPS = 4  # OpenAI's limit on stop strings  # OpenAI's default for /v1/completions
 
 
 def check_model(model: str, served: str) -> None:
@@ -50,8 +51,6 @@ def sampling(p: SamplingParams, max_tokens: int | None, default_max_tokens: int,
     if p.n not in (None, 1):
         raise ApiError(400, f"n={p.n} is not supported: only n=1; send one request per sample "
                             "(or one session per sample with a shared group_id)", "unsupported_value", "n")
-    if p.stop:
-        raise ApiError(400, "stop strings are not supported; use stop_token_ids", "unsupported_value", "stop")
     tokens = default_max_tokens if max_tokens is None else max_tokens
     if tokens >= max_context:
         raise ApiError(400, f"max_tokens={tokens} leaves no room for the prompt: this model's context "
@@ -74,6 +73,16 @@ def sampling(p: SamplingParams, max_tokens: int | None, default_max_tokens: int,
         "logit_bias": bias or None,
     }
     return Sampling(**{k: v for k, v in fields.items() if v is not None})
+
+
+def stop_strings(p: SamplingParams) -> list[str]:
+    """`stop`: a string or up to MAX_STOPS strings, none empty."""
+    stops = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
+    if len(stops) > MAX_STOPS:
+        raise ApiError(400, f"stop takes at most {MAX_STOPS} strings, got {len(stops)}", "invalid_value", "stop")
+    if any(not s for s in stops):
+        raise ApiError(400, "stop strings must not be empty", "invalid_value", "stop")
+    return stops
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:
@@ -129,6 +138,7 @@ def chat_request(req: ChatCompletionRequest, request_id: str, session_id: str, c
         sampling=sampling(req, max_tokens, cfg.max_tokens_default, cfg.max_context),
         messages=[_message(m) for m in req.messages],
         tools=_tools(req),
+        stop=stop_strings(req),
         stream=True,  # always: deltas double as liveness, so the idle timeout means the same for both modes
     )
 
@@ -151,6 +161,7 @@ def completion_request(req: CompletionRequest, request_id: str, session_id: str,
         model=req.model,
         sampling=sampling(req, req.max_tokens, COMPLETIONS_MAX_TOKENS_DEFAULT, cfg.max_context),
         prompt=req.prompt,
+        stop=stop_strings(req),
         stream=True,
     )
 

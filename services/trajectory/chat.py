@@ -28,6 +28,7 @@ from services.trajectory.conversation import candidate_prefixes, conversation_ke
 from services.trajectory.generation import Call, Generated, GenerationFailed, generate
 from services.trajectory.rendering import IncrementalText, Renderer, RenderError
 from services.trajectory.routing import WorkerTable
+from services.trajectory.stopstrings import StopMatcher
 from services.trajectory.store import DeltaRecord, InFlight, Lookup, SessionNotFound, Store
 from services.trajectory.turns import Turn, path, token_ids
 from shared.codec import decode, encode
@@ -117,6 +118,7 @@ class TurnHandler:
 
         # 2. generate; each token is persisted, then streamed
         text = IncrementalText(self.renderer)
+        stops = StopMatcher(text, req.stop)
         parse_tools = req.kind == "chat" and bool(req.tools)
         sent = 0
 
@@ -124,26 +126,30 @@ class TurnHandler:
             nonlocal sent
             if not req.stream:
                 return
-            visible = toolcalls.visible_prefix(text.text) if parse_tools else text.text
+            visible = stops.visible(text.text)
+            visible = toolcalls.visible_prefix(visible) if parse_tools else visible
             if len(visible) > sent:
                 await emit(ChatDelta(rid, visible[sent:], sent))
                 sent = len(visible)
 
         if partial is not None:
-            text.add(partial.token_ids)
+            stops.add(partial.token_ids)  # a dead replica may have persisted the stop string already
             await stream_text()
 
         # A stream persists each delta before the agent sees it. A plain request shows nothing
         # until the end, so it persists in chunks: a resume regenerates at most one chunk.
         pending: list[DeltaRecord] = []
 
-        async def on_tokens(delta: TokenDelta, worker: str, first: bool) -> None:
-            pending.append(DeltaRecord(worker, first, delta.version, delta.token_ids, delta.logprobs))
+        async def on_tokens(delta: TokenDelta, worker: str, first: bool) -> int | None:
+            keep = stops.add(delta.token_ids)  # a stop string ends the turn: drop what follows it
+            ids, lps = (delta.token_ids, delta.logprobs) if keep is None else (delta.token_ids[:keep],
+                                                                               delta.logprobs[:keep])
+            pending.append(DeltaRecord(worker, first, delta.version, ids, lps))
             if req.stream or first or sum(len(r.token_ids) for r in pending) >= PERSIST_CHUNK:
                 await self.store.append_deltas(rid, pending)
                 pending.clear()
-            text.add(delta.token_ids)
             await stream_text()
+            return keep
 
         last_worker = sticky or ""
 
@@ -168,8 +174,13 @@ class TurnHandler:
 
         budget = min(req.sampling.max_tokens, max_len - len(prompt.ids))
         try:
-            gen = await generate(self.call, pick, rid, sid, prompt.ids, replace(req.sampling, max_tokens=budget),
-                                 on_tokens, self.cfg.max_redispatch, resume=partial)
+            if partial is not None and stops.at is not None:  # it had already stopped
+                gen = partial
+                gen.finish_reason = "stop"
+            else:
+                gen = await generate(self.call, pick, rid, sid, prompt.ids,
+                                     replace(req.sampling, max_tokens=budget), on_tokens,
+                                     self.cfg.max_redispatch, resume=partial)
         except GenerationFailed as e:
             await self.store.drop_request(rid)
             raise TurnError(e.status, "generation_failed", str(e)) from None
@@ -179,6 +190,8 @@ class TurnHandler:
 
         # 3. the reply the agent sees, and the turn that records it
         full = text.final()
+        if stops.at is not None:
+            full = full[: stops.at]
         content, calls = toolcalls.parse(full, rid) if parse_tools else (full, [])
         if req.stream and len(content) > sent:
             await emit(ChatDelta(rid, content[sent:], sent))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import msgspec
@@ -20,7 +21,9 @@ from shared.messages import Generate, GenerateDone, RolloutReply, Sampling, Toke
 
 Call = Callable[[str, Generate], AsyncIterator[RolloutReply]]
 Pick = Callable[[frozenset[str]], Awaitable[str]]
-OnTokens = Callable[[TokenDelta, str, bool], Awaitable[None]]  # (delta, worker, starts a dispatch)
+# (delta, worker, starts a dispatch) -> None, or how many of the delta's tokens to keep before
+# ending the generation "stop" (a stop string completed)
+OnTokens = Callable[[TokenDelta, str, bool], Awaitable[int | None]]
 
 
 MAX_BACKOFF = 1.0  # seconds, between re-dispatches after repeated preemptions
@@ -99,17 +102,26 @@ async def generate(
         out.dispatches += 1
         first = True
         done: GenerateDone | None = None
-        # 2. stream its tokens into the current segment
-        async for reply in call(worker, cmd):
-            match reply:
-                case TokenDelta():
-                    if reply.token_ids:
-                        await on_tokens(reply, worker, first)
+        # 2. stream its tokens into the current segment; closing the call early (a stop string)
+        # aborts the worker's request
+        async with aclosing(call(worker, cmd)) as replies:
+            async for reply in replies:
+                match reply:
+                    case TokenDelta():
+                        if not reply.token_ids:
+                            continue
+                        keep = await on_tokens(reply, worker, first)
+                        if keep is not None:
+                            reply = TokenDelta(reply.request_id, reply.token_ids[:keep], reply.logprobs[:keep],
+                                               reply.version)
                         out.add(reply, worker, new_dispatch=first)
                         first = False
-                case GenerateDone():
-                    done = reply
-                    break
+                        if keep is not None:
+                            out.finish_reason = "stop"
+                            return out
+                    case GenerateDone():
+                        done = reply
+                        break
         if done is None:
             raise GenerationFailed(f"worker {worker} ended the stream without a result", 502)
         # 3. finished, failed, or preempted: then go round again

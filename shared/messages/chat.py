@@ -24,6 +24,7 @@ class ChatRequest(msgspec.Struct, tag=True, omit_defaults=True):
     tools: list[dict[str, Any]] = []
     prompt: str = ""  # kind == "completion"
     stream: bool = False
+    stop: list[str] = []  # OpenAI stop strings, matched on the decoded text by the trajectory manager
 
 
 class ToolCall(msgspec.Struct, omit_defaults=True):

@@ -244,3 +244,30 @@ def test_context_window_and_unknown_session_errors(stack):
     assert len(trajectory(stack, s["id"])["turns"]) == 1
     with _http(stack) as c:
         assert c.get("/sessions/sess-doesnotexist").status_code == 404
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_end_the_turn_and_keep_the_tokens_sampled(stack, hf, stream):
+    """A stop string taken from the middle of a greedy reply: the reply ends before it, the
+    turn finishes "stop", and the trajectory records the tokens up to the one that completed
+    it (a prefix of the uninterrupted greedy tokens)."""
+    _, tok = hf
+    messages = [{"role": "user", "content": "tell me something long"}]
+    ref = new_session(stack)
+    ref_text, _ = chat(sdk(stack, ref["api_key"]), messages, False, max_tokens=40, temperature=0.0)
+    ref_ids = [x for seg in trajectory(stack, ref["id"])["turns"][0]["segments"] for x in seg["token_ids"]]
+    assert len(ref_text) > 20
+    stop = ref_text[len(ref_text) // 2: len(ref_text) // 2 + 3]
+    cut = ref_text.index(stop)
+
+    s = new_session(stack)
+    text, resp = chat(sdk(stack, s["api_key"]), messages, stream, max_tokens=40, temperature=0.0,
+                      stop=["@@never@@", stop])
+    assert text == ref_text[:cut]
+    if not stream:
+        assert resp["choices"][0]["finish_reason"] == "stop"
+    turn = trajectory(stack, s["id"])["turns"][0]
+    ids = [x for seg in turn["segments"] for x in seg["token_ids"]]
+    assert turn["finish_reason"] == "stop" and ids == ref_ids[:len(ids)]
+    assert stop in tok.decode(ids) and stop not in tok.decode(ids[:-1])  # the token that completed it is last
+    assert turn["reply"]["content"] == text

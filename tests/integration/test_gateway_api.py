@@ -262,6 +262,16 @@ def user(text: str) -> list[dict]:
 
 # --- the official SDK ----------------------------------------------------------------------------
 
+async def test_stop_strings_reach_the_trajectory_manager(gw, fake):
+    sdk = gw.sdk()
+    await sdk.chat.completions.create(model=MODEL, messages=user("stops as a list"), stop=["\nObservation:", "END"])
+    await sdk.chat.completions.create(model=MODEL, messages=user("stop as a string"), stop="END")
+    await sdk.completions.create(model=MODEL, prompt="a completion stop", stop=["\n\n"])
+    assert fake.find("stops as a list").stop == ["\nObservation:", "END"]
+    assert fake.find("stop as a string").stop == ["END"]
+    assert fake.find("a completion stop").stop == ["\n\n"]
+
+
 async def test_sdk_chat(gw, fake):
     resp = await gw.sdk().chat.completions.create(model=MODEL, messages=user("hello there"), temperature=0.2,
                                                   max_tokens=32, seed=1, user="agent-7", metadata={"a": "b"})
@@ -481,8 +491,9 @@ CHAT_OK = {"model": MODEL, "messages": [{"role": "user", "content": "fine"}]}
     ("/v1/chat/completions", {**CHAT_OK, "top_p": 0}, 400, "top_p", "> 0.0"),
     ("/v1/chat/completions", {**CHAT_OK, "presence_penalty": -3}, 400, "presence_penalty", ">= -2.0"),
     ("/v1/chat/completions", {**CHAT_OK, "n": 2}, 400, "n", "only n=1"),
-    ("/v1/chat/completions", {**CHAT_OK, "stop": ["\n"]}, 400, "stop",
-     "stop strings are not supported; use stop_token_ids"),
+    ("/v1/chat/completions", {**CHAT_OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4 strings"),
+    ("/v1/chat/completions", {**CHAT_OK, "stop": ["ok", ""]}, 400, "stop", "must not be empty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop", "must not be empty"),
     ("/v1/chat/completions", {**CHAT_OK, "logprobs": True}, 400, "logprobs", "logprobs are not supported"),
     ("/v1/chat/completions", {**CHAT_OK, "messages": [{"role": "wizard", "content": "x"}]}, 400,
      "messages[0].role", "Invalid value 'wizard'"),

@@ -142,8 +142,9 @@ def test_tool_choice():
 
 @pytest.mark.parametrize("fields,param,needle", [
     ({"n": 2}, "n", "only n=1"),
-    ({"stop": ["\n"]}, "stop", "stop strings are not supported; use stop_token_ids"),
-    ({"stop": "END"}, "stop", "stop strings are not supported; use stop_token_ids"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 strings"),
+    ({"stop": ["END", ""]}, "stop", "must not be empty"),
+    ({"stop": ""}, "stop", "must not be empty"),
     ({"logprobs": True}, "logprobs", "logprobs are not supported"),
     ({"top_logprobs": 2}, "logprobs", "logprobs are not supported"),
     ({"max_tokens": 1024}, "max_tokens", "context length is 1024"),
@@ -157,6 +158,12 @@ def test_unsupported_values_are_400(fields, param, needle):
 
 def test_empty_stop_and_false_logprobs_are_fine():
     translate.chat_request(chat(stop=[], logprobs=False, top_logprobs=0, n=1), "r", "", CFG)
+
+
+def test_stop_strings_become_a_list():
+    assert translate.chat_request(chat(stop="END"), "r", "", CFG).stop == ["END"]
+    assert translate.chat_request(chat(stop=["\nObs", "END"]), "r", "", CFG).stop == ["\nObs", "END"]
+    assert translate.chat_request(chat(), "r", "", CFG).stop == []
 
 
 def test_unknown_model_is_404():

@@ -218,3 +218,51 @@ async def test_repeated_preemptions_back_off_before_redispatching():
     waited = time.monotonic() - t0
     assert out.token_ids == [5, 6] and len(sent) == 5
     assert 0.05 + 0.1 + 0.2 <= waited < 2.0  # no wait after the first preemption, then doubling
+
+
+def test_stop_strings_find_holdback_and_matcher():
+    from services.trajectory.stopstrings import StopMatcher, find_stop, holdback
+
+    assert find_stop("abc END x", ["END"]) == 4 and find_stop("abc", ["END"]) is None
+    assert find_stop("xEND yEN", ["EN", "END"]) == 1  # the earliest start wins
+    assert find_stop("abcEND", ["END"], start=4) == 3  # a match straddling what was checked before
+    assert holdback("hello EN", ["END"]) == 2 and holdback("hello", ["END"]) == 0
+    assert holdback("a\n\nObs", ["\nObservation:"]) == 4 and holdback("", ["x"]) == 0
+
+    class Text:  # one character per token id
+        def __init__(self):
+            self.text = ""
+
+        def add(self, ids):
+            self.text += "".join(chr(i) for i in ids)
+
+    m = StopMatcher(Text(), ["END"])
+    assert m.add([ord(c) for c in "abcE"]) is None and m.visible(m.text.text) == "abc"
+    assert m.add([ord(c) for c in "NDxyz"]) == 2  # "N", "D" kept; "xyz" dropped
+    assert m.text.text == "abcEND" and m.at == 3 and m.visible(m.text.text) == "abc"
+    plain = StopMatcher(Text(), [])
+    assert plain.add([ord("E")]) is None and plain.visible(plain.text.text) == "E"
+
+
+async def test_generation_ends_stop_when_on_tokens_says_so_and_closes_the_call():
+    from shared.messages import GenerateDone, TokenDelta
+
+    closed = []
+
+    async def call(worker, cmd):
+        try:
+            yield TokenDelta("r.0", [1, 2], [-0.1, -0.2], 0)
+            yield TokenDelta("r.0", [3, 4, 5], [-0.3, -0.4, -0.5], 0)
+            yield GenerateDone("r.0", "length", 1, 0, "w")
+        finally:
+            closed.append(True)  # the real call aborts the worker's request here
+
+    async def pick(exclude):
+        return "w"
+
+    async def on_tokens(delta, worker, first):
+        return 2 if 4 in delta.token_ids else None  # "a stop string completed at token 4"
+
+    out = await generate(call, pick, "r", "s", [0], Sampling(max_tokens=10), on_tokens, 3)
+    assert out.finish_reason == "stop" and out.token_ids == [1, 2, 3, 4] and closed == [True]
+    assert [s.logprobs for s in out.segments] == [[-0.1, -0.2, -0.3, -0.4]]
