@@ -48,6 +48,26 @@ def extension(session_id: str, done: ChatDone) -> dict[str, Any]:
     return {"session_id": done.session_id or session_id, "turn_id": done.turn_id, "versions": list(done.versions)}
 
 
+def chat_logprobs(done: ChatDone) -> dict[str, Any] | None:
+    """OpenAI's chat `logprobs` object, if the request asked for logprobs (else None)."""
+    if not done.logprobs:
+        return None
+    return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode()),
+                         "top_logprobs": []} for t in done.logprobs], "refusal": None}
+
+
+def completion_logprobs(done: ChatDone) -> dict[str, Any] | None:
+    """The legacy completions `logprobs` object (sampled tokens only: no alternatives)."""
+    if not done.logprobs:
+        return None
+    offsets, at = [], 0
+    for t in done.logprobs:
+        offsets.append(at)
+        at += len(t.token)
+    return {"tokens": [t.token for t in done.logprobs], "token_logprobs": [t.logprob for t in done.logprobs],
+            "top_logprobs": None, "text_offset": offsets}
+
+
 def chat_completion(id: str, created: int, model: str, done: ChatDone, session_id: str) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": done.text, "refusal": None}
     if done.tool_calls:
@@ -58,7 +78,8 @@ def chat_completion(id: str, created: int, model: str, done: ChatDone, session_i
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": done.finish_reason}],
+        "choices": [{"index": 0, "message": message, "logprobs": chat_logprobs(done),
+                     "finish_reason": done.finish_reason}],
         "usage": usage(done.usage),
         "system_fingerprint": None,
         "seamlessflow": extension(session_id, done),
@@ -75,7 +96,7 @@ def text_completion(id: str, created: int, model: str, done: ChatDone, session_i
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": done.text, "logprobs": None,
+        "choices": [{"index": 0, "text": done.text, "logprobs": completion_logprobs(done),
                      "finish_reason": completion_finish_reason(done)}],
         "usage": usage(done.usage),
         "system_fingerprint": None,
@@ -113,10 +134,10 @@ class ChunkStream:
         return sse(obj)
 
     def _choice(self, delta: dict[str, Any] | None = None, text: str = "",
-                finish_reason: str | None = None) -> dict[str, Any]:
+                finish_reason: str | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.kind == "chat":
-            return {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def start(self) -> bytes:
         """The first event: the assistant role (chat); completions have no such chunk."""
@@ -144,7 +165,10 @@ class ChunkStream:
             finish = done.finish_reason
         else:
             finish = completion_finish_reason(done)
-        events.append(self._chunk([self._choice(finish_reason=finish)],
+        # logprobs, when asked for, come whole with the final chunk (clients concatenate
+        # chunks' logprobs, so the total is the same)
+        lps = chat_logprobs(done) if self.kind == "chat" else completion_logprobs(done)
+        events.append(self._chunk([self._choice(finish_reason=finish, logprobs=lps)],
                                   seamlessflow=extension(self.session_id, done)))
         if self.include_usage:
             events.append(self._chunk([], usage=usage(done.usage)))

@@ -122,10 +122,9 @@ def _tools(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 def chat_request(req: ChatCompletionRequest, request_id: str, session_id: str, cfg: GatewayConfig) -> ChatRequest:
     check_model(req.model, cfg.model)
-    if req.logprobs or req.top_logprobs:
-        raise ApiError(400, "logprobs are not supported yet: set logprobs to false "
-                            "(the trajectory records behaviour logprobs for training itself)",
-                       "unsupported_value", "logprobs")
+    if req.top_logprobs:
+        raise ApiError(400, "top_logprobs > 0 is not supported: the rollout workers return the sampled "
+                            "token's logprob only (logprobs=true gives those)", "unsupported_value", "top_logprobs")
     if req.response_format is not None and req.response_format.type != "text":
         raise ApiError(400, f"response_format {req.response_format.type!r} is not supported; only 'text'",
                        "unsupported_value", "response_format")
@@ -139,6 +138,7 @@ def chat_request(req: ChatCompletionRequest, request_id: str, session_id: str, c
         messages=[_message(m) for m in req.messages],
         tools=_tools(req),
         stop=stop_strings(req),
+        logprobs=bool(req.logprobs),
         stream=True,  # always: deltas double as liveness, so the idle timeout means the same for both modes
     )
 
@@ -152,8 +152,8 @@ def completion_request(req: CompletionRequest, request_id: str, session_id: str,
     if req.best_of not in (None, 1):
         raise ApiError(400, "best_of must be 1", "unsupported_value", "best_of")
     if req.logprobs:
-        raise ApiError(400, "logprobs are not supported yet: leave logprobs unset",
-                       "unsupported_value", "logprobs")
+        raise ApiError(400, "logprobs > 0 is not supported: the rollout workers return the sampled token's "
+                            "logprob only (logprobs=0 gives those)", "unsupported_value", "logprobs")
     return ChatRequest(
         request_id=request_id,
         session_id=session_id,
@@ -162,6 +162,7 @@ def completion_request(req: CompletionRequest, request_id: str, session_id: str,
         sampling=sampling(req, req.max_tokens, COMPLETIONS_MAX_TOKENS_DEFAULT, cfg.max_context),
         prompt=req.prompt,
         stop=stop_strings(req),
+        logprobs=req.logprobs is not None,
         stream=True,
     )
 

@@ -32,7 +32,7 @@ from services.trajectory.stopstrings import StopMatcher
 from services.trajectory.store import DeltaRecord, InFlight, Lookup, SessionNotFound, Store
 from services.trajectory.turns import Turn, path, token_ids
 from shared.codec import decode, encode
-from shared.messages import ChatDelta, ChatDone, ChatRequest, TokenDelta, Usage
+from shared.messages import ChatDelta, ChatDone, ChatRequest, TokenDelta, TokenLogprob, Usage
 from shared.messages.chat import KEEPALIVE_INTERVAL
 
 Emit = Callable[[Any], Awaitable[None]]
@@ -217,6 +217,10 @@ class TurnHandler:
         for s in gen.segments:
             if not versions or versions[-1] != s.version:
                 versions.append(s.version)
+        logprobs: list[TokenLogprob] = []
+        if req.logprobs:
+            lps = [lp for seg in gen.segments for lp in seg.logprobs]
+            logprobs = [TokenLogprob(t, lps[k]) for k, t in self.renderer.token_texts(gen.token_ids)]
         done = ChatDone(
             request_id=rid,
             text=content,
@@ -226,6 +230,7 @@ class TurnHandler:
             tool_calls=calls,
             versions=versions,
             session_id=sid,
+            logprobs=logprobs,
         )
         await self.store.save_turn(sid, turn, last_worker, result=encode(done))
         return done

@@ -72,6 +72,12 @@ class Renderer:
         glue = "" if history_ends_with_eos else self.eos_text
         return self.encode(glue + tail + after[len(before):])
 
+    def token_texts(self, ids: list[int]) -> list[tuple[int, str]]:
+        """(position, text) of each generated id that shows in the text (not end-of-turn or
+        padding), each decoded alone: what OpenAI's `logprobs` lists as `token`."""
+        return [(k, self.tok.decode([i], skip_special_tokens=False)) for k, i in enumerate(ids)
+                if i not in self._strip]
+
     def decode(self, ids: list[int]) -> str:
         """Text of generated ids, without the end-of-turn and padding tokens."""
         return self.tok.decode([i for i in ids if i not in self._strip], skip_special_tokens=False)

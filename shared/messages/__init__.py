@@ -12,6 +12,7 @@ from shared.messages.chat import (
     ChatFailed,
     ChatReply,
     ChatRequest,
+    TokenLogprob,
     ToolCall,
     Usage,
 )
@@ -29,7 +30,8 @@ from shared.messages.trajectory import Sample, TrajectoryCompleted
 from shared.messages.weights import WeightsPublished
 
 __all__ = [
-    "ChatCancel", "ChatDelta", "ChatDone", "ChatFailed", "ChatReply", "ChatRequest", "ToolCall", "Usage",
+    "ChatCancel", "ChatDelta", "ChatDone", "ChatFailed", "ChatReply", "ChatRequest", "TokenLogprob", "ToolCall",
+    "Usage",
     "Generate", "GenerateDone", "RolloutControl", "RolloutReply", "Sampling", "TokenDelta",
     "WorkerStatus", "SessionReply", "SessionRequest", "Sample", "TrajectoryCompleted",
     "WeightsPublished",

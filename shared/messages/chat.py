@@ -25,12 +25,21 @@ class ChatRequest(msgspec.Struct, tag=True, omit_defaults=True):
     prompt: str = ""  # kind == "completion"
     stream: bool = False
     stop: list[str] = []  # OpenAI stop strings, matched on the decoded text by the trajectory manager
+    logprobs: bool = False  # return each generated token's behaviour logprob in ChatDone
 
 
 class ToolCall(msgspec.Struct, omit_defaults=True):
     id: str
     name: str
     arguments: str  # JSON text, as OpenAI sends it
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
+    """One generated token as OpenAI's `logprobs` shows it: its text alone, and the
+    behaviour logprob the rollout engine recorded (NaN if the engine gave none)."""
+
+    token: str
+    logprob: float
 
 
 class Usage(msgspec.Struct):
@@ -60,6 +69,7 @@ class ChatDone(msgspec.Struct, tag=True, omit_defaults=True):
     tool_calls: list[ToolCall] = []
     versions: list[int] = []  # the policy versions that produced this turn, in order
     session_id: str = ""  # the session the turn was recorded in (a new one if none was given)
+    logprobs: list[TokenLogprob] = []  # when the request asked for them: the reply's tokens, in order
 
 
 class ChatFailed(msgspec.Struct, tag=True):

@@ -271,3 +271,25 @@ def test_stop_strings_end_the_turn_and_keep_the_tokens_sampled(stack, hf, stream
     assert turn["finish_reason"] == "stop" and ids == ref_ids[:len(ids)]
     assert stop in tok.decode(ids) and stop not in tok.decode(ids[:-1])  # the token that completed it is last
     assert turn["reply"]["content"] == text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_in_the_api_are_the_recorded_behaviour_logprobs(stack, hf, stream):
+    _, tok = hf
+    s = new_session(stack)
+    client = sdk(stack, s["api_key"])
+    kw = dict(model="seamlessflow-tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=16,
+              temperature=1.0, seed=3, logprobs=True)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        content = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
+    else:
+        r = client.chat.completions.create(**kw)
+        text, content = r.choices[0].message.content, r.choices[0].logprobs.content
+    seg = trajectory(stack, s["id"])["turns"][0]["segments"]
+    ids = [x for sg in seg for x in sg["token_ids"]]
+    lps = [x for sg in seg for x in sg["logprobs"]]
+    shown = [k for k, i in enumerate(ids) if i not in (tok.eos_token_id, tok.pad_token_id)]
+    assert [c.logprob for c in content] == pytest.approx([lps[k] for k in shown], abs=1e-6)
+    assert "".join(c.token for c in content) == text and len(content) == len(shown)

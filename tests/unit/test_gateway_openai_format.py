@@ -120,3 +120,22 @@ def test_resumed_deltas_are_deduplicated_by_offset():
              [events([b])[0] if b else None for b in out]]
     assert texts == ["Hello", " wo", None, None, "rld", "!"]
     assert s.sent == "Hello world!"
+
+
+def test_logprobs_in_responses_and_in_the_final_chunk():
+    from shared.messages.chat import TokenLogprob
+
+    done = ChatDone(request_id="r", text="Hé world", finish_reason="stop", usage=Usage(5, 2), turn_id=0,
+                    logprobs=[TokenLogprob("Hé", -0.5), TokenLogprob(" world", -1.25)])
+    content = ChatCompletion.model_validate(fmt.chat_completion("c", 1, "m", done, "")).choices[0].logprobs.content
+    assert [(c.token, c.logprob, c.bytes, c.top_logprobs) for c in content] == [
+        ("Hé", -0.5, list("Hé".encode()), []), (" world", -1.25, list(b" world"), [])]
+    legacy = Completion.model_validate(fmt.text_completion("c", 1, "m", done, "")).choices[0].logprobs
+    assert (legacy.tokens, legacy.token_logprobs, legacy.text_offset) == (["Hé", " world"], [-0.5, -1.25], [0, 2])
+    assert ChatCompletion.model_validate(fmt.chat_completion("c", 1, "m", DONE, "")).choices[0].logprobs is None
+
+    s = fmt.ChunkStream("chat", "c", 1, "m", include_usage=False)
+    chunks = [ChatCompletionChunk.model_validate(e) for e in events([s.start(), s.delta("Hé"), *s.done(done)])
+              if e != "[DONE]"]
+    got = [lp.token for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
+    assert got == ["Hé", " world"] and chunks[-1].choices[0].finish_reason == "stop"

@@ -145,8 +145,7 @@ def test_tool_choice():
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 strings"),
     ({"stop": ["END", ""]}, "stop", "must not be empty"),
     ({"stop": ""}, "stop", "must not be empty"),
-    ({"logprobs": True}, "logprobs", "logprobs are not supported"),
-    ({"top_logprobs": 2}, "logprobs", "logprobs are not supported"),
+    ({"top_logprobs": 2}, "top_logprobs", "top_logprobs > 0 is not supported"),
     ({"max_tokens": 1024}, "max_tokens", "context length is 1024"),
     ({"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
     ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
@@ -217,3 +216,8 @@ def test_openapi_is_generated_from_the_request_structs():
     assert {f.name for f in msgspec.structs.fields(ChatCompletionRequest)} == set(chat_schema["properties"])
     body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]
     assert body["content"]["application/json"]["schema"]["$ref"] == "#/components/schemas/ChatCompletionRequest"
+
+
+def test_logprobs_are_asked_for_on_the_wire():
+    assert translate.chat_request(chat(logprobs=True), "r", "", CFG).logprobs
+    assert not translate.chat_request(chat(), "r", "", CFG).logprobs
