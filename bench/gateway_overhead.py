@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -63,6 +64,12 @@ async def gateway_path(http: httpx.AsyncClient, key: str, messages: list[dict], 
     return time.perf_counter() - t0
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def run(args) -> dict:
     from transformers import AutoTokenizer
 
@@ -84,6 +91,7 @@ async def run(args) -> dict:
                                                    "--worker-id", worker, "--model", str(model),
                                                    "--capacity", str(max(args.concurrency))],
                                      ready="rollout worker rollout-0 ready"))
+    pids = {p.name.split("-")[0]: p.popen.pid for p in stack.procs if p.name in ("gateway", "trajectory-0")}
     results: dict = {"engine": args.engine, "max_tokens": args.max_tokens, "prompt_tokens": len(prompt_ids),
                      "rows": []}
     try:
@@ -100,6 +108,7 @@ async def run(args) -> dict:
             for conc in args.concurrency:
                 lat = {"direct": [], "gateway": []}
                 wall = {"direct": 0.0, "gateway": 0.0}
+                cpu = {name: 0.0 for name in pids}
                 per_round = max(conc, args.requests // args.rounds)
                 for _ in range(args.rounds):
                     for path in ("direct", "gateway"):
@@ -113,14 +122,22 @@ async def run(args) -> dict:
                                 else:
                                     lat[path].append(await gateway_path(http, sessions[i], messages, args.max_tokens))
 
-                        t0 = time.perf_counter()
+                        t0, c0 = time.perf_counter(), {n: cpu_seconds(p) for n, p in pids.items()}
                         await asyncio.gather(*(loop(i) for i in range(conc)))
                         wall[path] += time.perf_counter() - t0
+                        if path == "gateway":
+                            for n, p in pids.items():
+                                cpu[n] += cpu_seconds(p) - c0[n]
                 row = {"concurrency": conc, "requests_per_path": len(lat["direct"])}
                 for path in ("direct", "gateway"):
                     row[f"{path}_p50_ms"] = round(1000 * statistics.median(lat[path]), 2)
                     row[f"{path}_p99_ms"] = round(1000 * pct(lat[path], 0.99), 2)
                     row[f"{path}_rps"] = round(len(lat[path]) / wall[path], 1)
+                # the capacity that does not depend on the load generator sharing the cores:
+                # CPU each gateway turn costs the gateway and the trajectory manager
+                for n in pids:
+                    row[f"{n}_cpu_ms_per_turn"] = round(1000 * cpu[n] / len(lat["gateway"]), 3)
+                row["turns_per_core_s"] = round(len(lat["gateway"]) / max(sum(cpu.values()), 1e-9), 1)
                 row["added_p50_ms"] = round(row["gateway_p50_ms"] - row["direct_p50_ms"], 2)
                 row["added_p99_ms"] = round(row["gateway_p99_ms"] - row["direct_p99_ms"], 2)
                 results["rows"].append(row)
@@ -140,11 +157,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4)
     args = ap.parse_args()
     res = asyncio.run(run(args))
-    print("\n| concurrency | direct p50 / p99 ms | gateway p50 / p99 ms | added p50 / p99 ms | direct / gateway req/s |")
-    print("|---|---|---|---|---|")
+    print("\n| concurrency | direct p50 / p99 ms | gateway p50 / p99 ms | added p50 / p99 ms | direct / gateway req/s "
+          "| CPU ms per turn: gateway + trajectory | turns/s per core |")
+    print("|---|---|---|---|---|---|---|")
     for r in res["rows"]:
         print(f"| {r['concurrency']} | {r['direct_p50_ms']} / {r['direct_p99_ms']} | {r['gateway_p50_ms']} / "
-              f"{r['gateway_p99_ms']} | {r['added_p50_ms']} / {r['added_p99_ms']} | {r['direct_rps']} / {r['gateway_rps']} |")
+              f"{r['gateway_p99_ms']} | {r['added_p50_ms']} / {r['added_p99_ms']} | {r['direct_rps']} / "
+              f"{r['gateway_rps']} | {r['gateway_cpu_ms_per_turn']} + {r['trajectory_cpu_ms_per_turn']} | "
+              f"{r['turns_per_core_s']} |")
 
 
 if __name__ == "__main__":

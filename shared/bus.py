@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -121,9 +122,6 @@ class Replies:
         self._timeout = first_timeout
         self._idle = idle_timeout
 
-    async def on_msg(self, msg: Msg) -> None:
-        self.queue.put_nowait(msg)
-
     def _data(self, msg: Msg) -> bytes:
         if _is_no_responders(msg):
             raise BusUnavailable(f"nobody serves {self.subject}")
@@ -148,6 +146,39 @@ class Replies:
         return out
 
 
+class _ReplyMux:
+    """One wildcard inbox subscription per connection for every streamed request's replies
+    (as nats.py's own `request` does): no SUB/UNSUB round of protocol messages per request."""
+
+    def __init__(self, nc: NATS):
+        self.nc = nc
+        self.prefix = nc.new_inbox()
+        self.routes: dict[str, Replies] = {}
+        self.sub: Any = None
+        self.lock = asyncio.Lock()
+        self.next = 0
+
+    async def ensure(self) -> None:
+        if self.sub is None:
+            async with self.lock:
+                if self.sub is None:
+                    self.sub = await self.nc.subscribe(self.prefix + ".*", cb=self._on_msg)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        replies = self.routes.get(msg.subject[len(self.prefix) + 1:])
+        if replies is not None:  # else: a late reply to a request that already ended
+            replies.queue.put_nowait(msg)
+
+    def open(self, replies: Replies) -> str:
+        self.next += 1
+        token = str(self.next)
+        self.routes[token] = replies
+        return token
+
+
+_MUXES: weakref.WeakKeyDictionary[NATS, _ReplyMux] = weakref.WeakKeyDictionary()
+
+
 @asynccontextmanager
 async def stream_request(
     nc: NATS, subject: str, payload: bytes, first_timeout: float, idle_timeout: float
@@ -156,17 +187,17 @@ async def stream_request(
     responder decides when the stream ends: the caller stops on its terminal message."""
     if not nc.is_connected:
         raise BusUnavailable("not connected to NATS")
-    inbox = nc.new_inbox()
+    mux = _MUXES.get(nc)
+    if mux is None:
+        mux = _MUXES[nc] = _ReplyMux(nc)
+    await mux.ensure()
     replies = Replies(subject, first_timeout, idle_timeout)
-    sub = await nc.subscribe(inbox, cb=replies.on_msg)
+    token = mux.open(replies)
     try:
-        await nc.publish(subject, payload, reply=inbox)
+        await nc.publish(subject, payload, reply=f"{mux.prefix}.{token}")
         yield replies
     finally:
-        try:
-            await sub.unsubscribe()
-        except Exception:  # connection already gone: nothing left to clean up
-            pass
+        mux.routes.pop(token, None)
 
 
 async def request(nc: NATS, subject: str, payload: bytes, timeout: float) -> bytes:

@@ -32,7 +32,7 @@ async def main() -> int:
     cfg, conn = load_config(), connections()
     agent, admin = build_apps(cfg, conn)
     servers = [_Server(uvicorn.Config(app, host=cfg.host, port=port, log_level="info", access_log=False,
-                                      timeout_graceful_shutdown=30))
+                                      timeout_graceful_shutdown=30, timeout_keep_alive=cfg.keepalive_timeout))
                for app, port in ((agent, cfg.port), (admin, cfg.admin_port))]
     quit = asyncio.Event()
     loop = asyncio.get_running_loop()

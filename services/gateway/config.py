@@ -14,6 +14,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8000  # the agent API (OpenAI formats, sessions)
     admin_port: int = 8001  # admin API and /metrics; never expose it to agents
+    # Idle HTTP keep-alive. Longer than clients' own pool expiry (httpx, so the openai SDK: 5 s),
+    # so a client never reuses a connection the gateway is closing at that moment.
+    keepalive_timeout: float = 75.0
     model: str = "seamlessflow-tiny"  # the one served model name
     api_keys: str = ""  # comma-separated static user keys (may be empty: keys then come from /admin/keys)
     admin_key: str = ""  # empty: every admin endpoint but /healthz answers 401
@@ -29,6 +32,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_tokens_default: int = 256  # chat completions without max_tokens
     max_context: int = 2048  # quick check only; the trajectory manager does the exact one
     redis_timeout: float = 2.0  # socket timeout per Redis call, so an outage answers 503 fast
+    key_cache_seconds: float = 2.0  # a key found in Redis is trusted this long without asking again (0: never)
     session_key_ttl: int = 7 * 24 * 3600  # seconds a session API key stays valid
 
     def static_keys(self) -> list[str]:

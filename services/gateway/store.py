@@ -56,10 +56,18 @@ def mint() -> str:
     return SESSION_KEY_PREFIX + secrets.token_urlsafe(24)
 
 
+KEY_CACHE_MAX = 100_000  # remembered keys per gateway process
+
+
 class KeyStore:
-    def __init__(self, redis_url: str, static_keys: list[str], timeout: float, session_ttl: int) -> None:
+    def __init__(self, redis_url: str, static_keys: list[str], timeout: float, session_ttl: int,
+                 cache_seconds: float = 0.0) -> None:
         self.timeout = timeout
         self.session_ttl = session_ttl
+        # Keys found in Redis are remembered this long (an agent sends many requests with one
+        # key; keys are never revoked early, so the cost is a key outliving its TTL by this much).
+        self.cache_seconds = cache_seconds
+        self._cache: dict[str, tuple[KeyRecord, float]] = {}
         self.redis = aioredis.from_url(
             redis_url,
             socket_timeout=timeout,
@@ -82,8 +90,20 @@ class KeyStore:
         h = digest(key)
         if (record := self.static.get(h)) is not None:
             return record
+        now = time.monotonic()
+        if (hit := self._cache.get(h)) is not None and hit[1] > now:
+            return hit[0]
         raw = await self._call("key lookup", self.redis.get(KEY_PREFIX + h))
-        return None if raw is None else _record.decode(raw)
+        if raw is None:
+            return None  # not cached: a key created a moment later must work at once
+        record = _record.decode(raw)
+        if self.cache_seconds > 0:
+            if len(self._cache) >= KEY_CACHE_MAX:
+                self._cache = {k: v for k, v in self._cache.items() if v[1] > now}
+                if len(self._cache) >= KEY_CACHE_MAX:
+                    self._cache.clear()
+            self._cache[h] = (record, now + self.cache_seconds)
+        return record
 
     async def add_user_key(self, name: str = "") -> tuple[str, KeyRecord]:
         key = mint()

@@ -140,6 +140,7 @@ def chat_request(req: ChatCompletionRequest, request_id: str, session_id: str, c
         stop=stop_strings(req),
         logprobs=bool(req.logprobs),
         stream=True,  # always: deltas double as liveness, so the idle timeout means the same for both modes
+        agent_streams=bool(req.stream),
     )
 
 
@@ -164,6 +165,7 @@ def completion_request(req: CompletionRequest, request_id: str, session_id: str,
         stop=stop_strings(req),
         logprobs=req.logprobs is not None,
         stream=True,
+        agent_streams=bool(req.stream),
     )
 
 

@@ -39,6 +39,7 @@ Emit = Callable[[Any], Awaitable[None]]
 LEASE_MS = 3000
 PREFER_OTHER_WORKER_S = 2.0  # after a preemption, how long to wait for a worker other than the preempter
 PERSIST_CHUNK = 32  # tokens a plain (non-stream) request buffers before persisting
+PROGRESS_INTERVAL = 0.5  # seconds between text deltas of a request the agent does not stream
 RESUME_POLL = 0.2  # seconds between checks while a re-sent request waits for the replica serving it
 
 
@@ -121,11 +122,15 @@ class TurnHandler:
         stops = StopMatcher(text, req.stop)
         parse_tools = req.kind == "chat" and bool(req.tools)
         sent = 0
+        last_emit = time.monotonic()
 
         async def stream_text() -> None:
-            nonlocal sent
+            nonlocal sent, last_emit
             if not req.stream:
                 return
+            if not req.agent_streams and time.monotonic() - last_emit < PROGRESS_INTERVAL:
+                return  # nobody reads a plain request's text before the end: progress now and then
+            last_emit = time.monotonic()
             visible = stops.visible(text.text)
             visible = toolcalls.visible_prefix(visible) if parse_tools else visible
             if len(visible) > sent:
@@ -145,7 +150,7 @@ class TurnHandler:
             ids, lps = (delta.token_ids, delta.logprobs) if keep is None else (delta.token_ids[:keep],
                                                                                delta.logprobs[:keep])
             pending.append(DeltaRecord(worker, first, delta.version, ids, lps))
-            if req.stream or first or sum(len(r.token_ids) for r in pending) >= PERSIST_CHUNK:
+            if req.agent_streams or first or sum(len(r.token_ids) for r in pending) >= PERSIST_CHUNK:
                 await self.store.append_deltas(rid, pending)
                 pending.clear()
             await stream_text()

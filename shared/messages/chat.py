@@ -26,6 +26,9 @@ class ChatRequest(msgspec.Struct, tag=True, omit_defaults=True):
     stream: bool = False
     stop: list[str] = []  # OpenAI stop strings, matched on the decoded text by the trajectory manager
     logprobs: bool = False  # return each generated token's behaviour logprob in ChatDone
+    # Does the agent see deltas as they come? (`stream` is always on between the gateway and
+    # the trajectory manager, for liveness.) If not, deltas are persisted in chunks, not each.
+    agent_streams: bool = True
 
 
 class ToolCall(msgspec.Struct, omit_defaults=True):

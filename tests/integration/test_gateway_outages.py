@@ -129,13 +129,14 @@ async def test_redis_outage_and_recovery(gw, fake, infra):
     _, redis = infra
     async with gw.http() as http:
         session_key = (await http.post("/v1/sessions")).json()["api_key"]
+        unused_key = (await http.post("/v1/sessions")).json()["api_key"]  # not in the gateway's key cache
     await gw.sdk(session_key).chat.completions.create(model=MODEL, messages=user("before"))
 
     redis.stop()
     try:
         start = time.monotonic()
         with pytest.raises(openai.InternalServerError) as info:
-            await gw.sdk(session_key).chat.completions.create(model=MODEL, messages=user("during"))
+            await gw.sdk(unused_key).chat.completions.create(model=MODEL, messages=user("during"))
         assert info.value.status_code == 503 and info.value.code == "redis_unavailable"
         assert "Redis is unreachable" in info.value.message
         assert time.monotonic() - start < 3  # socket timeouts: an outage never hangs a request

