@@ -150,19 +150,19 @@ class _ReplyMux:
     """One wildcard inbox subscription per connection for every streamed request's replies
     (as nats.py's own `request` does): no SUB/UNSUB round of protocol messages per request."""
 
-    def __init__(self, nc: NATS):
-        self.nc = nc
-        self.prefix = nc.new_inbox()
+    def __init__(self, prefix: str):  # holds no reference to the connection: _MUXES is keyed weakly by it
+        self.prefix = prefix
         self.routes: dict[str, Replies] = {}
-        self.sub: Any = None
+        self.subscribed = False  # the Subscription itself is not kept: it references the connection
         self.lock = asyncio.Lock()
         self.next = 0
 
-    async def ensure(self) -> None:
-        if self.sub is None:
+    async def ensure(self, nc: NATS) -> None:
+        if not self.subscribed:
             async with self.lock:
-                if self.sub is None:
-                    self.sub = await self.nc.subscribe(self.prefix + ".*", cb=self._on_msg)
+                if not self.subscribed:
+                    await nc.subscribe(self.prefix + ".*", cb=self._on_msg)
+                    self.subscribed = True
 
     async def _on_msg(self, msg: Msg) -> None:
         replies = self.routes.get(msg.subject[len(self.prefix) + 1:])
@@ -189,8 +189,8 @@ async def stream_request(
         raise BusUnavailable("not connected to NATS")
     mux = _MUXES.get(nc)
     if mux is None:
-        mux = _MUXES[nc] = _ReplyMux(nc)
-    await mux.ensure()
+        mux = _MUXES[nc] = _ReplyMux(nc.new_inbox())
+    await mux.ensure(nc)
     replies = Replies(subject, first_timeout, idle_timeout)
     token = mux.open(replies)
     try:
