@@ -36,8 +36,8 @@ from services.gateway.schemas import (
 from shared.messages.chat import ChatRequest
 from shared.messages.rollout import Sampling
 
-COMPLETIONS_MAX_TOKENS_DEFAULT = 16
-MAX_STOPS = 4  # OpenAI's limit on stop strings  # OpenAI's default for /v1/completions
+COMPLETIONS_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions
+MAX_STOPS = 4  # OpenAI's limit on stop strings
 
 
 def check_model(model: str, served: str) -> None:
