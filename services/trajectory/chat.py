@@ -25,7 +25,7 @@ from msgspec.structs import replace
 from services.trajectory import toolcalls
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.conversation import candidate_prefixes, conversation_key
-from services.trajectory.generation import Call, Generated, GenerationFailed, generate
+from services.trajectory.generation import Call, Generated, GenerationFailed, generate, head
 from services.trajectory.rendering import IncrementalText, Renderer, RenderError
 from services.trajectory.routing import WorkerTable
 from services.trajectory.stopstrings import StopMatcher
@@ -147,9 +147,8 @@ class TurnHandler:
 
         async def on_tokens(delta: TokenDelta, worker: str, first: bool) -> int | None:
             keep = stops.add(delta.token_ids)  # a stop string ends the turn: drop what follows it
-            ids, lps = (delta.token_ids, delta.logprobs) if keep is None else (delta.token_ids[:keep],
-                                                                               delta.logprobs[:keep])
-            pending.append(DeltaRecord(worker, first, delta.version, ids, lps))
+            kept = delta if keep is None else head(delta, keep)
+            pending.append(DeltaRecord(worker, first, kept.version, kept.token_ids, kept.logprobs))
             if req.agent_streams or first or sum(len(r.token_ids) for r in pending) >= PERSIST_CHUNK:
                 await self.store.append_deltas(rid, pending)
                 pending.clear()

@@ -54,6 +54,11 @@ class Generated:
         seg.logprobs += delta.logprobs
 
 
+def head(delta: TokenDelta, n: int) -> TokenDelta:
+    """The first n tokens of `delta` (a stop string completed at its n-th token)."""
+    return TokenDelta(delta.request_id, delta.token_ids[:n], delta.logprobs[:n], delta.version)
+
+
 def coalesce_deltas(replies: list[RolloutReply]) -> list[RolloutReply]:
     """Merge consecutive TokenDeltas of one version into one: a turn that fell behind its
     worker persists and streams what has arrived in one step instead of one per token."""
@@ -111,10 +116,7 @@ async def generate(
                         if not reply.token_ids:
                             continue
                         keep = await on_tokens(reply, worker, first)
-                        if keep is not None:
-                            reply = TokenDelta(reply.request_id, reply.token_ids[:keep], reply.logprobs[:keep],
-                                               reply.version)
-                        out.add(reply, worker, new_dispatch=first)
+                        out.add(reply if keep is None else head(reply, keep), worker, new_dispatch=first)
                         first = False
                         if keep is not None:
                             out.finish_reason = "stop"
