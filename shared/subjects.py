@@ -6,10 +6,17 @@ Core NATS (request/reply, low latency, no persistence):
     sf.rollout.gen.<worker_id>   trajectory -> one rollout worker; streamed replies
     sf.rollout.ctl.<worker_id>   admin -> one rollout worker (pause/resume/vacate)
     sf.rollout.status            rollout workers -> everyone: load and weight version heartbeats
+    sf.sched.host                host agents -> scheduler: HostHeartbeat
+    sf.sched.changed             host agents -> scheduler: HostModeChanged (an assignment applied)
+    sf.sched.ctl                 operators -> scheduler: SchedulerControl -> SchedulerReply
+    sf.sched.gate                trainer -> scheduler: TrainGate -> TrainGateReply (reclaim my hosts)
+    sf.trainer.status            trainer rank 0 -> everyone: TrainerStatus heartbeats
+    sf.trainer.ctl               host agents -> trainer rank 0: TrainerControl (offload/reload)
 
 JetStream (durable, explicit ack):
     sf.traj.completed            TRAJECTORIES stream: one TrajectoryCompleted per finished session
     sf.weights.published         WEIGHTS stream, last value per subject: WeightsPublished
+    sf.sched.assign.<host>       HOSTS stream, last value per subject: HostAssignment
 """
 
 from __future__ import annotations
@@ -38,6 +45,19 @@ ROLLOUT_STATUS = "sf.rollout.status"
 TRAJ_COMPLETED = "sf.traj.completed"
 WEIGHTS_PUBLISHED = "sf.weights.published"
 
+SCHED_HOST = "sf.sched.host"
+SCHED_CHANGED = "sf.sched.changed"
+SCHED_CTL = "sf.sched.ctl"
+SCHED_GATE = "sf.sched.gate"
+TRAINER_STATUS = "sf.trainer.status"
+TRAINER_CTL = "sf.trainer.ctl"
+SCHED_ASSIGN_PREFIX = "sf.sched.assign"
+
+
+def sched_assign(host: str) -> str:
+    return f"{SCHED_ASSIGN_PREFIX}.{host}"
+
+
 STREAMS: tuple[StreamConfig, ...] = (
     StreamConfig(
         name="TRAJECTORIES",
@@ -54,6 +74,14 @@ STREAMS: tuple[StreamConfig, ...] = (
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
         max_msgs_per_subject=1,  # last value: a late worker reads the current version
+        duplicate_window=120.0,
+    ),
+    StreamConfig(
+        name="HOSTS",
+        subjects=[f"{SCHED_ASSIGN_PREFIX}.*"],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_msgs_per_subject=1,  # last value: a restarted host agent reads its current assignment
         duplicate_window=120.0,
     ),
 )

@@ -25,6 +25,17 @@ from shared.messages.rollout import (
     TokenDelta,
     WorkerStatus,
 )
+from shared.messages.scheduler import (
+    HostAssignment,
+    HostHeartbeat,
+    HostModeChanged,
+    SchedulerControl,
+    SchedulerReply,
+    TrainerControl,
+    TrainerStatus,
+    TrainGate,
+    TrainGateReply,
+)
 from shared.messages.session import SessionReply, SessionRequest
 from shared.messages.trajectory import Sample, TrajectoryCompleted
 from shared.messages.weights import WeightsPublished
@@ -35,4 +46,6 @@ __all__ = [
     "Generate", "GenerateDone", "RolloutControl", "RolloutReply", "Sampling", "TokenDelta",
     "WorkerStatus", "SessionReply", "SessionRequest", "Sample", "TrajectoryCompleted",
     "WeightsPublished",
+    "HostAssignment", "HostHeartbeat", "HostModeChanged", "SchedulerControl", "SchedulerReply", "TrainerControl",
+    "TrainerStatus", "TrainGate", "TrainGateReply",
 ]
