@@ -1,0 +1,243 @@
+"""Where each host goes: the three placement policies as one pure function.
+
+    decisions = decide(snapshot)      # Snapshot in, list[Decision] out; no I/O, no clock
+
+The live scheduler (service.py) builds a `Snapshot` from heartbeats and its Redis
+registry every tick; the simulator (sim.py) builds one in virtual time. Both call this
+same code, so a policy measured in simulation is the policy that runs.
+
+Tags decide what a host *may* do (`train`, `rollout`); the policy decides what it does:
+
+- **disaggregated**: a static split. The *train pool* (the first `train_hosts` hosts
+  tagged `train`, by id; 0 = all of them) trains; every other `rollout` host rolls out.
+- **colocated**: every host alternates with the trainer. While the trainer wants its
+  hosts (a batch is ready, computing or publishing), train-pool hosts train and the others
+  idle, all with `hold` (rollout paused in keep mode: in-flight requests wait, they do not
+  migrate, since there is nowhere to go). Otherwise every `rollout` host rolls out.
+- **seamless**: disaggregated, plus lending. A train-pool host also tagged `rollout` is
+  lent to rollout while the trainer waits for data, and reclaimed (vacated: its requests
+  migrate with their partial tokens) as soon as a batch is ready. Lending is *predicted*:
+  a host is lent only when the trainer's predicted wait, from the completion rate and the
+  trajectories still missing, exceeds the switch cost (lend + reclaim) by `lend_margin`.
+
+A host that is switching (its last assignment not yet applied) gets no new decision, so a
+host has one mode at a time. An unhealthy host gets none either: when it comes back it
+rejoins idle and is assigned afresh. Cordoned hosts go idle. Every decision carries the
+host's next epoch; host agents ignore an assignment that is not newer than the last one
+they applied.
+
+This module knows nothing about NATS, Redis, vLLM or DeepSpeed; `plan.py`-style callers
+turn a Decision into a HostAssignment, and `transition_steps` says what a host agent does
+to apply one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from shared.messages.scheduler import Activity, HostMode, PolicyName, TrainerState
+
+POLICIES: tuple[PolicyName, ...] = ("colocated", "disaggregated", "seamless")
+TRAINER_WANTS_HOSTS: frozenset[str] = frozenset({"ready", "computing", "publishing"})
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    id: str
+    tags: frozenset[str]
+    capacity: float = 1.0
+    mode: HostMode = "idle"  # the mode it last applied
+    target: HostMode = "idle"  # the mode it was last assigned; != mode while it switches
+    epoch: int = 0  # of the last assignment issued to it
+    healthy: bool = True
+    cordoned: bool = False
+
+    @property
+    def can_train(self) -> bool:
+        return "train" in self.tags
+
+    @property
+    def can_rollout(self) -> bool:
+        return "rollout" in self.tags
+
+    @property
+    def switching(self) -> bool:
+        return self.mode != self.target
+
+
+@dataclass(frozen=True, slots=True)
+class Trainer:
+    state: TrainerState | Literal["absent"] = "absent"
+    samples_needed: int = 0  # trajectories still missing for the next batch (0 when it is ready)
+
+    @property
+    def wants_hosts(self) -> bool:
+        return self.state in TRAINER_WANTS_HOSTS
+
+
+@dataclass(frozen=True, slots=True)
+class Costs:
+    """Seconds a switch takes, as measured (the live scheduler keeps running means)."""
+
+    lend_s: float = 1.0  # train -> rollout: offload, wake, load the current version, resume
+    reclaim_s: float = 1.0  # rollout -> train: vacate (requests migrate), sleep, reload
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    policy: PolicyName
+    now: float
+    hosts: tuple[Host, ...]
+    trainer: Trainer = Trainer()
+    completion_rate: float = 0.0  # finished trajectories per second, recently
+    costs: Costs = Costs()
+    lend_margin: float = 1.5  # lend only if predicted wait > lend_margin * (lend_s + reclaim_s)
+    train_hosts: int = 0  # size of the train pool (first N train-tagged hosts by id); 0 = all
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    host: str
+    mode: HostMode
+    epoch: int
+    reason: str
+    hold: bool = False  # to train/idle: pause in keep mode instead of vacating (colocated)
+    lent_until: float = 0.0  # to rollout on a train-pool host: predicted reclaim time
+
+
+def train_pool(s: Snapshot) -> frozenset[str]:
+    """The hosts the trainer's ranks run on: train-tagged, first `train_hosts` by id."""
+    ids = sorted(h.id for h in s.hosts if h.can_train)
+    return frozenset(ids[: s.train_hosts] if s.train_hosts > 0 else ids)
+
+
+def predicted_wait(trainer: Trainer, rate: float) -> float:
+    """Seconds until the trainer has its next batch, at the recent completion rate."""
+    if trainer.samples_needed <= 0:
+        return 0.0
+    return math.inf if rate <= 0 else trainer.samples_needed / rate
+
+
+def lend_verdict(s: Snapshot) -> tuple[bool, str]:
+    """Is lending the train pool worth it now? (seamless only)"""
+    if s.trainer.state == "absent" or s.trainer.state == "stopped":
+        return True, "no trainer running"
+    if s.trainer.wants_hosts:
+        return False, f"trainer {s.trainer.state}"
+    wait = predicted_wait(s.trainer, s.completion_rate)
+    cost = s.costs.lend_s + s.costs.reclaim_s
+    if wait > s.lend_margin * cost:
+        return True, f"predicted wait {wait:.1f}s > {s.lend_margin:g} x switch {cost:.2f}s"
+    return False, f"predicted wait {wait:.1f}s <= {s.lend_margin:g} x switch {cost:.2f}s"
+
+
+def _wanted(s: Snapshot, h: Host, pool: frozenset[str], lend: tuple[bool, str]) -> tuple[HostMode, str, bool]:
+    """(mode, reason, hold) the policy wants for one healthy host."""
+    if h.cordoned:
+        return "idle", "cordoned", False
+    in_pool = h.id in pool
+    match s.policy:
+        case "disaggregated":
+            if in_pool:
+                return "train", "train pool", False
+            return ("rollout", "rollout host", False) if h.can_rollout else ("idle", "not in the train pool", False)
+        case "colocated":
+            if s.trainer.wants_hosts:
+                return ("train", "train phase", True) if in_pool else ("idle", "train phase", True)
+            if h.can_rollout:
+                return "rollout", "rollout phase", False
+            return ("train", "train pool (no rollout tag)", False) if in_pool else ("idle", "no role", False)
+        case "seamless":
+            if not in_pool:
+                return ("rollout", "rollout host", False) if h.can_rollout else ("idle", "not in the train pool", False)
+            if not h.can_rollout:
+                return "train", "train pool (no rollout tag)", False
+            if s.trainer.wants_hosts:
+                return "train", f"reclaim: trainer {s.trainer.state}", False
+            ok, why = lend
+            if h.mode == "rollout" and h.target == "rollout":
+                return "rollout", "lent until the batch is ready", False  # never reclaim early
+            return ("rollout", f"lend: {why}", False) if ok else ("train", f"keep: {why}", False)
+    raise ValueError(f"unknown policy {s.policy!r}")
+
+
+def decide(s: Snapshot) -> list[Decision]:
+    """The assignments to issue now: one per settled, healthy host whose target must change."""
+    pool = train_pool(s)
+    lend = lend_verdict(s) if s.policy == "seamless" else (False, "")
+    reclaim_at = s.now + max(0.0, predicted_wait(s.trainer, s.completion_rate) - s.costs.reclaim_s)
+    out: list[Decision] = []
+    for h in sorted(s.hosts, key=lambda h: h.id):
+        if not h.healthy or h.switching:
+            continue
+        mode, reason, hold = _wanted(s, h, pool, lend)
+        if mode == h.target:
+            continue
+        lent_until = 0.0
+        if mode == "rollout" and h.id in pool:
+            lent_until = reclaim_at if math.isfinite(reclaim_at) else 0.0
+        out.append(Decision(h.id, mode, h.epoch + 1, reason, hold, lent_until))
+    return out
+
+
+def gate_open(s: Snapshot) -> bool:
+    """May the trainer compute? Every healthy train-pool host has applied train mode."""
+    pool = train_pool(s)
+    return all(h.mode == "train" and h.target == "train" for h in s.hosts if h.id in pool and h.healthy)
+
+
+def apply(s: Snapshot, decisions: list[Decision]) -> Snapshot:
+    """The snapshot after `decisions` are issued (targets and epochs move; modes do not)."""
+    by_host = {d.host: d for d in decisions}
+    hosts = tuple(
+        replace(h, target=by_host[h.id].mode, epoch=by_host[h.id].epoch) if h.id in by_host else h
+        for h in s.hosts
+    )
+    return replace(s, hosts=hosts)
+
+
+def activity(mode: HostMode, target: HostMode, trainer_state: str, running: int) -> Activity:
+    """What a host's time is spent on right now, for its timeline."""
+    if mode != target:
+        return "switch"
+    if mode == "train" and trainer_state in ("computing", "publishing"):
+        return "train"
+    if mode == "rollout" and running > 0:
+        return "rollout"
+    return "idle"
+
+
+# -- what a host agent does to apply an assignment ---------------------------------------------
+
+Step = Literal[
+    "offload_trainer",  # free the trainer rank's device memory (GPU: DeepSpeed offload_states)
+    "wake",  # wake the rollout engine (GPU: vLLM wake_up)
+    "load",  # load the assignment's weight version if the worker serves an older one
+    "resume",  # take requests again
+    "vacate",  # abort in-flight requests; they come back "preempted" and migrate
+    "hold",  # pause in keep mode: in-flight requests freeze in place until a resume
+    "sleep",  # put the rollout engine to sleep (GPU: vLLM sleep level 1)
+    "reload_trainer",  # restore the trainer rank's device memory
+]
+
+
+def transition_steps(mode: HostMode, hold: bool, has_worker: bool, has_trainer: bool) -> list[Step]:
+    """The ordered steps that bring a host into `mode`.
+
+    A lent host never serves an old version: `load` comes before `resume`. A reclaimed host
+    never trains beside a serving worker: `vacate` (or `hold`) and `sleep` come before
+    `reload_trainer`."""
+    steps: list[Step] = []
+    if mode == "rollout":
+        if has_trainer:
+            steps.append("offload_trainer")
+        if has_worker:
+            steps += ["wake", "load", "resume"]
+        return steps
+    if has_worker:
+        steps += ["hold"] if hold else ["vacate", "sleep"]
+    if mode == "train" and has_trainer:
+        steps.append("reload_trainer")
+    return steps

@@ -1,0 +1,203 @@
+"""The placement policies (services/scheduler/policy.py): examples, then hypothesis properties."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.scheduler.policy import (
+    POLICIES,
+    Costs,
+    Host,
+    Snapshot,
+    Trainer,
+    apply,
+    activity,
+    decide,
+    gate_open,
+    lend_verdict,
+    predicted_wait,
+    train_pool,
+    transition_steps,
+)
+
+BOTH = frozenset({"train", "rollout", "cpu"})
+ROLL = frozenset({"rollout", "cpu"})
+
+
+def two_hosts(mode0="train", mode1="rollout") -> tuple[Host, ...]:
+    return (Host("host-0", BOTH, mode=mode0, target=mode0, epoch=1),
+            Host("host-1", ROLL, mode=mode1, target=mode1, epoch=1))
+
+
+def modes(decisions) -> dict[str, str]:
+    return {d.host: d.mode for d in decisions}
+
+
+# -- examples ---------------------------------------------------------------------------------
+
+def test_disaggregated_is_a_static_split_by_tags():
+    hosts = (Host("host-0", BOTH), Host("host-1", ROLL))
+    for state in ("waiting", "ready", "absent"):
+        s = Snapshot("disaggregated", 0.0, hosts, Trainer(state, 32), completion_rate=1.0)
+        assert modes(decide(s)) == {"host-0": "train", "host-1": "rollout"}
+
+
+def test_seamless_lends_a_waiting_trainers_host_and_reclaims_it_when_the_batch_is_ready():
+    s = Snapshot("seamless", 100.0, two_hosts(), Trainer("waiting", 32), completion_rate=2.0)
+    (d,) = decide(s)
+    assert (d.host, d.mode, d.epoch, d.hold) == ("host-0", "rollout", 2, False)
+    assert d.lent_until == 100.0 + 16.0 - 1.0  # predicted wait 32/2 s, minus the reclaim
+    lent = two_hosts("rollout", "rollout")
+    # while the trainer waits, a lent host stays lent, whatever the prediction
+    assert decide(Snapshot("seamless", 0, lent, Trainer("waiting", 1), completion_rate=100.0)) == []
+    (d,) = decide(Snapshot("seamless", 0, lent, Trainer("ready", 0)))
+    assert (d.host, d.mode, d.hold) == ("host-0", "train", False)  # vacate: requests migrate
+
+
+def test_seamless_does_not_lend_when_the_wait_is_shorter_than_the_switch():
+    costs = Costs(lend_s=2.0, reclaim_s=3.0)
+    s = Snapshot("seamless", 0, two_hosts(), Trainer("waiting", 10), completion_rate=2.0, costs=costs,
+                 lend_margin=1.5)
+    assert predicted_wait(s.trainer, s.completion_rate) == 5.0
+    assert decide(s) == []
+    assert lend_verdict(s)[0] is False
+    s = Snapshot("seamless", 0, two_hosts(), Trainer("waiting", 40), completion_rate=2.0, costs=costs)
+    assert modes(decide(s)) == {"host-0": "rollout"}
+
+
+def test_colocated_alternates_every_host_and_holds_requests():
+    rolling = two_hosts("rollout", "rollout")
+    ds = decide(Snapshot("colocated", 0, rolling, Trainer("ready", 0)))
+    assert {(d.host, d.mode, d.hold) for d in ds} == {("host-0", "train", True), ("host-1", "idle", True)}
+    training = (Host("host-0", BOTH, mode="train", target="train"), Host("host-1", ROLL))
+    assert modes(decide(Snapshot("colocated", 0, training, Trainer("waiting", 8)))) == {
+        "host-0": "rollout", "host-1": "rollout"}
+
+
+def test_switching_unhealthy_and_cordoned_hosts():
+    hosts = (Host("host-0", BOTH, mode="train", target="rollout", epoch=4),  # switching
+             Host("host-1", ROLL, healthy=False),
+             Host("host-2", ROLL, mode="rollout", target="rollout", cordoned=True, epoch=7))
+    (d,) = decide(Snapshot("seamless", 0, hosts, Trainer("ready", 0)))
+    assert (d.host, d.mode, d.epoch, d.reason) == ("host-2", "idle", 8, "cordoned")
+
+
+def test_train_pool_size_and_gate():
+    hosts = tuple(Host(f"h{i}", BOTH, mode="train", target="train") for i in range(4))
+    s = Snapshot("disaggregated", 0, hosts, train_hosts=2)
+    assert train_pool(s) == {"h0", "h1"}
+    assert modes(decide(s)) == {"h2": "rollout", "h3": "rollout"}
+    assert gate_open(s)
+    lent = Snapshot("seamless", 0, (Host("h0", BOTH, mode="rollout", target="train"),))
+    assert not gate_open(lent)
+
+
+def test_no_trainer_lends_everything_under_seamless():
+    s = Snapshot("seamless", 0, two_hosts(), Trainer("absent"))
+    assert modes(decide(s)) == {"host-0": "rollout"}
+    assert decide(s)[0].lent_until == 0.0  # nobody will reclaim it
+
+
+def test_activity():
+    assert activity("rollout", "train", "ready", 3) == "switch"
+    assert activity("train", "train", "computing", 0) == "train"
+    assert activity("train", "train", "waiting", 0) == "idle"
+    assert activity("rollout", "rollout", "waiting", 2) == "rollout"
+    assert activity("rollout", "rollout", "waiting", 0) == "idle"
+
+
+def test_transition_steps():
+    assert transition_steps("rollout", False, True, True) == ["offload_trainer", "wake", "load", "resume"]
+    assert transition_steps("train", False, True, True) == ["vacate", "sleep", "reload_trainer"]
+    assert transition_steps("train", True, True, True) == ["hold", "reload_trainer"]
+    assert transition_steps("idle", False, True, False) == ["vacate", "sleep"]
+    assert transition_steps("train", False, False, True) == ["reload_trainer"]
+
+
+# -- properties -------------------------------------------------------------------------------
+
+TAGS = st.sampled_from([BOTH, ROLL, frozenset({"train", "cpu"}), frozenset({"cpu"})])
+MODES = st.sampled_from(["rollout", "train", "idle"])
+
+
+@st.composite
+def snapshots(draw) -> Snapshot:
+    n = draw(st.integers(1, 8))
+    hosts = []
+    for i in range(n):
+        mode = draw(MODES)
+        target = draw(st.one_of(st.just(mode), MODES))
+        hosts.append(Host(f"h{i}", draw(TAGS), draw(st.floats(0.5, 4)), mode, target,
+                          draw(st.integers(0, 50)), draw(st.booleans()), draw(st.booleans())))
+    state = draw(st.sampled_from(["waiting", "ready", "computing", "publishing", "stopped", "absent"]))
+    trainer = Trainer(state, 0 if state in ("ready", "computing") else draw(st.integers(0, 512)))
+    return Snapshot(draw(st.sampled_from(POLICIES)), draw(st.floats(0, 1e6)), tuple(hosts), trainer,
+                    draw(st.floats(0, 100)), Costs(draw(st.floats(0.01, 20)), draw(st.floats(0.01, 20))),
+                    draw(st.floats(1, 3)), draw(st.integers(0, 4)))
+
+
+@given(snapshots())
+@settings(max_examples=400, deadline=None)
+def test_property_one_decision_per_settled_healthy_host_with_the_next_epoch(s: Snapshot):
+    ds = decide(s)
+    by_id = {h.id: h for h in s.hosts}
+    assert len({d.host for d in ds}) == len(ds)  # one mode per host at a time
+    for d in ds:
+        h = by_id[d.host]
+        assert h.healthy and not h.switching
+        assert d.epoch == h.epoch + 1 and d.mode != h.target
+
+
+@given(snapshots())
+@settings(max_examples=400, deadline=None)
+def test_property_train_roles_only_on_train_hosts_and_rollout_only_on_rollout_hosts(s: Snapshot):
+    by_id = {h.id: h for h in s.hosts}
+    for d in decide(s):
+        if d.mode == "train":
+            assert by_id[d.host].can_train
+        if d.mode == "rollout":
+            assert by_id[d.host].can_rollout
+
+
+@given(snapshots())
+@settings(max_examples=400, deadline=None)
+def test_property_no_lend_when_the_predicted_wait_is_below_the_switch_cost(s: Snapshot):
+    if s.policy != "seamless" or s.trainer.state in ("absent", "stopped"):
+        return
+    wait = predicted_wait(s.trainer, s.completion_rate)
+    pool = train_pool(s)
+    for d in decide(s):
+        if d.mode == "rollout" and d.host in pool:
+            assert wait > s.lend_margin * (s.costs.lend_s + s.costs.reclaim_s)
+            assert not s.trainer.wants_hosts
+
+
+@given(snapshots(), st.lists(st.tuples(st.sampled_from(["waiting", "ready", "computing"]),
+                                       st.integers(0, 64), st.booleans()), min_size=1, max_size=30))
+@settings(max_examples=200, deadline=None)
+def test_property_epochs_are_monotone_and_a_reclaim_vacates_before_training(s: Snapshot, script):
+    """Drive decide() through a run: each tick the trainer changes and some hosts finish
+    switching. Epochs only grow, and every step plan into train vacates or holds first."""
+    last_epoch = {h.id: h.epoch for h in s.hosts}
+    for state, needed, settle in script:
+        s = Snapshot(s.policy, s.now + 1, s.hosts, Trainer(state, 0 if state != "waiting" else needed),
+                     s.completion_rate, s.costs, s.lend_margin, s.train_hosts)
+        ds = decide(s)
+        for d in ds:
+            assert d.epoch > last_epoch[d.host]
+            last_epoch[d.host] = d.epoch
+            steps = transition_steps(d.mode, d.hold, True, True)
+            if d.mode == "train":
+                first = steps.index("reload_trainer")
+                assert {"vacate", "hold"} & set(steps[:first]), steps
+            if d.mode == "rollout":
+                assert steps.index("load") < steps.index("resume")
+        s = apply(s, ds)
+        if settle:  # the host agents report: modes catch up with targets
+            s = Snapshot(s.policy, s.now, tuple(
+                Host(h.id, h.tags, h.capacity, h.target, h.target, h.epoch, h.healthy, h.cordoned)
+                for h in s.hosts), s.trainer, s.completion_rate, s.costs, s.lend_margin, s.train_hosts)
+    assert all(math.isfinite(e) for e in last_epoch.values())
