@@ -23,8 +23,10 @@ from nats.js.errors import NotFoundError
 
 from shared.codec import encode
 from shared.config import Connections
+from shared.logonce import OncePerCause
 
 log = logging.getLogger(__name__)
+_warn = OncePerCause(log)
 
 
 class BusUnavailable(ConnectionError):
@@ -214,8 +216,11 @@ async def request(nc: NATS, subject: str, payload: bytes, timeout: float) -> byt
 
 
 async def wait_closed(nc: NATS, timeout: float = 5.0) -> None:
-    """Drain then close, bounded."""
+    """Drain then close, bounded. A drain that fails or times out may have dropped messages in
+    flight: say so, then close anyway."""
     try:
         await asyncio.wait_for(nc.drain(), timeout)
-    except Exception:
+    except Exception as e:
+        _warn(f"drain:{type(e).__name__}", "NATS drain failed (%s: %s); closing without it",
+              type(e).__name__, e)
         await nc.close()

@@ -45,6 +45,11 @@ ROLLOUT_STATUS = "sf.rollout.status"
 TRAJ_COMPLETED = "sf.traj.completed"
 WEIGHTS_PUBLISHED = "sf.weights.published"
 
+TRAJECTORIES_STREAM = "TRAJECTORIES"  # sf.traj.completed
+WEIGHTS_STREAM = "WEIGHTS"  # sf.weights.published, last value per subject
+# The trainer's durable consumer on TRAJECTORIES; admission control reads its backlog.
+TRAINER_DURABLE = "trainer"
+
 SCHED_HOST = "sf.sched.host"
 SCHED_CHANGED = "sf.sched.changed"
 SCHED_CTL = "sf.sched.ctl"
@@ -60,7 +65,7 @@ def sched_assign(host: str) -> str:
 
 STREAMS: tuple[StreamConfig, ...] = (
     StreamConfig(
-        name="TRAJECTORIES",
+        name=TRAJECTORIES_STREAM,
         subjects=[TRAJ_COMPLETED],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
@@ -69,7 +74,7 @@ STREAMS: tuple[StreamConfig, ...] = (
         discard=DiscardPolicy.OLD,
     ),
     StreamConfig(
-        name="WEIGHTS",
+        name=WEIGHTS_STREAM,
         subjects=[WEIGHTS_PUBLISHED],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,

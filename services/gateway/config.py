@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
+from shared import timeouts
 from shared.config import load
 
 
@@ -21,13 +22,16 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     api_keys: str = ""  # comma-separated static user keys (may be empty: keys then come from /admin/keys)
     admin_key: str = ""  # empty: every admin endpoint but /healthz answers 401
     max_body_bytes: int = 1024 * 1024
-    first_token_timeout: float = 60.0  # seconds from the request to its first generated text
-    idle_timeout: float = 60.0  # seconds between two pieces of generated text
+    # Longer than the trajectory manager's own waits (shared/timeouts.py), so that it times out
+    # first and the agent hears the real cause.
+    first_token_timeout: float = timeouts.AGENT_FIRST_TOKEN  # seconds from the request to its first generated text
+    idle_timeout: float = timeouts.AGENT_IDLE  # seconds between two pieces of generated text
     # The trajectory manager sends a keepalive (an empty ChatDelta) every second while it
     # serves a turn. Silence this long means that replica died: the gateway re-sends the same
     # request_id, and another replica resumes it from Redis, at most `resend_attempts` times.
     silence_timeout: float = 5.0
     resend_attempts: int = 2
+    worker_stale_after: float = timeouts.HEARTBEAT_STALE_AFTER  # /admin/workers lists workers heard from this recently
     session_timeout: float = 10.0  # seconds for one session request/reply
     max_tokens_default: int = 256  # chat completions without max_tokens
     max_context: int = 2048  # quick check only; the trajectory manager does the exact one

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 from nats.aio.client import Client as NATS
 
 from services.gateway.config import GatewayConfig
@@ -24,11 +25,14 @@ from shared import subjects
 from shared.bus import BusUnavailable, ReplyTimeout, connect, request, stream_request, wait_closed
 from shared.codec import decode, encode
 from shared.config import Connections
+from shared.heartbeats import WorkerHeartbeats
+from shared.logonce import OncePerCause
 from shared.messages.chat import ChatCancel, ChatDelta, ChatReply, ChatRequest
 from shared.messages.rollout import RolloutControl, WorkerStatus
 from shared.messages.session import SessionReply, SessionRequest
 
 log = logging.getLogger(__name__)
+_warn = OncePerCause(log)
 
 
 class NoProgress(ReplyTimeout):
@@ -50,7 +54,7 @@ class Gateway:
         self._users = 0
         self._lock = asyncio.Lock()
         self.started = int(time.time())
-        self.workers: dict[str, WorkerStatus] = {}  # latest heartbeat per rollout worker
+        self.workers = WorkerHeartbeats(cfg.worker_stale_after)  # latest heartbeat per rollout worker
 
     # 1. lifecycle ------------------------------------------------------------------------------
 
@@ -180,17 +184,18 @@ class Gateway:
     async def _on_worker_status(self, msg) -> None:
         try:
             status = decode(msg.data, WorkerStatus)
-        except Exception:
+        except msgspec.DecodeError as e:  # a worker of another version, or not a worker at all
+            _warn("bad_worker_status", "bad worker status on %s ignored: %s", msg.subject, e)
             return
-        self.workers[status.worker_id] = status
+        self.workers.update(status)
 
-    def worker_table(self, stale_after: float = 10.0) -> list[WorkerStatus]:
-        now = time.time()
-        return sorted((s for s in self.workers.values() if now - s.ts <= stale_after), key=lambda s: s.worker_id)
+    def worker_table(self) -> list[WorkerStatus]:
+        """Workers heard from within `worker_stale_after`, by id."""
+        return self.workers.fresh(time.time())
 
     async def control_worker(self, worker_id: str, op: str, timeout: float = 30.0) -> WorkerStatus:
         """vacate / resume one worker; raises BusUnavailable if no such worker listens."""
         data = await request(self.nc, subjects.rollout_ctl(worker_id), encode(RolloutControl(op=op)), timeout)
         status = decode(data, WorkerStatus)
-        self.workers[status.worker_id] = status
+        self.workers.update(status)
         return status

@@ -14,6 +14,7 @@ import socket
 
 import msgspec
 
+from shared import timeouts
 from shared.config import ConfigError, load
 
 _SUBJECT_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -29,7 +30,7 @@ class RolloutConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     enforce_eager: bool = True
     dtype: str = "float32"
     seed: int = 0
-    status_interval: float = 1.0  # seconds between heartbeats
+    status_interval: float = timeouts.HEARTBEAT_INTERVAL  # seconds between heartbeats
     max_request_seconds: float = 600.0  # hard bound on one Generate
     host: str = ""  # capability/host name reported to the scheduler
     # following WeightsPublished (the WEIGHTS stream's last value)

@@ -17,6 +17,7 @@ import os
 import msgspec
 
 from services.trainer.algorithms import AlgoConfig
+from shared import subjects, timeouts
 from shared.config import ConfigError, load
 
 
@@ -55,7 +56,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     entropy_coef: float = 0.0
     aggregation: str = "token-mean"
     # service: consuming sf.traj.completed
-    durable: str = "trainer"  # the trajectory manager reads this consumer's backlog for admission control
+    durable: str = subjects.TRAINER_DURABLE  # the trajectory manager reads this consumer's backlog for admission control
     ack_wait: float = 60.0  # seconds; held messages get in_progress() every ack_wait/3
     max_deliver: int = 10
     max_ack_pending: int = 10000  # must exceed what a checkpoint interval holds unacked
@@ -68,13 +69,17 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     publish_every: int = 1  # steps between published weight versions
     weights_dir: str = ""  # the weight store root; "" = $SF_WEIGHTS_DIR or var/weights
     keep_versions: int = 2  # newest versions kept besides those a rollout worker still serves
-    worker_stale_after: float = 10.0  # a worker heartbeat older than this no longer pins its version
+    worker_stale_after: float = timeouts.HEARTBEAT_STALE_AFTER  # an older worker heartbeat no longer pins its version
     ledger_keep_steps: int = 10000  # trained ids older than this many steps leave the ledger; 0 = keep all
     # service: metrics
     metrics_port: int = 9401  # Prometheus /metrics on rank 0; 0 = off
     metrics_host: str = "127.0.0.1"  # 0.0.0.0 lets a Prometheus on another host scrape it
     tensorboard_dir: str = "var/trainer/tb"  # "" = off
     audit_log: str = "var/trainer/trained.jsonl"  # one JSON line per step with the trained ids; "" = off
+    # service: the tag scheduler (TrainerStatus heartbeats on sf.trainer.status are always sent)
+    host: str = ""  # SF_TRAINER_HOST: the host (SF_HOST_ID) this rank runs on, reported in TrainerStatus.hosts
+    scheduler_gate: bool = False  # before each step, ask sf.sched.gate to reclaim our hosts (TrainGate)
+    gate_timeout: float = 30.0  # seconds the scheduler may take to grant; then the step runs anyway (logged)
 
     def __post_init__(self):
         if self.zero_stage not in (0, 1, 2, 3):
@@ -87,6 +92,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("group_size, checkpoint_every, publish_every and keep_versions must be >= 1")
         if self.ack_wait <= 0 or self.fetch_timeout <= 0 or self.fetch_batch < 1 or self.max_deliver < 1:
             raise ValueError("ack_wait and fetch_timeout must be > 0, fetch_batch and max_deliver >= 1")
+        if self.gate_timeout <= 0:
+            raise ValueError("gate_timeout must be > 0")
         held = self.group_size * self.groups_per_step * (self.checkpoint_every + 2)
         if 0 < self.max_ack_pending < held:
             raise ValueError(f"max_ack_pending={self.max_ack_pending} cannot hold a checkpoint interval's "

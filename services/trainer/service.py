@@ -43,6 +43,7 @@ from services.trainer.runner import Command, Runner, encode_groups
 from shared import bus, subjects, weightstore
 from shared.codec import decode
 from shared.config import Connections
+from shared.heartbeats import Heartbeats
 from shared.messages.rollout import WorkerStatus
 from shared.messages.trajectory import TrajectoryCompleted
 
@@ -68,7 +69,9 @@ class TrainerService:
         self.metrics = metrics or Metrics(cfg.metrics_port, cfg.tensorboard_dir, cfg.metrics_host)
         self.audit = AuditLog(cfg.audit_log or None)
         self.store = Path(cfg.weights_dir)
-        self.served: dict[str, tuple[int, float]] = {}  # worker id -> (version, monotonic receive time)
+        # worker id -> the version it serves, aged by receive time (monotonic): the trainer's clock,
+        # not the worker's, decides whether a pin still holds
+        self.served: Heartbeats[int] = Heartbeats(cfg.worker_stale_after)
         self._wake = asyncio.Event()
         self._stop_fetch = asyncio.Event()
         self._resumed = bool(resume)
@@ -286,14 +289,14 @@ class TrainerService:
         except msgspec.DecodeError as e:
             log.debug("bad worker status: %s", e)
             return
-        self.served[st.worker_id] = (st.version, time.monotonic())
+        self.served.beat(st.worker_id, st.version, at=time.monotonic())
 
     def in_use(self) -> set[int] | None:
         """Versions rollout workers serve now; None until heartbeats had `worker_stale_after` seconds to arrive."""
         now = time.monotonic()
         if now - self._listening_since < self.cfg.worker_stale_after:
             return None
-        return {v for v, t in self.served.values() if now - t <= self.cfg.worker_stale_after}
+        return set(self.served.alive(now).values())
 
     # -- acks --------------------------------------------------------------------------------------
 

@@ -44,6 +44,9 @@ class TokenDelta(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 
 FinishReason = Literal["stop", "length", "preempted", "error"]
+# Why a request ended "error": the caller's fault (the prompt does not fit the context window,
+# bad sampling values) or the worker's. "" on any other finish, and from workers that predate it.
+ErrorCode = Literal["", "context_length", "bad_request", "internal"]
 
 
 class GenerateDone(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
@@ -51,6 +54,7 @@ class GenerateDone(msgspec.Struct, tag=True, array_like=True, omit_defaults=True
 
     `preempted` means the worker paused in abort mode (vacate): every token sampled
     so far was already sent as deltas, and the caller should continue elsewhere.
+    `error` is for people; `code` is what a caller may act on.
     """
 
     request_id: str
@@ -59,6 +63,7 @@ class GenerateDone(msgspec.Struct, tag=True, array_like=True, omit_defaults=True
     version: int
     worker_id: str = ""
     error: str = ""
+    code: ErrorCode = ""
 
 
 RolloutReply = TokenDelta | GenerateDone

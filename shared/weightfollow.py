@@ -1,0 +1,81 @@
+"""Following published weight versions: the newest `WeightsPublished`, pushed and polled.
+
+A core subscription to sf.weights.published delivers each event at once (a JetStream publish
+is also a core message), and the event itself is used: the stream's last value can lag the
+push. The WEIGHTS stream's last value is also read at start and every `poll` seconds, so a
+follower that starts late, missed an event or was disconnected jumps to the newest version.
+
+    follower = WeightFollower(nc, on_newest, poll=5.0)
+    task = asyncio.create_task(follower.run())      # until cancelled
+
+`on_newest` gets the newest event known at each wake-up (it may be one it saw before) and
+decides what to do with it: the rollout worker loads a newer version, the trajectory manager
+records the policy version. Callers own the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from shared import subjects, weightstore
+from shared.codec import decode
+from shared.logonce import OncePerCause
+from shared.messages.weights import WeightsPublished
+
+log = logging.getLogger(__name__)
+_warn = OncePerCause(log)
+
+OnNewest = Callable[[WeightsPublished], Awaitable[None]]
+
+
+def newest(*events: WeightsPublished | None) -> WeightsPublished | None:
+    """The highest version among `events` (None where none is known)."""
+    known = [e for e in events if e is not None]
+    return max(known, key=lambda e: e.version) if known else None
+
+
+class WeightFollower:
+    def __init__(self, nc: NATS, on_newest: OnNewest, poll: float):
+        self.nc, self.on_newest, self.poll = nc, on_newest, poll
+        self._pushed: list[WeightsPublished] = []
+        self._hint = asyncio.Event()
+
+    async def _on_published(self, msg: Msg) -> None:
+        try:
+            self._pushed.append(decode(msg.data, WeightsPublished))
+        except msgspec.DecodeError as e:
+            _warn("bad_weights_event", "bad WeightsPublished ignored: %s", e)
+            return
+        self._hint.set()
+
+    async def _last_value(self) -> WeightsPublished | None:
+        try:
+            return await weightstore.current(self.nc.jetstream())
+        except Exception as e:  # NATS reconnecting, or no WEIGHTS stream yet: the push or the next poll
+            log.debug("weights poll: %s", e)
+            return None
+
+    async def run(self) -> None:
+        sub = await self.nc.subscribe(subjects.WEIGHTS_PUBLISHED, cb=self._on_published)
+        try:
+            while True:
+                pushed, self._pushed = self._pushed, []
+                event = newest(await self._last_value(), *pushed)
+                if event is not None:
+                    await self.on_newest(event)
+                try:
+                    await asyncio.wait_for(self._hint.wait(), self.poll)
+                except TimeoutError:
+                    pass
+                self._hint.clear()
+        finally:
+            try:
+                await sub.unsubscribe()
+            except Exception as e:  # the connection is closing: nothing to unsubscribe from
+                log.debug("weights unsubscribe: %s", e)

@@ -1,0 +1,83 @@
+"""shared/bus.py without a server: streamed replies, the reply mux, and the bounded drain.
+
+Only the connection is faked; Replies, _ReplyMux and wait_closed are the real code."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from shared import bus
+
+
+class Msg:
+    def __init__(self, subject: str = "", data: bytes = b"", headers: dict | None = None):
+        self.subject, self.data, self.headers = subject, data, headers
+
+
+async def test_replies_come_in_order_and_ready_takes_what_has_arrived():
+    r = bus.Replies("sf.x", first_timeout=1.0, idle_timeout=1.0)
+    for d in (b"a", b"b", b"c"):
+        r.queue.put_nowait(Msg(data=d))
+    assert await r.__anext__() == b"a"
+    assert r.ready() == [b"b", b"c"] and r.ready() == []
+
+
+async def test_first_reply_and_idle_timeouts_differ():
+    r = bus.Replies("sf.x", first_timeout=0.05, idle_timeout=5.0)
+    with pytest.raises(bus.ReplyTimeout, match="0.1s"):
+        await r.__anext__()
+    r.queue.put_nowait(Msg(data=b"first"))
+    assert await r.__anext__() == b"first"
+    assert r._timeout == 5.0  # later replies get the idle timeout
+
+
+async def test_no_responders_is_bus_unavailable():
+    r = bus.Replies("sf.rollout.gen.w9", 1.0, 1.0)
+    r.queue.put_nowait(Msg(headers={"Status": "503"}))
+    with pytest.raises(bus.BusUnavailable, match="nobody serves sf.rollout.gen.w9"):
+        await r.__anext__()
+
+
+async def test_the_mux_routes_by_token_and_drops_late_replies():
+    mux = bus._ReplyMux("_INBOX.abc")
+    a, b = bus.Replies("s", 1, 1), bus.Replies("s", 1, 1)
+    ta, tb = mux.open(a), mux.open(b)
+    assert ta != tb
+    await mux._on_msg(Msg(f"_INBOX.abc.{tb}", b"for b"))
+    await mux._on_msg(Msg("_INBOX.abc.999", b"late"))  # a request that already ended: dropped
+    assert b.ready() == [b"for b"] and a.ready() == []
+
+
+class FailingDrain:
+    def __init__(self):
+        self.closed = 0
+
+    async def drain(self):
+        raise RuntimeError("connection reset")
+
+    async def close(self):
+        self.closed += 1
+
+
+async def test_a_failed_drain_is_logged_once_per_cause_and_still_closes(caplog):
+    caplog.set_level(logging.DEBUG, logger="shared.bus")
+    bus._warn.seen.clear()
+    nc1, nc2 = FailingDrain(), FailingDrain()
+    await bus.wait_closed(nc1)
+    await bus.wait_closed(nc2)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "drain failed" in r.message]
+    assert nc1.closed == nc2.closed == 1
+    assert len(warnings) == 1 and "connection reset" in warnings[0].message
+
+
+async def test_a_drain_that_hangs_is_bounded():
+    class Hangs(FailingDrain):
+        async def drain(self):
+            await asyncio.sleep(60)
+
+    nc = Hangs()
+    await asyncio.wait_for(bus.wait_closed(nc, timeout=0.05), 2)
+    assert nc.closed == 1
