@@ -1,0 +1,65 @@
+"""Scheduler and host-agent settings, from SF_SCHEDULER_* and SF_HOST_* (connections from SF_NATS_*/SF_REDIS_*).
+
+    SF_SCHEDULER_POLICY=seamless python -m services.scheduler
+    SF_HOST_ID=host-0 SF_HOST_TAGS=train,rollout,cpu SF_HOST_MODEL=var/model python -m services.scheduler.host
+
+Defaults run on one laptop: a 0.2 s decision tick, hosts dead after 3 s without a heartbeat.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from shared.config import ConfigError, load
+from shared.messages.scheduler import PolicyName
+
+_ID = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    policy: PolicyName = "seamless"
+    tick: float = 0.2  # seconds between decisions
+    host_stale_after: float = 3.0  # a host (or its serving worker) silent this long is dead
+    switch_timeout: float = 60.0  # an assignment not applied within this is a failed switch
+    lend_margin: float = 1.5  # lend only if the predicted wait > lend_margin x (lend + reclaim seconds)
+    train_hosts: int = 0  # train pool size: the first N train-tagged hosts by id (0 = all)
+    lend_s: float = 1.0  # initial switch-cost estimates; measured switches replace them (running mean)
+    reclaim_s: float = 1.0
+
+
+class HostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    id: str = ""  # one NATS subject token
+    tags: str = "rollout,cpu"  # comma-separated: roles (train, rollout) and hardware (cpu, gpu:h100, ...)
+    capacity: float = 1.0
+    cores: str = ""  # CPU cores for its rollout worker (VLLM_CPU_OMP_THREADS_BIND), e.g. "0" or "2-3"
+    model: str = ""  # the checkpoint its resident rollout worker loads ("" = no worker even if tagged rollout)
+    worker_id: str = ""  # "" = "<id>-rollout"
+    trainer: bool = False  # a trainer rank runs on this host: offload/reload it around lends
+    heartbeat: float = 1.0  # seconds between HostHeartbeats
+    step_timeout: float = 30.0  # seconds one control step (vacate, load, ...) may take
+    worker_ready_timeout: float = 300.0  # seconds a (re)started worker has to send its first heartbeat
+    restart_backoff_max: float = 30.0  # a crashed worker is restarted after 0.5 s, doubling up to this
+    log_dir: str = ""  # where the worker's log goes ("" = inherit the agent's stdout)
+
+    def tag_list(self) -> list[str]:
+        return [t.strip() for t in self.tags.split(",") if t.strip()]
+
+
+def load_scheduler(**overrides) -> SchedulerConfig:
+    return load(SchedulerConfig, "SF_SCHEDULER_", **overrides)
+
+
+def load_host(**overrides) -> HostConfig:
+    cfg = load(HostConfig, "SF_HOST_", **overrides)
+    if not cfg.id or not _ID.match(cfg.id):
+        raise ConfigError(f"SF_HOST_ID={cfg.id!r}: set one NATS subject token, [A-Za-z0-9_-]+")
+    tags = cfg.tag_list()
+    if not {"train", "rollout"} & set(tags):
+        raise ConfigError(f"SF_HOST_TAGS={cfg.tags!r}: a host needs a role tag, train and/or rollout")
+    if cfg.capacity <= 0:
+        raise ConfigError("SF_HOST_CAPACITY must be > 0")
+    if not cfg.worker_id:
+        cfg = msgspec.structs.replace(cfg, worker_id=f"{cfg.id}-rollout")
+    return cfg

@@ -1,0 +1,221 @@
+"""The scheduler's view of the cluster (pure): hosts, health, switches, timelines, backlog.
+
+The service feeds it what arrives (host heartbeats, worker heartbeats, HostModeChanged,
+trainer heartbeats, finished trajectories) with the time passed in, asks it for a
+`policy.Snapshot`, and records the assignments it issues. It knows nothing about NATS
+or Redis: `store.py` persists `HostRecord`s and timelines, `service.py` does the I/O.
+
+Health. A host is healthy while its agent's heartbeat is younger than `stale_after`
+seconds and, when it is in rollout mode, its worker's heartbeat is too. A host that
+fails to apply an assignment, or does not report within `switch_timeout`, is marked
+unhealthy; its role is re-placed by the next decision. A host that comes back (fresh
+heartbeats again, or its agent restarted its worker) is adopted in the mode its agent
+reports, normally idle (a restarted worker starts vacated), and is assigned afresh.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.scheduler import policy
+from shared.messages.scheduler import (
+    Activity,
+    HostHeartbeat,
+    HostInfo,
+    HostMode,
+    HostModeChanged,
+    Interval,
+    PolicyName,
+    TrainerStatus,
+)
+
+log = logging.getLogger("sf.scheduler")
+
+EWMA = 0.3  # weight of the newest switch duration in the running mean
+RATE_WINDOW = 30.0  # seconds of finished trajectories the completion rate looks at
+TIMELINE_KEEP = 10_000  # intervals kept in memory per host
+
+
+@dataclass
+class HostRecord:
+    host: str
+    tags: list[str]
+    capacity: float = 1.0
+    mode: HostMode = "idle"
+    target: HostMode = "idle"
+    epoch: int = 0
+    healthy: bool = True
+    cordoned: bool = False
+    last_seen: float = 0.0
+    worker_id: str = ""
+    restarts: int = 0
+    issued_at: float = 0.0  # when the current target was assigned
+    activity: Activity = "idle"
+    activity_since: float = 0.0
+
+    def view(self) -> policy.Host:
+        return policy.Host(self.host, frozenset(self.tags), self.capacity, self.mode, self.target, self.epoch,
+                           self.healthy, self.cordoned)
+
+    def info(self) -> HostInfo:
+        return HostInfo(self.host, list(self.tags), self.capacity, self.mode, self.target, self.epoch, self.healthy,
+                        self.cordoned, self.last_seen, self.worker_id, self.activity)
+
+
+@dataclass
+class Registry:
+    stale_after: float = 3.0
+    switch_timeout: float = 60.0
+    hosts: dict[str, HostRecord] = field(default_factory=dict)
+    timelines: dict[str, deque[Interval]] = field(default_factory=dict)
+    workers: dict[str, tuple[float, int, str]] = field(default_factory=dict)  # worker id -> (ts, running, state)
+    trainer: TrainerStatus | None = None
+    trainer_seen: float = 0.0
+    gate_pending: bool = False
+    finished: deque[float] = field(default_factory=deque)  # arrival times of finished trajectories
+    costs: policy.Costs = policy.Costs()
+    counts: dict[str, int] = field(default_factory=lambda: {"lends": 0, "reclaims": 0, "failed_switches": 0,
+                                                            "gates_granted": 0, "gates_timed_out": 0})
+
+    # -- what arrives ----------------------------------------------------------------------------
+
+    def on_heartbeat(self, hb: HostHeartbeat, now: float) -> list[str]:
+        """Record a host agent's heartbeat; returns log lines for what changed."""
+        notes: list[str] = []
+        rec = self.hosts.get(hb.host)
+        if rec is None:
+            rec = self.hosts[hb.host] = HostRecord(hb.host, list(hb.tags), hb.capacity, hb.mode, hb.mode,
+                                                   hb.epoch, True, False, now, hb.worker_id, hb.restarts,
+                                                   activity_since=now)
+            notes.append(f"host {hb.host} registered: tags {','.join(hb.tags)}, mode {hb.mode}, epoch {hb.epoch}")
+        rec.tags, rec.capacity, rec.worker_id, rec.last_seen = list(hb.tags), hb.capacity, hb.worker_id, now
+        if hb.restarts > rec.restarts:
+            rec.restarts = hb.restarts
+            notes.append(f"host {hb.host}: its worker was restarted ({hb.restarts} in all); rejoins {hb.mode}")
+            self._adopt(rec, hb)
+        elif not rec.healthy and self._fresh(rec, now):
+            notes.append(f"host {hb.host} is back; rejoins {hb.mode} at epoch {hb.epoch}")
+            self._adopt(rec, hb)
+        return notes
+
+    def _adopt(self, rec: HostRecord, hb: HostHeartbeat) -> None:
+        rec.mode = rec.target = hb.mode
+        rec.epoch = max(rec.epoch, hb.epoch)
+        rec.healthy = True
+
+    def on_worker(self, worker_id: str, ts: float, running: int, state: str, now: float) -> None:
+        self.workers[worker_id] = (now, running, state)
+
+    def on_changed(self, ev: HostModeChanged, now: float) -> str | None:
+        rec = self.hosts.get(ev.host)
+        if rec is None or ev.epoch != rec.epoch:
+            return None  # an old assignment's report, or an unknown host: the newest epoch decides
+        took = max(0.0, ev.t_end - ev.t_start)
+        if not ev.ok:
+            rec.healthy = False
+            self.counts["failed_switches"] += 1
+            return f"host {ev.host} failed to switch to {ev.mode} (epoch {ev.epoch}): {ev.error}; marked unhealthy"
+        was = rec.mode
+        rec.mode = ev.mode
+        if ev.mode == "rollout" and was == "train":
+            self.costs = policy.Costs(_ewma(self.costs.lend_s, took), self.costs.reclaim_s)
+            self.counts["lends"] += 1
+        elif ev.mode == "train" and was == "rollout":
+            self.costs = policy.Costs(self.costs.lend_s, _ewma(self.costs.reclaim_s, took))
+            self.counts["reclaims"] += 1
+        return (f"host {ev.host}: {was} -> {ev.mode} (epoch {ev.epoch}) in {took * 1000:.0f} ms"
+                + (f", {ev.migrated} request(s) migrated" if ev.migrated else ""))
+
+    def on_trainer(self, st: TrainerStatus, now: float) -> None:
+        self.trainer, self.trainer_seen = st, now
+
+    def on_finished(self, now: float) -> None:
+        self.finished.append(now)
+
+    # -- what the service does -------------------------------------------------------------------
+
+    def issued(self, host: str, mode: HostMode, epoch: int, now: float) -> None:
+        rec = self.hosts[host]
+        rec.target, rec.epoch, rec.issued_at = mode, epoch, now
+
+    def check_health(self, now: float) -> list[str]:
+        notes = []
+        for rec in self.hosts.values():
+            if not rec.healthy:
+                continue
+            if not self._fresh(rec, now):
+                rec.healthy = False
+                age = now - max(rec.last_seen, self.workers.get(rec.worker_id, (0.0,))[0])
+                notes.append(f"host {rec.host} dead: no heartbeat from it or its worker for {age:.1f}s")
+            elif rec.target != rec.mode and now - rec.issued_at > self.switch_timeout:
+                rec.healthy = False
+                self.counts["failed_switches"] += 1
+                notes.append(f"host {rec.host} did not apply {rec.target} (epoch {rec.epoch}) within "
+                             f"{self.switch_timeout:.0f}s; marked unhealthy")
+        return notes
+
+    def _fresh(self, rec: HostRecord, now: float) -> bool:
+        if now - rec.last_seen > self.stale_after:
+            return False
+        if rec.mode == "rollout" and rec.target == "rollout" and rec.worker_id:
+            seen = self.workers.get(rec.worker_id)
+            return seen is not None and now - seen[0] <= self.stale_after
+        return True
+
+    def trainer_view(self, now: float) -> policy.Trainer:
+        st = self.trainer
+        if st is None or now - self.trainer_seen > self.stale_after or st.state == "stopped":
+            return policy.Trainer("ready" if self.gate_pending else "absent")
+        needed = max(0, st.groups_per_step * st.group_size - st.buffered_samples)
+        state = "ready" if self.gate_pending and st.state == "waiting" else st.state
+        return policy.Trainer(state, 0 if state != "waiting" else needed)
+
+    def completion_rate(self, now: float) -> float:
+        while self.finished and now - self.finished[0] > RATE_WINDOW:
+            self.finished.popleft()
+        if len(self.finished) < 2:
+            return 0.0
+        span = max(now - self.finished[0], 1.0)
+        return len(self.finished) / span
+
+    def snapshot(self, policy_name: PolicyName, now: float, lend_margin: float, train_hosts: int) -> policy.Snapshot:
+        return policy.Snapshot(policy_name, now, tuple(r.view() for r in self.hosts.values()),
+                               self.trainer_view(now), self.completion_rate(now), self.costs, lend_margin,
+                               train_hosts)
+
+    def record_activity(self, now: float) -> list[tuple[str, Interval]]:
+        """Close the interval of every host whose activity changed; returns the closed ones."""
+        closed = []
+        trainer_state = self.trainer_view(now).state
+        for rec in self.hosts.values():
+            running = self.workers.get(rec.worker_id, (0.0, 0, ""))[1]
+            act = policy.activity(rec.mode, rec.target, trainer_state, running)
+            if not rec.healthy:
+                act = "idle"
+            if act != rec.activity:
+                iv = Interval(rec.activity, rec.activity_since, now)
+                self.timelines.setdefault(rec.host, deque(maxlen=TIMELINE_KEEP)).append(iv)
+                closed.append((rec.host, iv))
+                rec.activity, rec.activity_since = act, now
+        return closed
+
+    def timeline(self, host: str, now: float) -> list[Interval]:
+        rec = self.hosts[host]
+        return [*self.timelines.get(host, ()), Interval(rec.activity, rec.activity_since, now)]
+
+
+def _ewma(old: float, new: float) -> float:
+    return (1 - EWMA) * old + EWMA * new
+
+
+def fractions(intervals: list[Interval], t0: float = 0.0, t1: float = float("inf")) -> dict[str, float]:
+    """Share of [t0, t1] (clipped to the intervals) spent on each activity."""
+    spent: dict[str, float] = {"train": 0.0, "rollout": 0.0, "switch": 0.0, "idle": 0.0}
+    for iv in intervals:
+        a, b = max(iv.t_start, t0), min(iv.t_end, t1)
+        if b > a:
+            spent[iv.activity] += b - a
+    total = sum(spent.values())
+    return {k: (v / total if total else 0.0) for k, v in spent.items()}

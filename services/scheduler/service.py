@@ -1,0 +1,271 @@
+"""Scheduler transport: the only scheduler module that touches NATS.
+
+    sf.sched.host          HostHeartbeat in (host agents register and stay alive)
+    sf.sched.changed       HostModeChanged in (an assignment applied, or failed)
+    sf.rollout.status      WorkerStatus in (a serving host's worker must stay alive; its load)
+    sf.trainer.status      TrainerStatus in (waiting for data, ready, computing, publishing)
+    sf.traj.completed      counted as they pass (the completion rate that predicts the wait)
+    sf.weights.published   the version a lent host must load before it serves
+    sf.sched.gate          TrainGate in, TrainGateReply out once the train pool is reclaimed
+    sf.sched.ctl           SchedulerControl in (status, set_policy, cordon, uncordon, timeline)
+    sf.sched.assign.<host> HostAssignment out, on the HOSTS stream (last value per host)
+
+The loop, every `tick` seconds:
+1. mark dead hosts (heartbeat age) and failed switches (switch timeout);
+2. build a policy.Snapshot from the registry and ask policy.decide();
+3. publish each decision as a HostAssignment with the host's next epoch;
+4. answer trainer gates whose train pool has applied train mode, or whose wait ran out;
+5. close timeline intervals whose activity changed, and persist the registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import AsyncExitStack
+from typing import get_args
+
+import msgspec
+from nats.aio.msg import Msg
+
+from services.scheduler import policy
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.registry import Registry
+from services.scheduler.store import Store
+from shared import bus, subjects, weightstore
+from shared.codec import decode, encode
+from shared.config import Connections
+from shared.messages.rollout import WorkerStatus
+from shared.messages.scheduler import (
+    HostAssignment,
+    HostHeartbeat,
+    HostModeChanged,
+    PolicyName,
+    SchedulerControl,
+    SchedulerReply,
+    TrainerStatus,
+    TrainGate,
+    TrainGateReply,
+)
+from shared.messages.weights import WeightsPublished
+
+log = logging.getLogger("sf.scheduler")
+
+PERSIST_EVERY = 1.0  # seconds between registry writes to Redis
+ASSIGN_RETRIES = 3  # publishes of one assignment before the host is marked unhealthy
+
+
+class _Gate:
+    def __init__(self, msg: Msg, req: TrainGate, now: float):
+        self.msg, self.req, self.t0 = msg, req, now
+        self.deadline = now + req.timeout
+
+
+class SchedulerService:
+    def __init__(self, cfg: SchedulerConfig, conn: Connections):
+        self.cfg, self.conn = cfg, conn
+        self.policy: PolicyName = cfg.policy
+        self.reg = Registry(stale_after=cfg.host_stale_after, switch_timeout=cfg.switch_timeout,
+                            costs=policy.Costs(cfg.lend_s, cfg.reclaim_s))
+        self.gates: list[_Gate] = []
+        self.weights: WeightsPublished | None = None
+
+    async def run(self, quit: asyncio.Event, ready: asyncio.Event | None = None) -> None:
+        async with AsyncExitStack() as stack:
+            # 1. connect, declare streams, rebuild the registry from Redis
+            self.nc = await bus.connect(self.conn, name="sf-scheduler")
+            stack.push_async_callback(bus.wait_closed, self.nc)
+            self.js = self.nc.jetstream()
+            await bus.ensure_streams(self.js, subjects.STREAMS)
+            self.store = Store.connect(self.conn.redis_url)
+            stack.push_async_callback(self.store.close)
+            await self._restore()
+            try:
+                self.weights = await weightstore.current(self.js)
+            except Exception as e:
+                log.warning("could not read the current weight version: %s", e)
+
+            # 2. listen
+            subs = [
+                (subjects.SCHED_HOST, self._on_heartbeat), (subjects.SCHED_CHANGED, self._on_changed),
+                (subjects.ROLLOUT_STATUS, self._on_worker), (subjects.TRAINER_STATUS, self._on_trainer),
+                (subjects.TRAJ_COMPLETED, self._on_finished), (subjects.WEIGHTS_PUBLISHED, self._on_weights),
+                (subjects.SCHED_GATE, self._on_gate), (subjects.SCHED_CTL, self._on_control),
+            ]
+            for subject, cb in subs:
+                await self.nc.subscribe(subject, cb=cb)
+            log.info("scheduler ready: policy %s, %d host(s) known (%s)", self.policy, len(self.reg.hosts),
+                     self.conn.redacted())
+            if ready:
+                ready.set()
+
+            # 3. decide every tick
+            last_persist = 0.0
+            while not quit.is_set():
+                now = time.time()
+                try:
+                    await self._tick(now)
+                    if now - last_persist >= PERSIST_EVERY:
+                        for rec in self.reg.hosts.values():
+                            await self.store.save_host(rec)
+                        last_persist = now
+                except Exception:  # Redis or NATS hiccup: the next tick tries again
+                    log.exception("scheduler tick failed")
+                try:
+                    await asyncio.wait_for(quit.wait(), self.cfg.tick)
+                except TimeoutError:
+                    pass
+            for g in self.gates:  # do not leave the trainer waiting on a scheduler that left
+                await self._answer(g, False, "scheduler stopping", time.time())
+
+    async def _restore(self) -> None:
+        saved = await self.store.policy()
+        if saved in get_args(PolicyName):
+            self.policy = saved  # type: ignore[assignment]
+        now = time.time()
+        for rec in await self.store.load_hosts():
+            rec.last_seen = now  # give every host a heartbeat period to show it is alive
+            rec.activity_since = now
+            self.reg.hosts[rec.host] = rec
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    async def _tick(self, now: float) -> None:
+        # 1. health
+        for note in self.reg.check_health(now):
+            log.warning("%s", note)
+        # 2. decide
+        self.reg.gate_pending = bool(self.gates)
+        snap = self.reg.snapshot(self.policy, now, self.cfg.lend_margin, self.cfg.train_hosts)
+        decisions = policy.decide(snap)
+        # 3. assign
+        for d in decisions:
+            await self._assign(d, now)
+        # 4. gates
+        if self.gates:
+            snap = self.reg.snapshot(self.policy, now, self.cfg.lend_margin, self.cfg.train_hosts)
+            is_open = policy.gate_open(snap)
+            for g in list(self.gates):
+                if is_open:
+                    await self._answer(g, True, "train pool reclaimed", now)
+                elif now >= g.deadline:
+                    self.reg.counts["gates_timed_out"] += 1
+                    await self._answer(g, False, f"train pool not reclaimed within {g.req.timeout:.0f}s", now)
+        # 5. timelines
+        closed = self.reg.record_activity(now)
+        await self.store.append_intervals(closed)
+
+    async def _assign(self, d: policy.Decision, now: float) -> None:
+        w = self.weights
+        msg = HostAssignment(d.host, d.mode, d.epoch, d.reason, w.version if w else -1, w.path if w else "",
+                             d.hold, now, d.lent_until)
+        for attempt in range(1, ASSIGN_RETRIES + 1):
+            try:
+                await bus.publish_durable(self.js, subjects.sched_assign(d.host), msg, f"assign-{d.host}-{d.epoch}")
+                break
+            except Exception as e:
+                log.warning("publishing %s's assignment (attempt %d): %s", d.host, attempt, e)
+                await asyncio.sleep(0.2 * attempt)
+        else:
+            self.reg.hosts[d.host].healthy = False
+            log.error("host %s: assignment %d could not be published; marked unhealthy", d.host, d.epoch)
+            return
+        self.reg.issued(d.host, d.mode, d.epoch, now)
+        log.info("assign %s -> %s (epoch %d%s): %s", d.host, d.mode, d.epoch, ", hold" if d.hold else "", d.reason)
+
+    async def _answer(self, g: _Gate, granted: bool, reason: str, now: float) -> None:
+        self.gates.remove(g)
+        if granted:
+            self.reg.counts["gates_granted"] += 1
+        reply = TrainGateReply(granted, now - g.t0, reason)
+        log.info("gate for step %d: %s after %.2fs (%s)", g.req.step, "granted" if granted else "refused",
+                 now - g.t0, reason)
+        try:
+            await g.msg.respond(encode(reply))
+        except Exception as e:
+            log.warning("answering the trainer's gate: %s", e)
+
+    # -- what arrives ------------------------------------------------------------------------------
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        hb = _decode(msg, HostHeartbeat)
+        if hb is not None:
+            for note in self.reg.on_heartbeat(hb, time.time()):
+                log.info("%s", note)
+
+    async def _on_changed(self, msg: Msg) -> None:
+        ev = _decode(msg, HostModeChanged)
+        if ev is not None and (note := self.reg.on_changed(ev, time.time())):
+            (log.info if ev.ok else log.warning)("%s", note)
+
+    async def _on_worker(self, msg: Msg) -> None:
+        st = _decode(msg, WorkerStatus)
+        if st is not None:
+            self.reg.on_worker(st.worker_id, st.ts, st.running, st.state, time.time())
+
+    async def _on_trainer(self, msg: Msg) -> None:
+        st = _decode(msg, TrainerStatus)
+        if st is not None:
+            self.reg.on_trainer(st, time.time())
+
+    async def _on_finished(self, msg: Msg) -> None:
+        self.reg.on_finished(time.time())
+
+    async def _on_weights(self, msg: Msg) -> None:
+        ev = _decode(msg, WeightsPublished)
+        if ev is not None and (self.weights is None or ev.version > self.weights.version):
+            self.weights = ev
+
+    async def _on_gate(self, msg: Msg) -> None:
+        req = _decode(msg, TrainGate)
+        if req is None or not msg.reply:
+            return
+        self.gates.append(_Gate(msg, req, time.time()))
+
+    async def _on_control(self, msg: Msg) -> None:
+        try:
+            ctl = decode(msg.data, SchedulerControl)
+            reply = await self._control(ctl)
+        except msgspec.DecodeError as e:
+            reply = SchedulerReply(False, error=f"bad SchedulerControl: {e}")
+        except Exception as e:
+            log.exception("control failed")
+            reply = SchedulerReply(False, error=f"{type(e).__name__}: {e}")
+        if msg.reply:
+            await msg.respond(encode(reply))
+
+    async def _control(self, ctl: SchedulerControl) -> SchedulerReply:
+        now = time.time()
+        match ctl.op:
+            case "set_policy":
+                if ctl.policy not in get_args(PolicyName):
+                    return SchedulerReply(False, self.policy, error=f"unknown policy {ctl.policy!r}; choose one of "
+                                                                    f"{', '.join(get_args(PolicyName))}")
+                self.policy = ctl.policy  # type: ignore[assignment]
+                await self.store.set_policy(ctl.policy)
+                log.info("policy set to %s", ctl.policy)
+            case "cordon" | "uncordon":
+                rec = self.reg.hosts.get(ctl.host)
+                if rec is None:
+                    return SchedulerReply(False, self.policy, error=f"unknown host {ctl.host!r}")
+                rec.cordoned = ctl.op == "cordon"
+                await self.store.save_host(rec)
+                log.info("host %s %sed", ctl.host, ctl.op)
+            case "timeline":
+                infos = []
+                for rec in self.reg.hosts.values():
+                    info = rec.info()
+                    info.timeline = self.reg.timeline(rec.host, now)
+                    infos.append(info)
+                return SchedulerReply(True, self.policy, infos, counts=dict(self.reg.counts))
+        return SchedulerReply(True, self.policy, [r.info() for r in self.reg.hosts.values()],
+                              counts=dict(self.reg.counts))
+
+
+def _decode(msg: Msg, tp):
+    try:
+        return decode(msg.data, tp)
+    except msgspec.DecodeError as e:  # undecodable or of the wrong shape
+        log.warning("bad %s on %s: %s", tp.__name__, msg.subject, e)
+        return None
