@@ -21,7 +21,15 @@ JetStream (durable, explicit ack):
 
 from __future__ import annotations
 
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
 
 CHAT = "sf.chat"
 SESSION = "sf.session"  # + ".create" | ".get" | ".reward" | ".finish"
@@ -47,8 +55,26 @@ WEIGHTS_PUBLISHED = "sf.weights.published"
 
 TRAJECTORIES_STREAM = "TRAJECTORIES"  # sf.traj.completed
 WEIGHTS_STREAM = "WEIGHTS"  # sf.weights.published, last value per subject
-# The trainer's durable consumer on TRAJECTORIES; admission control reads its backlog.
+HOSTS_STREAM = "HOSTS"  # sf.sched.assign.<host>, last value per subject
+# The trainer's durable consumer on TRAJECTORIES; admission control reads its backlog, and
+# from its metadata how many sessions the trainer trains per published version.
 TRAINER_DURABLE = "trainer"
+SESSIONS_PER_VERSION = "sessions_per_version"  # trainer consumer metadata key (an int, as text)
+
+
+def trainer_consumer(durable: str, sessions_per_version: int, ack_wait: float = 60.0, max_deliver: int = 10,
+                     max_ack_pending: int = 10000) -> ConsumerConfig:
+    """The trainer's durable pull consumer on TRAJECTORIES: explicit ack, bounded redeliveries."""
+    return ConsumerConfig(
+        durable_name=durable, filter_subject=TRAJ_COMPLETED, ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL, ack_wait=ack_wait, max_deliver=max_deliver,
+        max_ack_pending=max_ack_pending, metadata={SESSIONS_PER_VERSION: str(sessions_per_version)})
+
+
+def sessions_per_version(consumer: ConsumerConfig) -> int | None:
+    """What `trainer_consumer` declared; None for a consumer that does not say."""
+    raw = (consumer.metadata or {}).get(SESSIONS_PER_VERSION, "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
 
 SCHED_HOST = "sf.sched.host"
 SCHED_CHANGED = "sf.sched.changed"
@@ -82,7 +108,7 @@ STREAMS: tuple[StreamConfig, ...] = (
         duplicate_window=120.0,
     ),
     StreamConfig(
-        name="HOSTS",
+        name=HOSTS_STREAM,
         subjects=[f"{SCHED_ASSIGN_PREFIX}.*"],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,

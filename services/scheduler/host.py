@@ -88,7 +88,7 @@ class HostAgent:
             await bus.ensure_streams(js, subjects.STREAMS)
             await self.nc.subscribe(subjects.ROLLOUT_STATUS, cb=self._on_worker)
             await self.nc.subscribe(subjects.sched_assign(self.cfg.id), cb=self._on_assignment)
-            last = await bus.last_value(js, "HOSTS", subjects.sched_assign(self.cfg.id))
+            last = await bus.last_value(js, subjects.HOSTS_STREAM, subjects.sched_assign(self.cfg.id))
             if last is not None:  # a restarted agent keeps its last assignment
                 self._offer(decode(last, HostAssignment))
 

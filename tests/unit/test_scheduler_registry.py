@@ -1,0 +1,101 @@
+"""The scheduler's registry (services/scheduler/registry.py): health, switches, backlog, timelines."""
+
+from __future__ import annotations
+
+from services.scheduler.registry import Registry, fractions
+from shared.messages.scheduler import HostHeartbeat, HostModeChanged, Interval, TrainerStatus
+
+
+def hb(host="host-1", mode="idle", epoch=0, restarts=0, tags=("rollout", "cpu")) -> HostHeartbeat:
+    return HostHeartbeat(host, list(tags), 1.0, mode, epoch, 0.0, worker_id=f"{host}-rollout", restarts=restarts)
+
+
+def trainer(state="waiting", buffered=0) -> TrainerStatus:
+    return TrainerStatus(state, 3, 3, 0, 0, buffered, 2, 4, 1.0, 0.5, 0.0)
+
+
+def test_a_host_registers_and_dies_by_heartbeat_age():
+    reg = Registry(stale_after=3.0)
+    assert "registered" in reg.on_heartbeat(hb(), now=100.0)[0]
+    assert reg.check_health(102.9) == []
+    (note,) = reg.check_health(103.5)
+    assert "host-1 dead" in note and not reg.hosts["host-1"].healthy
+    assert "is back" in reg.on_heartbeat(hb(), now=104.0)[0]
+    assert reg.hosts["host-1"].healthy
+
+
+def test_a_serving_host_dies_with_its_worker():
+    reg = Registry(stale_after=3.0)
+    reg.on_heartbeat(hb(), 100.0)
+    reg.issued("host-1", "rollout", 1, 100.0)
+    reg.on_changed(HostModeChanged("host-1", "rollout", 1, 100.0, 100.5), 100.5)
+    reg.on_worker("host-1-rollout", 100.5, 2, "serving", 100.5)
+    reg.on_heartbeat(hb(mode="rollout", epoch=1), 104.0)  # the agent is alive ...
+    (note,) = reg.check_health(104.0)  # ... but its worker went silent 3.5 s ago
+    assert "dead" in note
+
+
+def test_a_restarted_worker_makes_the_host_rejoin_in_the_mode_its_agent_reports():
+    reg = Registry()
+    reg.on_heartbeat(hb(), 100.0)
+    reg.issued("host-1", "rollout", 4, 100.0)
+    reg.on_changed(HostModeChanged("host-1", "rollout", 4, 100.0, 100.2), 100.2)
+    notes = reg.on_heartbeat(hb(mode="idle", epoch=4, restarts=1), 101.0)
+    assert "restarted" in notes[0]
+    rec = reg.hosts["host-1"]
+    assert (rec.mode, rec.target, rec.epoch, rec.healthy) == ("idle", "idle", 4, True)
+
+
+def test_switch_reports_move_modes_costs_and_counts_only_for_the_current_epoch():
+    reg = Registry()
+    reg.on_heartbeat(hb("host-0", "train", tags=("train", "rollout")), 100.0)
+    reg.issued("host-0", "rollout", 1, 100.0)
+    assert reg.on_changed(HostModeChanged("host-0", "rollout", 0, 100.0, 100.1), 100.1) is None  # old epoch
+    assert reg.hosts["host-0"].mode == "train"
+    reg.on_changed(HostModeChanged("host-0", "rollout", 1, 100.0, 102.0), 102.0)
+    assert reg.hosts["host-0"].mode == "rollout" and reg.counts["lends"] == 1
+    assert reg.costs.lend_s == 0.7 * 1.0 + 0.3 * 2.0
+    reg.issued("host-0", "train", 2, 103.0)
+    msg = reg.on_changed(HostModeChanged("host-0", "train", 2, 103.0, 103.1, ok=False, error="boom"), 103.1)
+    assert "failed" in msg and not reg.hosts["host-0"].healthy and reg.counts["failed_switches"] == 1
+
+
+def test_a_switch_that_never_reports_times_out():
+    reg = Registry(switch_timeout=10.0)
+    reg.on_heartbeat(hb(), 100.0)
+    reg.issued("host-1", "rollout", 1, 100.0)
+    reg.on_heartbeat(hb(), 109.0)
+    assert reg.check_health(109.0) == []
+    reg.on_heartbeat(hb(), 111.0)
+    (note,) = reg.check_health(111.0)
+    assert "did not apply" in note
+
+
+def test_trainer_view_and_completion_rate():
+    reg = Registry(stale_after=3.0)
+    assert reg.trainer_view(0.0).state == "absent"
+    reg.on_trainer(trainer("waiting", buffered=3), 10.0)
+    t = reg.trainer_view(11.0)
+    assert (t.state, t.samples_needed) == ("waiting", 2 * 4 - 3)
+    reg.gate_pending = True
+    assert reg.trainer_view(11.0).state == "ready"
+    assert reg.trainer_view(20.0).state == "ready"  # a gate request without heartbeats still counts
+    for t in range(10):
+        reg.on_finished(100.0 + t)
+    assert abs(reg.completion_rate(110.0) - 10 / 10.0) < 1e-9
+    assert reg.completion_rate(200.0) == 0.0  # all older than the window
+
+
+def test_timeline_intervals_follow_activity():
+    reg = Registry()
+    reg.on_heartbeat(hb("host-0", "train", tags=("train", "rollout")), 100.0)
+    reg.on_trainer(trainer("computing"), 100.0)
+    closed = reg.record_activity(101.0)
+    assert [(h, iv.activity) for h, iv in closed] == [("host-0", "idle")]
+    reg.on_trainer(trainer("waiting"), 103.0)
+    closed = reg.record_activity(103.0)
+    assert closed[0][1] == Interval("train", 101.0, 103.0)
+    tl = reg.timeline("host-0", 104.0)
+    assert [iv.activity for iv in tl] == ["idle", "train", "idle"]
+    f = fractions(tl, 101.0, 104.0)
+    assert abs(f["train"] - 2 / 3) < 1e-9 and abs(f["idle"] - 1 / 3) < 1e-9
