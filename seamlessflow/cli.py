@@ -6,6 +6,9 @@
     seamlessflow export --out trajectories.jsonl
     seamlessflow workers list | vacate ID | resume ID
     seamlessflow weights publish DIR | list
+    seamlessflow up --policy seamless --hosts train+rollout,rollout --train
+    seamlessflow hosts list | cordon ID | uncordon ID | policy NAME
+    seamlessflow timeline --out timeline.json
 """
 
 from __future__ import annotations
@@ -30,10 +33,21 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-port", type=int, default=16379)
     p.add_argument("--served-model", default="seamlessflow-tiny")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--policy", choices=["colocated", "disaggregated", "seamless"],
+                   help="run the tag scheduler and one host agent per --hosts entry instead of plain workers")
+    p.add_argument("--hosts", default="train+rollout,rollout",
+                   help="with --policy: one tag set per host, e.g. train+rollout,rollout (cpu is added)")
+    p.add_argument("--train", action="store_true", help="with --policy: also run the trainer on the first train host")
 
 
 def _stack_options(a: argparse.Namespace):
-    from seamlessflow.stack import StackOptions
+    from seamlessflow.stack import StackError, StackOptions, parse_hosts
+
+    if a.policy:
+        try:
+            parse_hosts(a.hosts)
+        except StackError as e:
+            sys.exit(f"error: {e}")
 
     model = a.model
     if model is None:
@@ -49,6 +63,7 @@ def _stack_options(a: argparse.Namespace):
         model=model.resolve(), data_dir=a.data_dir, workers=a.workers, trajectory_replicas=a.trajectory_replicas,
         gateway_port=a.gateway_port, admin_port=a.admin_port, nats_port=a.nats_port, redis_port=a.redis_port,
         served_model=a.served_model, max_model_len=a.max_model_len,
+        policy=a.policy or "", hosts=parse_hosts(a.hosts) if a.policy else [], train=bool(a.policy and a.train),
     )
 
 
@@ -184,6 +199,26 @@ def cmd_weights(a: argparse.Namespace) -> None:
     print(ops.format_weights(store, asyncio.run(ops.current_version(conn)), asyncio.run(ops.worker_statuses(conn))))
 
 
+def cmd_hosts(a: argparse.Namespace) -> None:
+    from seamlessflow import hosts
+
+    conn = _connections(a)
+    if a.action in ("cordon", "uncordon") and not a.arg:
+        sys.exit(f"error: hosts {a.action} needs a host id (see: seamlessflow hosts list)")
+    if a.action == "policy" and not a.arg:
+        sys.exit("error: hosts policy needs a policy: colocated, disaggregated or seamless")
+    op = {"list": "status", "policy": "set_policy"}.get(a.action, a.action)
+    reply = asyncio.run(hosts.ask(conn, op, host=a.arg if a.action != "policy" else "",
+                                  policy=a.arg if a.action == "policy" else ""))
+    print(hosts.format_hosts(reply))
+
+
+def cmd_timeline(a: argparse.Namespace) -> None:
+    from seamlessflow import hosts
+
+    print(hosts.write_timeline(asyncio.run(hosts.ask(_connections(a), "timeline")), a.out))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="seamlessflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -224,6 +259,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--store", type=Path, help="weight store root (default $SF_WEIGHTS_DIR or var/weights)")
     p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs (for its URLs)")
     p.set_defaults(fn=cmd_weights)
+
+    p = sub.add_parser("hosts", help="the tag scheduler's hosts: list, cordon, uncordon, or switch policy")
+    p.add_argument("action", choices=["list", "cordon", "uncordon", "policy"])
+    p.add_argument("arg", nargs="?", help="a host id (cordon, uncordon) or a policy name (policy)")
+    p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs (for its URLs)")
+    p.set_defaults(fn=cmd_hosts)
+
+    p = sub.add_parser("timeline", help="export every host's activity intervals (train/rollout/switch/idle)")
+    p.add_argument("--out", type=Path, default=Path("timeline.json"))
+    p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs (for its URLs)")
+    p.set_defaults(fn=cmd_timeline)
 
     a = ap.parse_args(argv)
     a.fn(a)

@@ -49,6 +49,43 @@ class StackOptions:
     external_nats: str = ""  # use this NATS instead of starting one (tests share one server)
     external_redis: str = ""
     extra_env: dict[str, str] = field(default_factory=dict)
+    # tag scheduling: with a policy, host agents (each with a resident worker) replace `workers`
+    policy: str = ""  # "" | colocated | disaggregated | seamless
+    hosts: list[str] = field(default_factory=list)  # tag sets, one per host: "train+rollout", "rollout"
+    train: bool = False  # also run the DeepSpeed trainer, on the first train host, gated by the scheduler
+    trainer_settings: dict[str, str] = field(default_factory=dict)  # SF_TRAINER_<NAME> for --train
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    id: str
+    tags: tuple[str, ...]
+    cores: str = ""
+
+
+def parse_hosts(spec: str | list[str]) -> list[str]:
+    """`"train+rollout,rollout"` -> ["train+rollout", "rollout"]: one tag set per host."""
+    items = spec.split(",") if isinstance(spec, str) else spec
+    out = [i.strip() for i in items if i.strip()]
+    for i in out:
+        tags = set(i.split("+"))
+        if not tags & {"train", "rollout"}:
+            raise StackError(f"host {i!r} has no role: give it train and/or rollout (e.g. train+rollout)")
+    return out
+
+
+def host_specs(hosts: list[str], cpus: list[int]) -> list[HostSpec]:
+    """host-0, host-1, ... with their tags (plus `cpu`, unless a hardware tag is given) and
+    disjoint core sets for their rollout workers."""
+    cores = split_cpus(cpus, len(hosts))
+    specs = []
+    for i, h in enumerate(hosts):
+        name, _, tagstr = h.rpartition("=")
+        tags = tuple(t for t in tagstr.split("+") if t)
+        if not any(t not in ("train", "rollout") for t in tags):
+            tags += ("cpu",)
+        specs.append(HostSpec(name or f"host-{i}", tags, cores[i] if i < len(cores) else ""))
+    return specs
 
 
 def split_cpus(cpus: list[int], n: int) -> list[str]:
@@ -127,15 +164,25 @@ class Stack:
         self.logs.mkdir(parents=True, exist_ok=True)
         (self.data / "stack.pid").write_text(str(os.getpid()))
         self._credentials()
+        specs = host_specs(self.o.hosts, list(os.sched_getaffinity(0))) if self.o.policy else []
         (self.data / "stack.json").write_text(json.dumps({
             "nats_url": self.nats_url, "redis_url": self.redis_url, "gateway_url": self.gateway_url,
-            "admin_url": self.admin_url, "weights_dir": str(self.weights_dir)}))
+            "admin_url": self.admin_url, "weights_dir": str(self.weights_dir), "policy": self.o.policy,
+            "hosts": [{"id": h.id, "tags": list(h.tags), "cores": h.cores} for h in specs]}))
         try:
             self._spawn_infra()
             for i in range(self.o.trajectory_replicas):
                 self.spawn_trajectory(f"trajectory-{i}")
-            for i in range(self.o.workers):
-                self.spawn_rollout(f"rollout-{i}")
+            if self.o.policy:
+                self.spawn_scheduler()
+                for h in specs:
+                    self.spawn_host(h)
+                trainer_host = next((h for h in specs if "train" in h.tags), None)
+                if self.o.train and trainer_host is not None:
+                    self.spawn_trainer(host=trainer_host.id, scheduler_gate="true", **self.o.trainer_settings)
+            else:
+                for i in range(self.o.workers):
+                    self.spawn_rollout(f"rollout-{i}")
             self._spawn_gateway()
             for p in self.procs:
                 self._wait_ready(p)
@@ -188,6 +235,24 @@ class Stack:
         return self._spawn(name, [sys.executable, "-m", "services.trainer", "--model", str(model or self.o.model),
                                   "--checkpoint-dir", str(self.data / "trainer" / "checkpoints"),
                                   "--weights-dir", str(self.weights_dir)], env, ready="trainer ready")
+
+    def spawn_scheduler(self, name: str = "scheduler") -> Proc:
+        env = self.env() | {"SF_SCHEDULER_POLICY": self.o.policy}
+        return self._spawn(name, [sys.executable, "-m", "services.scheduler"], env, ready="scheduler ready")
+
+    def spawn_host(self, h: HostSpec) -> Proc:
+        """A host agent; its resident rollout worker (if tagged rollout) logs to logs/<id>-rollout.log."""
+        env = self.env() | {
+            "SF_HOST_ID": h.id, "SF_HOST_TAGS": ",".join(h.tags), "SF_HOST_CORES": h.cores,
+            "SF_HOST_LOG_DIR": str(self.logs), "SF_HOST_TRAINER": str(self.o.train and "train" in h.tags).lower(),
+            "SF_ROLLOUT_SERVED_MODEL_NAME": self.o.served_model,
+            "SF_ROLLOUT_MAX_MODEL_LEN": str(self.o.max_model_len),
+            "SF_ROLLOUT_MAX_NUM_SEQS": str(self.o.max_num_seqs),
+        }
+        if "rollout" in h.tags:
+            env["SF_HOST_MODEL"] = str(self.o.model)
+        return self._spawn(h.id, [sys.executable, "-m", "services.scheduler.host"], env,
+                           ready=f"host agent {h.id} ready")
 
     @property
     def weights_dir(self) -> Path:
