@@ -10,7 +10,10 @@ Owns the model on this rank:
 - `save_hf(dir)`: an HF safetensors snapshot (ZeRO-3 parameters gathered) that
   vLLM can load, with the tokenizer files copied from the source directory;
 - `save_checkpoint`/`load_checkpoint`: DeepSpeed checkpoints (model, optimizer,
-  step) plus a caller-owned client state, with retention.
+  step) plus a caller-owned client state, with retention;
+- `offload`/`reload`: free the device while the host is lent to rollout (DeepSpeed
+  `offload_states`/`reload_states` where they exist, else a timed no-op, see
+  `offload_support`).
 
 It does not know NATS, trajectories, weight versions or which data was consumed:
 the caller passes micro-batches in and a client state dict to persist.
@@ -24,6 +27,7 @@ nothing and is what the plain-PyTorch reference uses.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -39,6 +43,8 @@ from transformers import AutoModelForCausalLM
 from services.trainer.algorithms import merge_metrics, policy_loss
 from services.trainer.batching import MicroBatch, empty_micro_batch
 from services.trainer.config import TrainerConfig
+
+log = logging.getLogger(__name__)
 
 CLIENT_KEY = "seamlessflow"  # our client state lives under one key; DeepSpeed adds its own beside it
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".index.json")
@@ -58,6 +64,24 @@ def init_distributed() -> None:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False)
+
+
+def offload_support(device: str, zero_stage: int, optimizer: object) -> str:
+    """"" if DeepSpeed's `offload_states`/`reload_states` apply, else why not (offload and
+    reload are then timed no-ops).
+
+    DeepSpeed 0.19.8 implements them in its ZeRO optimizers only: stages 1 and 2
+    (`DeepSpeedZeroOptimizer`) and 3 (`DeepSpeedZeroOptimizer_Stage3`). Stage 0 keeps the
+    client optimizer (or `BF16_Optimizer`), which has neither. On CPU the states already
+    live in host memory: there is nothing to free.
+    """
+    if device != "cuda":
+        return f"nothing to free on {device}"
+    if zero_stage == 0:
+        return "ZeRO stage 0 has no offload_states (DeepSpeed 0.19 has it for stages 1-3)"
+    if not callable(getattr(optimizer, "offload_states", None)):
+        return f"{type(optimizer).__name__} has no offload_states"
+    return ""
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
@@ -111,6 +135,9 @@ class TrainEngine:
                                                config=ds_config)
         self.device = self.engine.device
         self.ref_model = self._load_reference() if self.algo.kl_coef else None
+        self.offloaded = False  # between offload() and reload(): no step may run
+        self._cuda = cuda
+        self._no_offload = offload_support(accel.device_name(), cfg.zero_stage, self.engine.optimizer)
         self.init_seconds = time.perf_counter() - t0
 
     def _load_reference(self):
@@ -226,6 +253,33 @@ class TrainEngine:
                for k, v in zip(mean_keys, sums.tolist())}
         out.update({k: float(v) for k, v in zip([k for k in keys if k.endswith("_max")], maxes.tolist())})
         return out
+
+    # --- lending the device ---------------------------------------------------------------
+
+    def offload(self) -> dict[str, float]:
+        """Move this rank's optimizer states, master and model weights and gradient buffers to
+        host memory, so a rollout engine can use the device. Run on every rank (the Runner
+        broadcasts it); never between a step's micro-batches (the Runner runs one command at
+        a time)."""
+        t0 = time.perf_counter()
+        if not self.offloaded:
+            if self._no_offload:
+                log.log(logging.WARNING if self._cuda else logging.DEBUG,
+                        "offload is a no-op: %s", self._no_offload)
+            else:
+                self.engine.offload_states()
+                get_accelerator().empty_cache()  # hand the freed blocks back to the driver
+            self.offloaded = True
+        return {"offload_s": time.perf_counter() - t0}
+
+    def reload(self) -> dict[str, float]:
+        """Undo `offload`: the states are back on the device and a step may run."""
+        t0 = time.perf_counter()
+        if self.offloaded:
+            if not self._no_offload:
+                self.engine.reload_states()
+            self.offloaded = False
+        return {"reload_s": time.perf_counter() - t0}
 
     # --- persistence -------------------------------------------------------------------
 

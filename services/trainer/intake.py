@@ -81,6 +81,14 @@ class Intake:
     def ready_groups(self) -> int:
         return self.collector.ready_groups()
 
+    def open_groups(self) -> int:
+        """Groups with some but not all of their trajectories."""
+        return len(self.collector.pending())
+
+    def buffered_samples(self) -> int:
+        """Trajectories buffered and not yet taken into a batch, complete groups or not."""
+        return len(self._group_of)
+
     def take(self, n: int) -> list[Group] | None:
         """The next global batch of `n` complete groups, or None while fewer are ready."""
         groups = self.collector.take(n)
@@ -129,5 +137,5 @@ class Intake:
 
     def counts(self) -> dict[str, int]:
         return {**self.ledger.counts(), "held_msgs": sum(len(v) for v in self._held.values()),
-                "open_groups": len(self.collector.pending()), "ready_groups": self.ready_groups(),
+                "open_groups": self.open_groups(), "ready_groups": self.ready_groups(),
                 "duplicates": self.duplicates}

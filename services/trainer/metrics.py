@@ -7,7 +7,7 @@
     sf_trainer_trajectories_total         counter, trained trajectories
     sf_trainer_tokens_total               counter, trained (loss-mask) tokens
     sf_trainer_token_staleness_total{lag} counter, loss tokens by versions behind ("0".."7", "8+", "neg")
-    sf_trainer_phase_seconds{phase}       histogram: wait (for data), compute, publish, checkpoint
+    sf_trainer_phase_seconds{phase}       histogram: wait (for data), gate (for the scheduler), compute, publish, checkpoint
     sf_trainer_messages_total{result}     counter: trained, duplicate (acked or held, not trained),
                                           bad (terminated), expired (incomplete group, terminated)
 
@@ -25,9 +25,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 log = logging.getLogger(__name__)
 
-PHASES = ("wait", "compute", "publish", "checkpoint")
+PHASES = ("wait", "gate", "compute", "publish", "checkpoint")
 _LAGS = [str(i) for i in range(8)] + ["8+", "neg"]
-_TB_GROUPS = {"wait_s": "time", "compute_s": "time", "publish_s": "time", "checkpoint_s": "time",
+_TB_GROUPS = {"wait_s": "time", "gate_s": "time", "compute_s": "time", "publish_s": "time", "checkpoint_s": "time",
               "step_s": "time", "tokens_per_s": "time", "train_tokens_per_s": "time"}
 
 

@@ -21,6 +21,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch.distributed as dist
 
@@ -32,9 +33,14 @@ from shared.messages.trajectory import TrajectoryCompleted
 log = logging.getLogger(__name__)
 
 
+# train: one step on a global batch; checkpoint: save one; noop: keep ranks > 0 from timing out;
+# stop: ranks > 0 return; offload / reload: free or restore the device while the host is lent
+CommandOp = Literal["train", "checkpoint", "noop", "stop", "offload", "reload"]
+
+
 @dataclass(frozen=True)
 class Command:
-    op: str  # "train" | "checkpoint" | "noop" | "stop"
+    op: CommandOp
     step: int = 0
     batch: bytes = b""  # train: msgpack list[list[TrajectoryCompleted]], the global batch
     version: int = 0  # train: the newest published version (staleness is measured against it)
@@ -86,14 +92,28 @@ class Runner:
     def execute(self, cmd: Command) -> dict:
         match cmd.op:
             case "train":
-                return self._train(cmd)
+                reloaded = self._reload_if_offloaded()
+                return {**self._train(cmd), **reloaded}
             case "checkpoint":
+                reloaded = self._reload_if_offloaded()
                 t0 = time.perf_counter()
                 tag = self.engine.save_checkpoint(self.checkpoint_dir, cmd.client_state)
-                return {"tag": tag, "checkpoint_s": time.perf_counter() - t0}
+                return {"tag": tag, "checkpoint_s": time.perf_counter() - t0, **reloaded}
+            case "offload":
+                return self.engine.offload()
+            case "reload":
+                return self.engine.reload()
             case "noop" | "stop":
                 return {}
         raise ValueError(f"unknown command {cmd.op!r}")
+
+    def _reload_if_offloaded(self) -> dict:
+        # A step never runs on offloaded states: if the scheduler did not reload them first
+        # (a lost reload request), every rank does it here, in the same command.
+        if not self.engine.offloaded:
+            return {}
+        log.warning("rank %d: states were offloaded; reloading before the step", self.rank)
+        return self.engine.reload()
 
     def _train(self, cmd: Command) -> dict:
         engine = self.engine

@@ -3,6 +3,9 @@
     sf.traj.completed     durable pull consumer `cfg.durable` ("trainer"), explicit ack: TrajectoryCompleted in
     sf.weights.published  WeightsPublished out (via shared.weightstore.announce), after each `publish_every` steps
     sf.rollout.status     WorkerStatus heartbeats in: versions still served are kept by weight GC
+    sf.trainer.status     TrainerStatus out: every STATUS_INTERVAL seconds and at each state change
+    sf.sched.gate         TrainGate request out (with `scheduler_gate`): reclaim our hosts before a step
+    sf.trainer.ctl        TrainerControl in (offload / reload, broadcast to every rank) -> TrainerStatus
 
 The loop, one global batch at a time:
 1. a fetch task pulls deliveries, decodes and checks them (a bad one is terminated),
@@ -13,6 +16,10 @@ The loop, one global batch at a time:
    announce the version, collect old versions;
 3. every `checkpoint_every` steps, save a checkpoint whose client state holds the
    step, the version and the ledger, and only then ack the deliveries it covers.
+States reported in TrainerStatus: waiting (for data) -> ready (at the gate, only with
+`scheduler_gate`) -> computing -> publishing (announce, GC, checkpoint) -> waiting;
+stopped at the end. Runner commands run one at a time (`_device`): an offload or reload
+waits for the step in progress, never cuts it.
 Meanwhile a keepalive task sends in_progress() for every held delivery, so none is
 redelivered while it waits for its group, its step or its checkpoint.
 
@@ -31,6 +38,7 @@ from pathlib import Path
 
 import msgspec
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
@@ -41,10 +49,11 @@ from services.trainer.ledger import Ledger
 from services.trainer.metrics import Metrics
 from services.trainer.runner import Command, Runner, encode_groups
 from shared import bus, subjects, weightstore
-from shared.codec import decode
+from shared.codec import decode, encode
 from shared.config import Connections
 from shared.heartbeats import Heartbeats
 from shared.messages.rollout import WorkerStatus
+from shared.messages.scheduler import TrainerControl, TrainerState, TrainerStatus, TrainGate, TrainGateReply
 from shared.messages.trajectory import TrajectoryCompleted
 
 log = logging.getLogger(__name__)
@@ -52,6 +61,8 @@ log = logging.getLogger(__name__)
 TRAJ_STREAM = next(st.name for st in subjects.STREAMS if subjects.TRAJ_COMPLETED in st.subjects)
 RANK_KEEPALIVE = 60.0  # seconds idle before ranks > 0 get a no-op (their broadcast wait must not time out)
 ACK_CHUNK = 64  # concurrent ack_sync calls
+STATUS_INTERVAL = 1.0  # seconds between TrainerStatus heartbeats
+GATE_GRACE = 5.0  # seconds the gate request waits beyond the gate_timeout it gives the scheduler
 
 
 class TrainerService:
@@ -77,6 +88,10 @@ class TrainerService:
         self._resumed = bool(resume)
         self._listening_since = float("inf")
         self.js = None
+        self.nc = None
+        self.state: TrainerState = "waiting"
+        self.last_wait_s = self.last_compute_s = 0.0
+        self._device = asyncio.Lock()  # one runner command at a time: steps, checkpoints, offload/reload
 
     async def run(self, quit: asyncio.Event) -> int:
         cfg = self.cfg
@@ -84,11 +99,14 @@ class TrainerService:
             # 1. connect, declare streams, learn where versions stand
             nc = await bus.connect(self.conn, name="trainer")
             stack.push_async_callback(bus.wait_closed, nc)
+            self.nc = nc
             self.js = js = nc.jetstream()
             await bus.ensure_streams(js, subjects.STREAMS)
             await self._init_version()
             self.audit.resume(self.step)
             await nc.subscribe(subjects.ROLLOUT_STATUS, cb=self._on_status)
+            await nc.subscribe(subjects.TRAINER_CTL, cb=self._on_control)
+            heartbeat = asyncio.create_task(self._status_loop(), name="status")
             self._listening_since = time.monotonic()
 
             # 2. the durable consumer. Declared here rather than with bus.durable_pull: it needs a
@@ -114,7 +132,7 @@ class TrainerService:
                     groups = await self._next_batch(quit, fetcher)
                     if groups is None:
                         break
-                    await self._train(groups, wait_s=time.perf_counter() - t0)
+                    await self._step(groups, wait_s=time.perf_counter() - t0)
                 clean = True
             finally:
                 # 4. drain: stop fetching, keep what was trained, hand back the rest
@@ -130,12 +148,15 @@ class TrainerService:
                 # After a failure the ranks may be out of step: no more collectives, nothing acked;
                 # the uncheckpointed trajectories come back to the next run and train once there.
                 if clean and self.step > self.checkpointed_step:
-                    await self._checkpoint()
+                    async with self._device:
+                        await self._checkpoint()
                 keepalive.cancel()
                 untrained = self.intake.untrained()
                 await asyncio.gather(*(self._settle(m, "nak") for m in untrained))
                 log.info("trainer stopped at step %d, version %d (%d untrained deliveries handed back)",
                          self.step, self.version, len(untrained))
+                heartbeat.cancel()
+                await self._set_state("stopped")
                 self.metrics.close()
         return 0
 
@@ -202,7 +223,8 @@ class TrainerService:
             except TimeoutError:
                 pass
             if self.runner.world > 1 and time.monotonic() - idle > RANK_KEEPALIVE:
-                await asyncio.to_thread(self.runner.run, Command("noop"))
+                async with self._device:
+                    await self._run(Command("noop"))
                 idle = time.monotonic()
         return None
 
@@ -221,7 +243,19 @@ class TrainerService:
 
     # -- a step ----------------------------------------------------------------------------------
 
-    async def _train(self, groups, wait_s: float) -> None:
+    async def _step(self, groups, wait_s: float) -> None:
+        """The gate (outside `_device`: while the trainer waits there, the scheduler's reclaim sends
+        it a reload), then the step, which no offload or reload can cut."""
+        gate = await self._gate(self.step + 1) if self.cfg.scheduler_gate else {}
+        async with self._device:
+            await self._train(groups, wait_s, gate)
+
+    async def _run(self, cmd: Command) -> dict:
+        """One runner command, on every rank; the caller holds `_device`."""
+        assert self._device.locked(), "runner commands must hold the device lock"
+        return await asyncio.to_thread(self.runner.run, cmd)
+
+    async def _train(self, groups, wait_s: float, gate: dict[str, float] | None = None) -> None:
         cfg = self.cfg
         step = self.step + 1
         publish = step % cfg.publish_every == 0
@@ -231,7 +265,9 @@ class TrainerService:
         # 1. every rank trains (and, if publishing, snapshots the weights into the store)
         cmd = Command("train", step=step, batch=encode_groups(groups), version=self.version,
                       publish_dir=str(dest) if dest else "")
-        out = await asyncio.to_thread(self.runner.run, cmd)
+        await self._set_state("computing")
+        out = await self._run(cmd)
+        await self._set_state("publishing")
         ids = out["ids"]
         self.intake.trained(ids, step)
         self.step = step
@@ -258,13 +294,17 @@ class TrainerService:
             ckpt_s = await self._checkpoint()
 
         m.update(wait_s=wait_s, publish_s=out.get("save_s", 0.0) + time.perf_counter() - t0 - ckpt_s,
-                 checkpoint_s=ckpt_s)
-        m["step_s"] = wait_s + m["compute_s"] + m["publish_s"] + ckpt_s
+                 checkpoint_s=ckpt_s, **(gate or {}))
+        if "reload_s" in out:  # the states were still offloaded: the step reloaded them first
+            m["reload_s"] = out["reload_s"]
+        m["step_s"] = wait_s + m.get("gate_s", 0.0) + m["compute_s"] + m["publish_s"] + ckpt_s
+        self.last_wait_s, self.last_compute_s = wait_s, m["compute_s"]
         m["train_tokens_per_s"] = m.get("tokens", 0.0) / m["compute_s"] if m["compute_s"] else 0.0
         m["tokens_per_s"] = m.get("tokens", 0.0) / m["step_s"] if m["step_s"] else 0.0
         for k, v in self.intake.counts().items():
             m[f"intake_{k}"] = float(v)
         log.info("%s", self.metrics.step(step, self.version, m, out["staleness"]))
+        await self._set_state("waiting")
 
     async def _checkpoint(self) -> float:
         t0 = time.perf_counter()
@@ -272,7 +312,7 @@ class TrainerService:
         if keep:
             self.intake.ledger.prune(self.step - keep)
         client = {"step": self.step, "version": self.version, "ledger": self.intake.snapshot(self.step)}
-        out = await asyncio.to_thread(self.runner.run, Command("checkpoint", step=self.step, client_state=client))
+        out = await self._run(Command("checkpoint", step=self.step, client_state=client))
         self.audit.checkpoint(self.step, out["tag"])
         self.checkpointed_step = self.step
         msgs = self.intake.committed(self.step)
@@ -280,6 +320,83 @@ class TrainerService:
             await asyncio.gather(*(self._settle(m, "ack") for m in msgs[i:i + ACK_CHUNK]))
         log.info("checkpoint %s saved; acked %d deliveries", out["tag"], len(msgs))
         return time.perf_counter() - t0
+
+    # -- the scheduler: status, gate, offload/reload -------------------------------------------
+
+    def status(self) -> TrainerStatus:
+        cfg = self.cfg
+        return TrainerStatus(
+            state=self.state, step=self.step, version=self.version, ready_groups=self.intake.ready_groups(),
+            open_groups=self.intake.open_groups(), buffered_samples=self.intake.buffered_samples(),
+            groups_per_step=cfg.groups_per_step, group_size=cfg.group_size, last_wait_s=self.last_wait_s,
+            last_compute_s=self.last_compute_s, ts=time.time(), hosts=[cfg.host] if cfg.host else [])
+
+    async def _publish_status(self) -> None:
+        try:
+            await self.nc.publish(subjects.TRAINER_STATUS, encode(self.status()))
+        except Exception as e:  # reconnecting: the next beat tells the same
+            log.debug("status publish failed: %s", e)
+
+    async def _set_state(self, state: TrainerState) -> None:
+        if state != self.state:
+            self.state = state
+            await self._publish_status()
+
+    async def _status_loop(self) -> None:
+        while True:
+            await self._publish_status()
+            await asyncio.sleep(STATUS_INTERVAL)
+
+    async def _gate(self, step: int) -> dict[str, float]:
+        """Ask the scheduler to reclaim our hosts before step `step`; {gate_s, gate_granted}.
+
+        It never stalls training: a refusal, a timeout or no scheduler at all is logged with
+        its reason and the step runs anyway."""
+        await self._set_state("ready")
+        cfg = self.cfg
+        gate = TrainGate(step=step, timeout=cfg.gate_timeout, hosts=[cfg.host] if cfg.host else [])
+        t0 = time.perf_counter()
+        try:
+            msg = await self.nc.request(subjects.SCHED_GATE, encode(gate), timeout=cfg.gate_timeout + GATE_GRACE)
+            reply = decode(msg.data, TrainGateReply)
+        except NoRespondersError:
+            why = "no scheduler answers on " + subjects.SCHED_GATE
+        except (NatsTimeout, TimeoutError):
+            why = f"no answer within {cfg.gate_timeout + GATE_GRACE:g}s"
+        except msgspec.DecodeError as e:
+            why = f"bad reply: {e}"
+        except Exception as e:  # the connection is down or closing
+            why = f"{type(e).__name__}: {e}"
+        else:
+            why = "" if reply.granted else f"refused: {reply.reason or 'no reason given'}"
+        waited = time.perf_counter() - t0
+        if why:
+            log.warning("step %d: gate not granted (%s) after %.2fs; computing anyway", step, why, waited)
+        else:
+            log.info("step %d: gate granted after %.2fs", step, waited)
+        return {"gate_s": waited, "gate_granted": 0.0 if why else 1.0}
+
+    async def _on_control(self, msg: Msg) -> None:
+        """TrainerControl: offload or reload on every rank, after the step in progress; the reply is
+        a TrainerStatus. Requests run in arrival order (one subscription callback at a time)."""
+        try:
+            ctl = decode(msg.data, TrainerControl)
+        except msgspec.DecodeError as e:
+            log.warning("bad TrainerControl: %s", e)
+        else:
+            try:
+                async with self._device:
+                    out = await self._run(Command(ctl.op))
+                secs = out.get(f"{ctl.op}_s", 0.0)
+                self.metrics.gauge(f"{ctl.op}_s", secs)
+                log.info("%s for host %s in %.3fs", ctl.op, ctl.host or "-", secs)
+            except Exception:
+                log.exception("%s failed", ctl.op)
+        if msg.reply:
+            try:
+                await self.nc.publish(msg.reply, encode(self.status()))
+            except Exception as e:
+                log.warning("control reply failed: %s", e)
 
     # -- weights in use ------------------------------------------------------------------------
 

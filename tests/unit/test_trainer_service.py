@@ -1,0 +1,239 @@
+"""services/trainer/service.py's scheduler hooks (status, gate, offload/reload) and the Runner's
+offload/reload commands, with the edges faked: the NATS client and the engine (or the whole
+Runner) are stand-ins; the service and runner code stay real."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from services.trainer.config import TrainerConfig
+from services.trainer.engine import offload_support
+from services.trainer.metrics import Metrics
+from services.trainer.runner import Command, Runner, encode_groups
+from services.trainer.service import TrainerService
+from shared import subjects
+from shared.codec import decode, encode
+from shared.config import Connections
+from shared.messages.scheduler import TrainerControl, TrainerStatus, TrainGate, TrainGateReply
+from shared.messages.trajectory import Sample, TrajectoryCompleted
+
+
+def traj(sid: str, gid: str, reward: float) -> TrajectoryCompleted:
+    s = Sample([5, 6, 7, 8], [0, 1, 1, 1], [0.0, -1.0, -1.0, -1.0], [-1, 0, 0, 0])
+    return TrajectoryCompleted(session_id=sid, group_id=gid, reward=reward, samples=[s])
+
+
+GROUP = [traj("a", "g", 1.0), traj("b", "g", 0.0)]
+
+
+# -- fakes at the edges ----------------------------------------------------------------------
+
+class FakeNC:
+    """Records what is published; `gate` answers sf.sched.gate requests (or raises)."""
+
+    def __init__(self, gate=None):
+        self.published: list[tuple[str, bytes, float]] = []
+        self.gate = gate
+        self.gate_requests: list[TrainGate] = []
+
+    async def publish(self, subject, data):
+        self.published.append((subject, data, time.monotonic()))
+
+    async def request(self, subject, data, timeout):
+        assert subject == subjects.SCHED_GATE
+        self.gate_requests.append(decode(data, TrainGate))
+        return await self.gate(timeout)
+
+    def states(self) -> list[tuple[str, float]]:
+        return [(decode(d, TrainerStatus).state, t) for s, d, t in self.published if s == subjects.TRAINER_STATUS]
+
+
+class FakeRunner:
+    """Runs commands in the caller's thread like the real one; `train` takes `train_s`."""
+
+    world = 1
+
+    def __init__(self, train_s: float = 0.0):
+        self.train_s = train_s
+        self.log: list[tuple[str, float, float]] = []  # (op, start, end), monotonic
+        self.train_started = threading.Event()
+
+    def run(self, cmd: Command) -> dict:
+        t0 = time.monotonic()
+        if cmd.op == "train":
+            self.train_started.set()
+            time.sleep(self.train_s)
+        self.log.append((cmd.op, t0, time.monotonic()))
+        if cmd.op == "train":
+            return {"ids": ["a", "b"], "metrics": {"compute_s": self.train_s, "tokens": 6.0}, "staleness": {}}
+        return {f"{cmd.op}_s": 0.001}
+
+    def ops(self) -> list[str]:
+        return [op for op, _, _ in self.log]
+
+
+def make_service(nc: FakeNC, runner: FakeRunner, **cfg) -> TrainerService:
+    cfg = TrainerConfig(group_size=2, groups_per_step=1, publish_every=1000, checkpoint_every=1000,
+                        tensorboard_dir="", audit_log="", metrics_port=0, **cfg)
+    svc = TrainerService(cfg, Connections(), runner, None, vocab_size=64, metrics=Metrics(0, ""))
+    svc.nc = nc
+    return svc
+
+
+def batch(svc: TrainerService):
+    """One global batch, through the intake (the ledger must have admitted what a step trains)."""
+    for i, t in enumerate(GROUP):
+        svc.intake.offer(t, f"m{i}", 0.0)
+    return svc.intake.take(1)
+
+
+# -- status ------------------------------------------------------------------------------------
+
+async def test_status_reports_the_intake_and_the_host():
+    svc = make_service(FakeNC(), FakeRunner(), host="host-0")
+    svc.intake.offer(GROUP[0], "m1", 0.0)
+    svc.intake.offer(traj("c", "h", 1.0), "m2", 0.0)
+    svc.intake.offer(GROUP[1], "m3", 0.0)
+    st = svc.status()
+    assert (st.state, st.ready_groups, st.open_groups, st.buffered_samples) == ("waiting", 1, 1, 3)
+    assert (st.groups_per_step, st.group_size, st.hosts) == (1, 2, ["host-0"])
+    assert make_service(FakeNC(), FakeRunner()).status().hosts == []
+
+
+async def test_a_step_reports_computing_publishing_then_waiting():
+    nc = FakeNC()
+    svc = make_service(nc, FakeRunner(train_s=0.05))
+    await svc._step(batch(svc), wait_s=0.5)
+    assert [s for s, _ in nc.states()] == ["computing", "publishing", "waiting"]
+    st = svc.status()
+    assert (st.step, st.last_wait_s, st.last_compute_s) == (1, 0.5, 0.05)
+
+
+# -- the gate ----------------------------------------------------------------------------------
+
+async def test_with_the_gate_the_step_starts_after_the_grant():
+    granted_at: list[float] = []
+
+    async def scheduler(timeout):
+        assert timeout > 1.0  # the gate's own timeout plus a grace
+        await asyncio.sleep(0.3)  # reclaiming the hosts
+        granted_at.append(time.monotonic())
+        return SimpleNamespace(data=encode(TrainGateReply(granted=True, waited_s=0.3)))
+
+    nc, runner = FakeNC(scheduler), FakeRunner()
+    svc = make_service(nc, runner, scheduler_gate=True, gate_timeout=1.0, host="host-0")
+    await svc._step(batch(svc), wait_s=0.0)
+    assert nc.gate_requests == [TrainGate(step=1, timeout=1.0, hosts=["host-0"])]
+    states = nc.states()
+    assert [s for s, _ in states][:2] == ["ready", "computing"]
+    assert states[0][1] < granted_at[0] <= states[1][1]
+    [(op, start, _)] = runner.log
+    assert op == "train" and start >= granted_at[0]
+    assert svc.metrics._gauges["sf_trainer_last_gate_s"]._value.get() >= 0.3
+    assert svc.metrics._gauges["sf_trainer_last_gate_granted"]._value.get() == 1.0
+
+
+@pytest.mark.parametrize("answer, why", [
+    (NoRespondersError(), "no scheduler answers on sf.sched.gate"),
+    (NatsTimeout(), "no answer within"),
+    (TrainGateReply(granted=False, reason="host-0 failed to switch"), "refused: host-0 failed to switch"),
+])
+async def test_without_a_grant_the_step_logs_why_and_computes_anyway(answer, why, caplog):
+    async def scheduler(timeout):
+        if isinstance(answer, Exception):
+            raise answer
+        return SimpleNamespace(data=encode(answer))
+
+    nc, runner = FakeNC(scheduler), FakeRunner()
+    svc = make_service(nc, runner, scheduler_gate=True, gate_timeout=1.0)
+    with caplog.at_level(logging.WARNING, logger="services.trainer.service"):
+        await svc._step(batch(svc), wait_s=0.0)
+    assert runner.ops() == ["train"] and svc.step == 1
+    assert any("gate not granted" in r.message and why in r.message for r in caplog.records), caplog.text
+    assert svc.metrics._gauges["sf_trainer_last_gate_granted"]._value.get() == 0.0
+
+
+async def test_without_the_gate_setting_nothing_is_asked():
+    nc = FakeNC(gate=None)
+    svc = make_service(nc, FakeRunner())
+    await svc._step(batch(svc), wait_s=0.0)
+    assert nc.gate_requests == [] and "ready" not in [s for s, _ in nc.states()]
+
+
+# -- offload / reload --------------------------------------------------------------------------
+
+async def test_offload_waits_for_the_step_in_progress_and_answers_with_a_status():
+    nc, runner = FakeNC(), FakeRunner(train_s=0.3)
+    svc = make_service(nc, runner)
+    step = asyncio.create_task(svc._step(batch(svc), wait_s=0.0))
+    await asyncio.to_thread(runner.train_started.wait, 5)
+    msg = SimpleNamespace(data=encode(TrainerControl(op="offload", host="host-0")), reply="_INBOX.x")
+    await svc._on_control(msg)
+    await step
+    assert runner.ops() == ["train", "offload"]
+    (_, _, train_end), (_, offload_start, _) = runner.log
+    assert offload_start >= train_end
+    [(subject, data, _)] = [p for p in nc.published if p[0] == "_INBOX.x"]
+    assert decode(data, TrainerStatus).step == 1
+    assert "sf_trainer_last_offload_s" in svc.metrics._gauges
+
+
+async def test_a_bad_control_request_still_gets_a_status():
+    nc, runner = FakeNC(), FakeRunner()
+    svc = make_service(nc, runner)
+    await svc._on_control(SimpleNamespace(data=b"\x81\xa2op\xa4nuke", reply="_INBOX.y"))
+    assert runner.ops() == [] and [p[0] for p in nc.published] == ["_INBOX.y"]
+
+
+# -- the runner and the engine -----------------------------------------------------------------
+
+def test_offload_support_names_why_not():
+    zero = SimpleNamespace(offload_states=lambda: None)
+    assert offload_support("cuda", 2, zero) == "" and offload_support("cuda", 3, zero) == ""
+    assert "stage 0" in offload_support("cuda", 0, zero)
+    assert "nothing to free on cpu" == offload_support("cpu", 3, zero)
+    assert "has no offload_states" in offload_support("cuda", 1, object())
+
+
+class FakeEngine:
+    rank, world, pad_id = 0, 1, 0
+
+    def __init__(self):
+        self.cfg = TrainerConfig()
+        self.algo = self.cfg.algo()
+        self.offloaded = False
+        self.calls: list[str] = []
+
+    def offload(self):
+        self.calls.append("offload")
+        self.offloaded = True
+        return {"offload_s": 0.01}
+
+    def reload(self):
+        self.calls.append("reload")
+        self.offloaded = False
+        return {"reload_s": 0.02}
+
+    def train_step(self, batches):
+        assert not self.offloaded, "a step ran on offloaded states"
+        self.calls.append("train")
+        return {"compute_s": 0.0}
+
+
+def test_runner_offloads_and_reloads_and_never_trains_offloaded(tmp_path):
+    engine = FakeEngine()
+    runner = Runner(engine, tmp_path)
+    assert runner.run(Command("offload")) == {"offload_s": 0.01}
+    out = runner.run(Command("train", step=1, batch=encode_groups([GROUP])))
+    assert engine.calls == ["offload", "reload", "train"] and out["reload_s"] == 0.02
+    assert runner.run(Command("offload")) and runner.run(Command("reload")) == {"reload_s": 0.02}
+    out = runner.run(Command("train", step=2, batch=encode_groups([GROUP])))
+    assert "reload_s" not in out and engine.calls[-1] == "train"
