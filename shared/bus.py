@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -114,15 +114,21 @@ class Replies:
     """The replies to one streamed request, in order: `async for data in replies`.
 
     The first reply must come within `first_timeout`, each later one within
-    `idle_timeout`; otherwise ReplyTimeout. `ready()` returns the replies that have
-    already arrived, without waiting, so a consumer that fell behind can take them
-    in one go."""
+    `idle_timeout`; otherwise ReplyTimeout. With `alive`, the wait is also cut short,
+    within `ALIVE_POLL` seconds, once `alive()` says the responder is gone (say its
+    heartbeat went stale): a dead worker is noticed by heartbeat age, not by the long
+    token timeout. `ready()` returns the replies that have already arrived, without
+    waiting, so a consumer that fell behind can take them in one go."""
 
-    def __init__(self, subject: str, first_timeout: float, idle_timeout: float):
+    ALIVE_POLL = 0.5
+
+    def __init__(self, subject: str, first_timeout: float, idle_timeout: float,
+                 alive: Callable[[], bool] | None = None):
         self.subject = subject
         self.queue: asyncio.Queue[Msg] = asyncio.Queue()
         self._timeout = first_timeout
         self._idle = idle_timeout
+        self._alive = alive
 
     def _data(self, msg: Msg) -> bytes:
         if _is_no_responders(msg):
@@ -134,12 +140,18 @@ class Replies:
         return self
 
     async def __anext__(self) -> bytes:
-        try:
-            async with asyncio.timeout(self._timeout):
-                msg = await self.queue.get()
-        except TimeoutError:
-            raise ReplyTimeout(f"no reply on {self.subject} within {self._timeout:.1f}s") from None
-        return self._data(msg)
+        deadline = asyncio.get_running_loop().time() + self._timeout
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                raise ReplyTimeout(f"no reply on {self.subject} within {self._timeout:.1f}s")
+            try:
+                async with asyncio.timeout(min(left, self.ALIVE_POLL) if self._alive else left):
+                    msg = await self.queue.get()
+                return self._data(msg)
+            except TimeoutError:
+                if self._alive is not None and not self._alive():
+                    raise ReplyTimeout(f"the responder on {self.subject} is gone (heartbeat stale)") from None
 
     def ready(self) -> list[bytes]:
         out = []
@@ -183,7 +195,8 @@ _MUXES: weakref.WeakKeyDictionary[NATS, _ReplyMux] = weakref.WeakKeyDictionary()
 
 @asynccontextmanager
 async def stream_request(
-    nc: NATS, subject: str, payload: bytes, first_timeout: float, idle_timeout: float
+    nc: NATS, subject: str, payload: bytes, first_timeout: float, idle_timeout: float,
+    alive: Callable[[], bool] | None = None,
 ) -> AsyncIterator[Replies]:
     """Send one request and iterate over its streamed replies (see Replies). The
     responder decides when the stream ends: the caller stops on its terminal message."""
@@ -193,7 +206,7 @@ async def stream_request(
     if mux is None:
         mux = _MUXES[nc] = _ReplyMux(nc.new_inbox())
     await mux.ensure(nc)
-    replies = Replies(subject, first_timeout, idle_timeout)
+    replies = Replies(subject, first_timeout, idle_timeout, alive)
     token = mux.open(replies)
     try:
         await nc.publish(subject, payload, reply=f"{mux.prefix}.{token}")

@@ -81,3 +81,32 @@ async def test_a_drain_that_hangs_is_bounded():
     nc = Hangs()
     await asyncio.wait_for(bus.wait_closed(nc, timeout=0.05), 2)
     assert nc.closed == 1
+
+
+async def test_a_stream_whose_responder_goes_silent_ends_by_heartbeat_age_not_by_the_idle_timeout():
+    import asyncio
+    import time
+
+    from shared.bus import Replies, ReplyTimeout
+
+    alive = {"ok": True}
+    r = Replies("sf.rollout.gen.w1", first_timeout=60.0, idle_timeout=60.0, alive=lambda: alive["ok"])
+    asyncio.get_running_loop().call_later(0.3, lambda: alive.update(ok=False))
+    t0 = time.monotonic()
+    try:
+        await r.__anext__()
+    except ReplyTimeout as e:
+        assert "heartbeat stale" in str(e)
+    else:
+        raise AssertionError("no timeout")
+    assert time.monotonic() - t0 < 2 * Replies.ALIVE_POLL + 0.5  # not the 60 s idle timeout
+
+
+async def test_a_live_responder_still_gets_its_timeout():
+    import pytest
+
+    from shared.bus import Replies, ReplyTimeout
+
+    r = Replies("s", first_timeout=0.3, idle_timeout=0.3, alive=lambda: True)
+    with pytest.raises(ReplyTimeout, match="within 0.3s"):
+        await r.__anext__()
