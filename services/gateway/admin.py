@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -91,6 +92,18 @@ async def steer_worker(request: Request) -> Response:
     return JSON(_worker_json(status))
 
 
+async def list_hosts(request: Request) -> Response:
+    """GET /admin/hosts: the tag scheduler's hosts (tags, mode, target, epoch, health, activity)."""
+    gw: Gateway = request.app.state.gateway
+    try:
+        reply = await gw.scheduler_status()
+    except BusUnavailable:
+        raise ApiError(404, "no scheduler is running (start the stack with --policy)", "scheduler_not_found") from None
+    except ReplyTimeout:
+        raise ApiError(504, "the scheduler did not answer", "timeout") from None
+    return JSON({"policy": reply.policy, "counts": reply.counts, "hosts": msgspec.to_builtins(reply.hosts)})
+
+
 async def metrics(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
@@ -105,6 +118,7 @@ async def healthz(request: Request) -> Response:
 ROUTES: list[BaseRoute] = [
     Route("/admin/keys", create_key, methods=["POST"]),
     Route("/admin/workers", list_workers, methods=["GET"]),
+    Route("/admin/hosts", list_hosts, methods=["GET"]),
     Route("/admin/workers/{worker_id}/{op}", steer_worker, methods=["POST"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/healthz", healthz, methods=["GET"]),

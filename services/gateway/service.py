@@ -29,6 +29,7 @@ from shared.heartbeats import WorkerHeartbeats
 from shared.logonce import OncePerCause
 from shared.messages.chat import ChatCancel, ChatDelta, ChatReply, ChatRequest
 from shared.messages.rollout import RolloutControl, WorkerStatus
+from shared.messages.scheduler import SchedulerControl, SchedulerReply
 from shared.messages.session import SessionReply, SessionRequest
 
 log = logging.getLogger(__name__)
@@ -192,6 +193,11 @@ class Gateway:
     def worker_table(self) -> list[WorkerStatus]:
         """Workers heard from within `worker_stale_after`, by id."""
         return self.workers.fresh(time.time())
+
+    async def scheduler_status(self, timeout: float = 5.0) -> SchedulerReply:
+        """The tag scheduler's hosts; raises BusUnavailable if no scheduler runs."""
+        data = await request(self.nc, subjects.SCHED_CTL, encode(SchedulerControl(op="status")), timeout)
+        return decode(data, SchedulerReply)
 
     async def control_worker(self, worker_id: str, op: str, timeout: float = 30.0) -> WorkerStatus:
         """vacate / resume one worker; raises BusUnavailable if no such worker listens."""

@@ -284,7 +284,7 @@ async def test_sdk_chat(gw, fake):
     assert resp.model_extra["seamlessflow"] == {"session_id": "sess-oneoff-" + sent.request_id[:8], "turn_id": 0,
                                                 "versions": [7]}
     assert resp.id == "chatcmpl-" + sent.request_id
-    assert (sent.session_id, sent.kind, sent.model, sent.stream) == ("", "chat", MODEL, True)
+    assert (sent.session_id, sent.kind, sent.model, sent.agent_streams) == ("", "chat", MODEL, False)
     assert (sent.sampling.max_tokens, sent.sampling.temperature, sent.sampling.seed) == (32, 0.2, 1)
     assert sent.messages == [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hello there"}]
 
@@ -643,3 +643,34 @@ async def test_admin_disabled_without_admin_key(redis_url):
         for headers in ({}, {"Authorization": "Bearer "}, {"Authorization": "Bearer anything"}):
             r = await client.post("/admin/keys", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "admin_disabled"
+
+
+async def test_admin_hosts_shows_the_schedulers_hosts_and_needs_the_admin_key(gw, private_nats):
+    import nats as nats_client
+
+    from shared.messages.scheduler import HostInfo, SchedulerControl, SchedulerReply
+
+    async with gw.http(ADMIN_KEY, admin=True) as adm:
+        r = await adm.get("/admin/hosts")
+        assert r.status_code == 404 and "no scheduler" in r.json()["error"]["message"]
+        nc = await nats_client.connect(private_nats)
+        seen = []
+
+        async def on(msg):
+            seen.append(decode(msg.data, SchedulerControl).op)
+            host = HostInfo("host-0", ["train", "rollout", "cpu"], 1.0, "rollout", "rollout", 3, True, False, 1.0)
+            await msg.respond(encode(SchedulerReply(True, "seamless", [host], counts={"lends": 2})))
+
+        await nc.subscribe(subjects.SCHED_CTL, cb=on)
+        await nc.flush()
+        try:
+            r = await adm.get("/admin/hosts")
+        finally:
+            await nc.close()
+    assert r.status_code == 200 and seen == ["status"]
+    body = r.json()
+    assert body["policy"] == "seamless" and body["counts"] == {"lends": 2}
+    assert body["hosts"][0]["host"] == "host-0" and body["hosts"][0]["epoch"] == 3
+    async with gw.http() as agent_key_on_admin:
+        r = await agent_key_on_admin.get(gw.admin + "/admin/hosts")
+    assert r.status_code in (401, 403)
