@@ -267,11 +267,11 @@ class TrainerService:
                       publish_dir=str(dest) if dest else "")
         await self._set_state("computing")
         out = await self._run(cmd)
-        await self._set_state("publishing")
         ids = out["ids"]
         self.intake.trained(ids, step)
         self.step = step
         self.metrics.count("trained", len(ids))
+        await self._set_state("publishing")
         m = dict(out["metrics"])
 
         # 2. announce the new version, then drop versions nobody needs

@@ -33,6 +33,7 @@ from shared import bus, subjects, weightstore
 from shared.codec import decode, encode
 from shared.config import Connections
 from shared.messages.rollout import WorkerStatus
+from shared.messages.scheduler import TrainerControl, TrainerStatus, TrainGate, TrainGateReply
 from shared.messages.trajectory import Sample, TrajectoryCompleted
 
 pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
@@ -330,3 +331,66 @@ async def test_two_ranks_under_torchrun(nats, tiny_model, tmp_path):
     assert any(not (initial[k] == final[k]).all() for k in initial)
     info = await js.consumer_info("TRAJECTORIES", "trainer-dp")
     assert (info.num_pending, info.num_ack_pending) == (0, 0)
+
+
+# -- the scheduler's handles -----------------------------------------------------------------------
+
+async def test_status_heartbeats_gate_and_offload_against_a_fake_scheduler(nats, tiny_model, tmp_path):
+    """TrainerStatus heartbeats carry the states; with the gate on, step 1 starts only after a fake
+    scheduler grants it; with no scheduler answering, step 2 logs why and runs anyway;
+    offload/reload requests are answered with a status."""
+    import json
+
+    url, nc = nats
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    env = trainer_env(url, tmp_path, "trainer-gate", SF_TRAINER_SCHEDULER_GATE="true", SF_TRAINER_GATE_TIMEOUT="3",
+                      SF_TRAINER_HOST="host-0")
+    statuses: list[tuple[TrainerStatus, float]] = []  # (status, monotonic receive time)
+    gates: list[TrainGate] = []
+    granted_at: list[float] = []
+
+    async def on_status(msg):
+        statuses.append((decode(msg.data, TrainerStatus), time.monotonic()))
+
+    async def scheduler(msg):
+        gates.append(decode(msg.data, TrainGate))
+        await asyncio.sleep(1.0)  # reclaiming the trainer's hosts
+        granted_at.append(time.monotonic())
+        await msg.respond(encode(TrainGateReply(granted=True, waited_s=1.0)))
+
+    def seen(state: str, step: int) -> list[float]:
+        return [t for s, t in statuses if s.state == state and s.step == step]
+
+    await nc.subscribe(subjects.TRAINER_STATUS, cb=on_status)
+    gate_sub = await nc.subscribe(subjects.SCHED_GATE, cb=scheduler)
+    trainer = Trainer.start(tiny_model, env, tmp_path / "trainer.log", "--max-steps", "2")
+    await trainer.wait_for("trainer ready", READY_TIMEOUT)
+
+    # 1. idle: a heartbeat about every second, "waiting", naming the host
+    await wait_until(lambda: len(seen("waiting", 0)) >= 3, 5, "three waiting heartbeats")
+    beats = seen("waiting", 0)
+    assert 0.5 < beats[2] - beats[1] < 2.0
+    assert statuses[-1][0].hosts == ["host-0"] and statuses[-1][0].group_size == GROUP_SIZE
+
+    # 2. offload and reload (timed no-ops on CPU), each answered with a status
+    for op in ("offload", "reload"):
+        reply = await nc.request(subjects.TRAINER_CTL, encode(TrainerControl(op=op, host="host-0")), timeout=30)
+        assert decode(reply.data, TrainerStatus).state == "waiting"
+        await trainer.wait_for(f"{op} for host host-0", 5)
+
+    # 3. a batch: ready, the gate, then computing only once the scheduler granted it
+    groups = make_groups("gate", 2 * GROUPS_PER_STEP, vocab, version=0, seed=5)
+    await publish(nc, [t for g in groups[:GROUPS_PER_STEP] for t in g])
+    await trainer.wait_for("step 1 v1", 60)
+    assert gates == [TrainGate(step=1, timeout=3.0, hosts=["host-0"])]
+    await wait_until(lambda: seen("publishing", 1), 5, "step 1 publishing")
+    assert seen("ready", 0)[0] < granted_at[0] <= seen("computing", 0)[0]
+    assert "step 1: gate granted" in trainer.text()
+
+    # 4. no scheduler: the step says why and computes anyway
+    await gate_sub.unsubscribe()
+    await publish(nc, [t for g in groups[GROUPS_PER_STEP:] for t in g])
+    assert await trainer.wait_exit(90) == 0, trainer.text()[-4000:]
+    assert "step 2: gate not granted (no scheduler answers on sf.sched.gate)" in trainer.text()
+    assert "step 2 v2" in trainer.text() and len(gates) == 1
+    await wait_until(lambda: seen("stopped", 2), 5, "the stopped status")
