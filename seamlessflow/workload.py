@@ -1,0 +1,87 @@
+"""A steady agentic workload for the scheduler's tests and benchmarks: GRPO groups of
+openai-SDK agents, each session two turns of random length with a random reward, a fixed
+number of groups in flight until a condition holds.
+
+    agents = GroupAgents(stack.gateway_url, stack.api_key, group_size=4, lanes=4, seed=0)
+    await agents.run(until=lambda: done(), timeout=120)
+    agents.ok, agents.failures, agents.latencies, agents.sessions
+
+Rewards are random: the point is load that looks like RL (groups, multi-turn, long tails
+of reply length), not learning; the demo and the learning test measure learning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+
+import httpx
+import openai
+
+
+class GroupAgents:
+    def __init__(self, base_url: str, api_key: str, group_size: int = 4, lanes: int = 4, seed: int = 0,
+                 min_tokens: int = 32, max_tokens: int = 160, turns: int = 2, model: str = "seamlessflow-tiny"):
+        self.base_url, self.api_key, self.group_size, self.lanes = base_url, api_key, group_size, lanes
+        self.rng = random.Random(seed)
+        self.min_tokens, self.max_tokens, self.turns, self.model = min_tokens, max_tokens, turns, model
+        self.ok = 0
+        self.failures: list[str] = []
+        self.latencies: list[tuple[float, float]] = []  # (start, seconds) of each successful turn
+        self.sessions: list[str] = []
+        self.completion_tokens = 0
+        self.session_tokens: dict[str, int] = {}  # finished session id -> its completion tokens
+
+    async def session(self, http: httpx.AsyncClient, gid: str) -> None:
+        r = await http.post("/sessions", json={"group_id": gid})
+        r.raise_for_status()
+        s = r.json()
+        agent = openai.AsyncOpenAI(base_url=self.base_url, api_key=s["api_key"], timeout=120, max_retries=0)
+        messages = [{"role": "user", "content": f"count {self.rng.randint(0, 999)}"}]
+        tokens = 0
+        try:
+            for _ in range(self.turns):
+                t0 = time.monotonic()
+                try:
+                    c = await agent.chat.completions.create(
+                        model=self.model, messages=messages, temperature=1.0,
+                        max_tokens=self.rng.randint(self.min_tokens, self.max_tokens))
+                except openai.APIError as e:
+                    self.failures.append(f"{gid}: {type(e).__name__}: {e}")
+                    return
+                self.ok += 1
+                self.latencies.append((t0, time.monotonic() - t0))
+                tokens += c.usage.completion_tokens if c.usage else 0
+                messages += [{"role": "assistant", "content": c.choices[0].message.content or ""},
+                             {"role": "user", "content": "again"}]
+        finally:
+            await agent.close()
+        f = await http.post(f"/sessions/{s['id']}/finish", json={"reward": self.rng.random()})
+        f.raise_for_status()
+        self.sessions.append(s["id"])
+        self.session_tokens[s["id"]] = tokens
+        self.completion_tokens += tokens
+
+    async def run(self, until: Callable[[], bool], timeout: float) -> bool:
+        """Keep `lanes` groups in flight until `until()` or `timeout`; returns until()."""
+        headers = {"Authorization": f"Bearer {self.api_key}"}
+        deadline = time.monotonic() + timeout
+        n = 0
+        async with httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=120) as http:
+
+            async def lane(i: int) -> None:
+                nonlocal n
+                while not until() and time.monotonic() < deadline:
+                    n += 1
+                    gid = f"g{i}-{n}-{self.rng.randint(0, 1 << 30)}"
+                    await asyncio.gather(*(self.session(http, gid) for _ in range(self.group_size)))
+
+            await asyncio.gather(*(lane(i) for i in range(self.lanes)))
+        return until()
+
+    def trajectories(self) -> list[dict]:
+        headers = {"Authorization": f"Bearer {self.api_key}"}
+        with httpx.Client(base_url=self.base_url, headers=headers, timeout=30) as http:
+            return [http.get(f"/sessions/{sid}").json() for sid in self.sessions]

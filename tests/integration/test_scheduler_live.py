@@ -1,0 +1,154 @@
+"""The tag scheduler on real hosts: scheduler, two host agents with resident vLLM-CPU workers,
+the DeepSpeed trainer gated by the scheduler, and openai-SDK agents running the RL loop.
+
+    host-0 {train, rollout, cpu}: the trainer and a resident worker
+    host-1 {rollout, cpu}:        a resident worker
+
+One stack serves every test: switching policy is a config change (`set_policy`), not code.
+Each policy test drives agents until the trainer has taken a few more steps, then checks:
+no agent request failed, every step's gate was granted (it started after its hosts were
+reclaimed), and what the policy promises (seamless: lend/reclaim cycles, requests that
+migrated between workers and versions; disaggregated: host-0 never lent; colocated:
+host-1 idles while the trainer computes). The last test kills host-1's worker mid-rollout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from seamlessflow import hosts as hostops
+from seamlessflow import servers
+from seamlessflow.workload import GroupAgents
+from shared.config import connections
+from tests.integration.stack_fixture import make_stack
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.deepspeed]
+
+GROUP_SIZE, GROUPS_PER_STEP = 4, 2
+CONCURRENT_GROUPS = 4  # 16 agents in flight
+TRAINER = {"group_size": GROUP_SIZE, "groups_per_step": GROUPS_PER_STEP, "lr": 1e-5, "publish_every": 1,
+           "checkpoint_every": 5, "keep_versions": 3, "gate_timeout": 60}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_model, redis_url):
+    tmp = tmp_path_factory.mktemp("sched")
+    nats_port = servers.free_port()  # its own NATS: the trainer consumes the whole TRAJECTORIES stream
+    nats = servers.start_nats(nats_port, tmp / "nats")
+    stack = make_stack(tmp, tiny_model, f"nats://127.0.0.1:{nats_port}", redis_url, policy="seamless",
+                       hosts=["train+rollout", "rollout"], train=True, trainer_settings=TRAINER, max_num_seqs=8)
+    stack.conn = connections({"SF_NATS_URL": stack.nats_url, "SF_REDIS_URL": stack.redis_url})
+    try:
+        wait_for(lambda: serving(stack) == {"host-0", "host-1"}, 240, "both hosts serving")
+        yield stack
+    finally:
+        stack.stop()
+        servers.stop(nats)
+
+
+def ask(stack, op="status", **kw):
+    return asyncio.run(hostops.ask(stack.conn, op, **kw))
+
+
+def serving(stack) -> set[str]:
+    try:
+        reply = ask(stack)
+    except SystemExit:
+        return set()
+    return {h.host for h in reply.hosts if h.mode == "rollout" and h.target == "rollout" and h.healthy}
+
+
+def wait_for(cond, timeout: float, what: str, every: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def trained_steps(stack) -> list[dict]:
+    path = stack.data / "trainer" / "trained.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["event"] == "step"]
+
+
+def run_policy(stack, policy: str, steps: int, timeout: float = 240):
+    ask(stack, "set_policy", policy=policy)
+    wait_for(lambda: all(h.mode == h.target for h in ask(stack).hosts), 60, "hosts settled")
+    before = ask(stack)
+    start = len(trained_steps(stack))
+    agents = GroupAgents(stack.gateway_url, stack.api_key, GROUP_SIZE, CONCURRENT_GROUPS, seed=len(policy))
+    assert asyncio.run(agents.run(lambda: len(trained_steps(stack)) >= start + steps, timeout)), \
+        f"{policy}: fewer than {steps} trainer steps within {timeout:.0f}s"
+    after = ask(stack, "timeline")
+    delta = {k: after.counts.get(k, 0) - before.counts.get(k, 0) for k in after.counts}
+    return agents, after, delta
+
+
+def test_seamless_lends_and_reclaims_while_agents_never_notice(cluster):
+    agents, after, delta = run_policy(cluster, "seamless", steps=6)
+    assert agents.failures == []
+    assert delta["reclaims"] >= 5 and delta["lends"] >= 5, delta
+    assert delta["gates_granted"] >= 6 and delta["gates_timed_out"] == 0, delta  # each step after its reclaim
+    moved = versions = 0
+    for t in agents.trajectories():
+        for turn in t["turns"]:
+            moved += len({s["worker_id"] for s in turn["segments"]}) > 1
+            versions += len({s["version"] for s in turn["segments"]}) > 1
+    assert moved >= 1, "no turn migrated between workers during a reclaim"
+    assert versions >= 1, "no turn spans two weight versions"
+    host0 = next(h for h in after.hosts if h.host == "host-0")
+    assert sum(iv.activity == "switch" for iv in host0.timeline) >= 10
+
+
+def test_disaggregated_never_lends_the_trainer_host(cluster):
+    agents, after, delta = run_policy(cluster, "disaggregated", steps=3)
+    assert agents.failures == []
+    assert delta["lends"] == 0 and delta["gates_granted"] >= 3 and delta["gates_timed_out"] == 0, delta
+    host0 = next(h for h in after.hosts if h.host == "host-0")
+    assert host0.mode == "train"
+
+
+def test_colocated_alternates_every_host_with_held_requests(cluster):
+    idle_before = sum(iv.activity == "idle" for h in ask(cluster, "timeline").hosts if h.host == "host-1"
+                      for iv in h.timeline)
+    agents, after, delta = run_policy(cluster, "colocated", steps=3)
+    assert agents.failures == []
+    assert delta["gates_granted"] >= 3 and delta["gates_timed_out"] == 0, delta
+    host1 = next(h for h in after.hosts if h.host == "host-1")
+    assert sum(iv.activity == "idle" for iv in host1.timeline) > idle_before  # host-1 waits out train phases
+
+
+def test_a_killed_worker_is_detected_its_requests_resume_and_the_host_rejoins(cluster):
+    ask(cluster, "set_policy", policy="seamless")
+    wait_for(lambda: serving(cluster) == {"host-0", "host-1"}, 90, "both hosts serving")
+    restarts = {h.host: h for h in ask(cluster).hosts}["host-1"].epoch
+    pid = int(subprocess.check_output(["pgrep", "-f", "worker-id host-1-rollout"]).split()[0])
+    agents = GroupAgents(cluster.gateway_url, cluster.api_key, GROUP_SIZE, CONCURRENT_GROUPS, seed=7)
+    killed = {"t": 0.0}
+
+    async def scenario():
+        async def kill_later():
+            await asyncio.sleep(4.0)
+            os.kill(pid, signal.SIGKILL)
+            killed["t"] = time.monotonic()
+        await asyncio.gather(kill_later(), agents.run(lambda: killed["t"] and time.monotonic() - killed["t"] > 12, 90))
+
+    asyncio.run(scenario())
+    assert agents.failures == []
+    # requests in flight on the dead worker resumed elsewhere within the heartbeat timeout plus a few seconds
+    spanning = [d for t0, d in agents.latencies if t0 < killed["t"] < t0 + d]
+    assert spanning and max(spanning) < 5.0 + 10.0, sorted(spanning)[-3:]
+    wait_for(lambda: {h.host: h for h in ask(cluster).hosts}["host-1"].epoch > restarts
+             and "host-1" in serving(cluster), 120, "host-1 back in rollout after its worker restarted")
+    log = (cluster.logs / "scheduler.log").read_text()
+    assert "host host-1 dead" in log or "host-1: its worker was restarted" in log
