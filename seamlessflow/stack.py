@@ -19,8 +19,7 @@ from pathlib import Path
 
 from seamlessflow import servers
 
-ENGINE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
+ENGINE_ENV = {  # not VLLM_CPU_KVCACHE_SPACE: the rollout worker sets it from SF_ROLLOUT_KV_CACHE_GIB
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",

@@ -139,8 +139,7 @@ def chat_request(req: ChatCompletionRequest, request_id: str, session_id: str, c
         tools=_tools(req),
         stop=stop_strings(req),
         logprobs=bool(req.logprobs),
-        stream=True,  # always: deltas double as liveness, so the idle timeout means the same for both modes
-        agent_streams=bool(req.stream),
+        agent_streams=bool(req.stream),  # deltas always flow (liveness); this says whether the agent sees them
     )
 
 
@@ -164,7 +163,6 @@ def completion_request(req: CompletionRequest, request_id: str, session_id: str,
         prompt=req.prompt,
         stop=stop_strings(req),
         logprobs=req.logprobs is not None,
-        stream=True,
         agent_streams=bool(req.stream),
     )
 

@@ -11,22 +11,25 @@ from __future__ import annotations
 import os
 import re
 import socket
+from typing import Literal
 
 import msgspec
 
-from shared import timeouts
+from shared import timeouts, weightstore
 from shared.config import ConfigError, load
 
 _SUBJECT_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+# immediate: pause (keep), load, resume; drain: hold new requests, let in-flight ones finish, then load
+UpdatePolicy = Literal["immediate", "drain"]
 
 
 class RolloutConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    model: str  # HF checkpoint dir that vLLM loads; its weights are version 0
+    model: str  # HF checkpoint dir that vLLM loads; its weights are version `initial_version`
     worker_id: str = ""  # one NATS subject token; "" = "<hostname>-<pid>"
     served_model_name: str = ""  # reported in heartbeats; "" = the model dir's name
     max_model_len: int = 2048
     max_num_seqs: int = 16  # reported as capacity
-    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE, unless that is already set
+    kv_cache_gib: int = 1  # sets VLLM_CPU_KVCACHE_SPACE for the engine (vLLM-CPU's KV cache size)
     enforce_eager: bool = True
     dtype: str = "float32"
     seed: int = 0
@@ -35,14 +38,12 @@ class RolloutConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host: str = ""  # capability/host name reported to the scheduler
     # following WeightsPublished (the WEIGHTS stream's last value)
     follow_weights: bool = True
-    update_policy: str = "immediate"  # immediate: pause (keep), load, resume; drain: hold new
-    #                                   requests, let in-flight ones finish, then load
+    update_policy: UpdatePolicy = "immediate"
     weights_poll: float = 5.0  # seconds between checks of the newest version besides the push
     drain_timeout: float = 30.0  # seconds a drain waits for in-flight requests before loading anyway
-
-    def __post_init__(self) -> None:
-        if self.update_policy not in ("immediate", "drain"):
-            raise ValueError("update_policy must be immediate or drain")
+    # under the tag scheduler: its host agent starts the resident worker with start_vacated
+    start_vacated: bool = False  # take no work until a resume (the scheduler's assignment); default: serve at once
+    initial_version: int = -1  # the version `model` holds; -1 = its weight-store dir's (v000007 -> 7), else 0
 
 
 def default_worker_id() -> str:
@@ -66,3 +67,12 @@ def load_config(**overrides) -> RolloutConfig:
 
 def served_name(cfg: RolloutConfig) -> str:
     return cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model))
+
+
+def initial_version(cfg: RolloutConfig) -> int:
+    """The weight version the worker starts at: `initial_version` if set, else the number of a
+    weight-store dir (`<store>/v000007` -> 7), else 0 (a base checkpoint)."""
+    if cfg.initial_version >= 0:
+        return cfg.initial_version
+    v = weightstore.version_of(os.path.normpath(cfg.model))
+    return 0 if v is None else v

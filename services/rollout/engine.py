@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.rollout.checkpoint import TensorSpecs, check_checkpoint, eos_token_ids
 from services.rollout.config import RolloutConfig
-from services.rollout.sampling import finish_reason, sampling_kwargs
-from shared.messages.rollout import FinishReason, Sampling
+from services.rollout.sampling import eos_token_ids, finish_reason, sampling_kwargs
+from shared.checkpoint import TensorSpecs, check_checkpoint
+from shared.deltas import merge_deltas
+from shared.messages.rollout import ErrorCode, FinishReason, Sampling, TokenDelta
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,12 @@ SETTLE_SECONDS = 0.005
 
 
 class EngineError(RuntimeError):
-    """One request failed (bad request or a vLLM error); the engine still serves."""
+    """One request failed (bad request or a vLLM error); the engine still serves. `code` says
+    whose fault it was, for GenerateDone.code."""
+
+    def __init__(self, message: str, code: ErrorCode = "internal"):
+        super().__init__(message)
+        self.code = code
 
 
 class EngineDead(RuntimeError):
@@ -64,11 +70,25 @@ class Delta:
 
 
 @dataclass(slots=True)
+class _End:
+    """Queued after a request's last tokens: how it finished."""
+
+    finish: FinishReason
+    error: str = ""
+    version: int = 0
+
+
+@dataclass(slots=True)
 class _Stream:
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # TokenDelta | _End | BaseException
     pump: asyncio.Task | None = None
     stamped: list[list[int]] = field(default_factory=list)  # [version, n_tokens] runs
     aborted: bool = False
+
+
+def engine_env(cfg: RolloutConfig) -> dict[str, str]:
+    """The environment vLLM reads at engine start that comes from our settings."""
+    return {"VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib)}
 
 
 def _is(e: BaseException, name: str) -> bool:
@@ -122,7 +142,8 @@ class Engine:
         """Build the engine (blocking: tens of seconds on CPU) and warm it up."""
         self._reference = check_checkpoint(self.cfg.model)
         if self._llm is None:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.kv_cache_gib))
+            # explicit, not a default: a launcher's environment must not override SF_ROLLOUT_KV_CACHE_GIB
+            os.environ.update(engine_env(self.cfg))
             self._llm = _build_llm(self.cfg)
         await self._llm.update_weight_version(str(self.version))
         if warmup:
@@ -151,27 +172,28 @@ class Engine:
         if self.dead:
             raise EngineDead(self.dead)
         if request_id in self._streams:
-            raise EngineError(f"request {request_id!r} is already running")
+            raise EngineError(f"request {request_id!r} is already running", "bad_request")
         n, limit = len(prompt_ids), self.cfg.max_model_len
         if n == 0:
-            raise EngineError("empty prompt")
+            raise EngineError("empty prompt", "bad_request")
         if n >= limit:
-            raise EngineError(f"prompt of {n} tokens is longer than max_model_len={limit} allows ({limit - 1})")
+            raise EngineError(f"prompt of {n} tokens is longer than max_model_len={limit} allows ({limit - 1})",
+                              "context_length")
         try:
             prompt, params = _vllm_request(list(prompt_ids), sampling_kwargs(sampling, self._eos))
         except Exception as e:  # vLLM validates the sampling values here
-            raise EngineError(f"bad sampling: {e}") from None
+            raise EngineError(f"bad sampling: {e}", "bad_request") from None
         stream = _Stream()
         self._streams[request_id] = stream
         stream.pump = asyncio.create_task(self._pump(request_id, prompt, params, stream))
         try:
             while True:
-                item = _coalesce(await stream.queue.get(), stream.queue)
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finish is not None:
-                    return
+                for item in _deltas([await stream.queue.get(), *_drain(stream.queue)]):
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+                    if item.finish is not None:
+                        return
         finally:
             if not stream.pump.done():
                 stream.pump.cancel()  # vLLM aborts a request whose consumer is cancelled
@@ -182,7 +204,7 @@ class Engine:
         that produced it even while the consumer is busy sending the previous one."""
         last_token: int | None = None
         if stream.aborted or self.vacated:  # aborted or vacated before it reached vLLM
-            stream.queue.put_nowait(Delta([], [], self.version, "preempted"))
+            stream.queue.put_nowait(_End("preempted", version=self.version))
             return
         try:
             async for out in self._llm.generate(prompt, params, request_id):
@@ -205,7 +227,9 @@ class Engine:
                     lps.append(math.nan)
                 if ids:
                     _stamp(stream.stamped, self.version, len(ids))
-                stream.queue.put_nowait(Delta(ids, lps, self.version, finish))
+                    stream.queue.put_nowait(TokenDelta(request_id, ids, lps, self.version))
+                if finish is not None:
+                    stream.queue.put_nowait(_End(finish, version=self.version))
                 if out.finished:
                     _check_versions(request_id, stream.stamped, getattr(c, "weight_versions", None))
                     return
@@ -306,26 +330,34 @@ class Engine:
         for stream in list(self._streams.values()):
             if stream.pump is not None and stream.pump is not me and not stream.pump.done():
                 stream.pump.cancel()
-            stream.queue.put_nowait(Delta([], [], self.version, "preempted", error=f"worker engine dead: {why}"))
+            stream.queue.put_nowait(_End("preempted", f"worker engine dead: {why}", self.version))
 
 
-def _coalesce(item: Delta | BaseException, queue: asyncio.Queue) -> Delta | BaseException:
-    """Merge the deltas already queued behind `item` that carry its version into it, so a
-    consumer that fell behind catches up in one message instead of one per token. Stops at
-    a version change, an error or the final delta (which it includes)."""
-    if isinstance(item, BaseException) or item.finish is not None:
-        return item
+def _drain(queue: asyncio.Queue) -> list:
+    """What is already queued, without waiting."""
+    out = []
     while not queue.empty():
-        nxt = queue._queue[0]  # peek: asyncio.Queue keeps its items in a deque
-        if isinstance(nxt, BaseException) or nxt.version != item.version or nxt.error:
-            break
-        queue.get_nowait()
-        item.token_ids += nxt.token_ids
-        item.logprobs += nxt.logprobs
-        if nxt.finish is not None:
-            item.finish = nxt.finish
-            break
-    return item
+        out.append(queue.get_nowait())
+    return out
+
+
+def _deltas(items: list) -> list[Delta | BaseException]:
+    """The consumer's view of queued items: runs of one version merged (shared/deltas.py: a
+    consumer that fell behind catches up in one message instead of one per token), and the
+    end marker folded into the tokens just before it."""
+    out: list[Delta | BaseException] = []
+    for item in merge_deltas(items):
+        if isinstance(item, TokenDelta):
+            out.append(Delta(item.token_ids, item.logprobs, item.version))
+        elif isinstance(item, _End):
+            last = out[-1] if out else None
+            if isinstance(last, Delta) and last.finish is None:
+                last.finish, last.error = item.finish, item.error
+            else:
+                out.append(Delta([], [], item.version, item.finish, item.error))
+        else:
+            out.append(item)
+    return out
 
 
 def _sampled_logprob(entry: Any, token_id: int) -> float:

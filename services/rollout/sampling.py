@@ -13,9 +13,26 @@ Fixed choices, whatever the caller asks:
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from shared.messages.rollout import FinishReason, Sampling
+
+
+def eos_token_ids(model_dir: str | Path) -> list[int]:
+    """EOS ids from generation_config.json, else config.json (an int or a list in either)."""
+    d = Path(model_dir)
+    for name in ("generation_config.json", "config.json"):
+        try:
+            value = json.loads((d / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, int):
+            return [value]
+        if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+            return list(value)
+    return []
 
 
 def sampling_kwargs(s: Sampling, eos_token_ids: list[int] | tuple[int, ...] = ()) -> dict[str, Any]:

@@ -20,13 +20,15 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from services.rollout.checkpoint import CheckpointError
+from shared.checkpoint import CheckpointError
 from services.rollout.config import RolloutConfig, served_name
 from services.rollout.engine import Engine, EngineDead, EngineError
-from shared import bus, subjects, weightstore
+from shared import bus, subjects
 from shared.codec import decode, encode
 from shared.config import Connections
+from shared.weightfollow import WeightFollower
 from shared.messages.rollout import (
+    ErrorCode,
     FinishReason,
     Generate,
     GenerateDone,
@@ -78,7 +80,8 @@ class RolloutService:
                 await self.nc.subscribe(subjects.rollout_ctl(wid), cb=self._on_control)
                 await self.nc.flush(timeout=5)
                 if self.cfg.follow_weights:
-                    follower = asyncio.create_task(self._follow_weights())
+                    follower = asyncio.create_task(
+                        WeightFollower(self.nc, self._on_newest_weights, self.cfg.weights_poll).run())
                     stack.callback(follower.cancel)
                 await self._publish_status()
                 log.info("rollout worker %s ready", wid)
@@ -143,14 +146,15 @@ class RolloutService:
         except msgspec.ValidationError as e:
             log.warning("bad Generate: %s", e)
             if msg.reply:
-                await self._send(msg.reply, self._done("", "error", 0, error=f"bad Generate: {e}"))
+                await self._send(msg.reply, self._done("", "error", 0, error=f"bad Generate: {e}", code="bad_request"))
             return
         if not msg.reply:
             log.warning("Generate %s has no reply inbox; ignored", req.request_id)
             return
         if req.request_id in self.tasks:
             await self._send(msg.reply, self._done(req.request_id, "error", len(req.prompt_ids),
-                                                   error=f"request {req.request_id!r} is already running"))
+                                                   error=f"request {req.request_id!r} is already running",
+                                                   code="bad_request"))
             return
         task = asyncio.create_task(self._generate(req, msg.reply))
         self.tasks[req.request_id] = task
@@ -159,7 +163,7 @@ class RolloutService:
     async def _generate(self, req: Generate, reply: str) -> None:
         rid, n = req.request_id, len(req.prompt_ids)
         finish: FinishReason = "preempted"
-        error = ""
+        error, code = "", ""
         version = self.engine.version
         t0, tokens = time.monotonic(), 0
         if self.engine.dead:
@@ -182,7 +186,7 @@ class RolloutService:
             except TimeoutError:
                 finish, error = "error", f"request exceeded max_request_seconds={self.cfg.max_request_seconds:g}"
             except EngineError as e:
-                finish, error = "error", str(e)
+                finish, error, code = "error", str(e), e.code
             except EngineDead as e:
                 finish, error = "preempted", f"worker engine dead: {e}"
             except asyncio.CancelledError:  # shutdown, after the engine would not end it
@@ -193,12 +197,14 @@ class RolloutService:
                 finish, error = "error", f"{type(e).__name__}: {e}"
         log.debug("request %s: %s after %d tokens in %.2fs (last version %d)", rid, finish, tokens,
                   time.monotonic() - t0, version)
-        await self._send(reply, self._done(rid, finish, n, version, error))
+        if finish == "error" and not code:
+            code = "internal"  # a timeout, an unexpected exception, a dead engine: not the caller's fault
+        await self._send(reply, self._done(rid, finish, n, version, error, code))
 
     def _done(self, rid: str, finish: FinishReason, n: int, version: int | None = None,
-              error: str = "") -> GenerateDone:
+              error: str = "", code: ErrorCode = "") -> GenerateDone:
         version = self.engine.version if version is None else version
-        return GenerateDone(rid, finish, n, version, self.cfg.worker_id, error)
+        return GenerateDone(rid, finish, n, version, self.cfg.worker_id, error, code)
 
     # -- control --------------------------------------------------------------------------------
 
@@ -254,42 +260,12 @@ class RolloutService:
 
     # -- weights --------------------------------------------------------------------------------
 
-    async def _follow_weights(self) -> None:
-        """Load each newly published version (the WEIGHTS stream's last value).
-
-        A core subscription to sf.weights.published wakes it at once; reading the stream's last
-        value (also every `weights_poll` seconds) means a worker that starts late or misses
-        versions simply jumps to the newest one."""
-        js = self.nc.jetstream()
-        hint = asyncio.Event()
-        pushed: list[WeightsPublished] = []
-
-        async def on_published(msg: Msg) -> None:  # a JetStream publish is also a core message
-            try:
-                pushed.append(decode(msg.data, WeightsPublished))
-            except msgspec.ValidationError:
-                return
-            hint.set()
-
-        await self.nc.subscribe(subjects.WEIGHTS_PUBLISHED, cb=on_published)
-        while not self._quit.is_set():
-            try:
-                cur = await weightstore.current(js)
-            except Exception as e:  # NATS reconnecting, or no WEIGHTS stream yet
-                log.debug("weights poll: %s", e)
-                cur = None
-            # the pushed event itself: the stream's last value may not show it yet
-            candidates = [c for c in (cur, *pushed) if c is not None]
-            pushed.clear()
-            cur = max(candidates, key=lambda c: c.version) if candidates else None
-            if (cur is not None and cur.version > self.engine.version and cur.version not in self._rejected
-                    and not self.engine.dead and not self.closing):
-                await self._update(cur)
-            try:
-                await asyncio.wait_for(hint.wait(), self.cfg.weights_poll)
-            except TimeoutError:
-                pass
-            hint.clear()
+    async def _on_newest_weights(self, cur: WeightsPublished) -> None:
+        """Load each newly published version (shared/weightfollow.py: pushed, and polled so a
+        worker that starts late or misses versions jumps to the newest one)."""
+        if (cur.version > self.engine.version and cur.version not in self._rejected
+                and not self.engine.dead and not self.closing):
+            await self._update(cur)
 
     async def _update(self, ev: WeightsPublished) -> None:
         if self.cfg.update_policy == "drain":

@@ -100,6 +100,11 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                              f"unacked trajectories ({held}); raise it or lower checkpoint_every")
         self.algo()  # validate the loss knobs now, not at the first step
 
+    def sessions_per_version(self) -> int:
+        """Sessions (TrajectoryCompleted messages) trained per published version; declared in the
+        consumer's metadata for the trajectory manager's admission control."""
+        return self.group_size * self.groups_per_step * self.publish_every
+
     def algo(self) -> AlgoConfig:
         names = [f.name for f in msgspec.structs.fields(AlgoConfig)]
         return AlgoConfig(**{n: getattr(self, n) for n in names})

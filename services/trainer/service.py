@@ -40,7 +40,6 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from services.trainer.audit import AuditLog
 from services.trainer.config import TrainerConfig
@@ -58,7 +57,7 @@ from shared.messages.trajectory import TrajectoryCompleted
 
 log = logging.getLogger(__name__)
 
-TRAJ_STREAM = next(st.name for st in subjects.STREAMS if subjects.TRAJ_COMPLETED in st.subjects)
+TRAJ_STREAM = subjects.TRAJECTORIES_STREAM
 RANK_KEEPALIVE = 60.0  # seconds idle before ranks > 0 get a no-op (their broadcast wait must not time out)
 ACK_CHUNK = 64  # concurrent ack_sync calls
 STATUS_INTERVAL = 1.0  # seconds between TrainerStatus heartbeats
@@ -109,14 +108,12 @@ class TrainerService:
             heartbeat = asyncio.create_task(self._status_loop(), name="status")
             self._listening_since = time.monotonic()
 
-            # 2. the durable consumer. Declared here rather than with bus.durable_pull: it needs a
-            # max_ack_pending that holds a whole checkpoint interval (the server default is 1000), and
-            # add_consumer is create-or-update, so a changed ack_wait or limit applies to an existing
-            # consumer too (pull_subscribe alone keeps the old config).
-            await js.add_consumer(TRAJ_STREAM, ConsumerConfig(
-                durable_name=cfg.durable, filter_subject=subjects.TRAJ_COMPLETED, ack_policy=AckPolicy.EXPLICIT,
-                deliver_policy=DeliverPolicy.ALL, ack_wait=cfg.ack_wait, max_deliver=cfg.max_deliver,
-                max_ack_pending=cfg.max_ack_pending))
+            # 2. the durable consumer. Its max_ack_pending holds a whole checkpoint interval (the server
+            # default is 1000); add_consumer is create-or-update, so a changed ack_wait or limit applies to
+            # an existing consumer too (pull_subscribe alone keeps the old config). Its metadata tells
+            # admission control how many sessions one published version trains.
+            await js.add_consumer(TRAJ_STREAM, subjects.trainer_consumer(
+                cfg.durable, cfg.sessions_per_version(), cfg.ack_wait, cfg.max_deliver, cfg.max_ack_pending))
             sub = await js.pull_subscribe(subjects.TRAJ_COMPLETED, durable=cfg.durable, stream=TRAJ_STREAM)
             fetcher = asyncio.create_task(self._fetch_loop(sub), name="fetch")
             keepalive = asyncio.create_task(self._keepalive_loop(), name="keepalive")

@@ -14,7 +14,6 @@ Modules, from the wire inwards:
     turns.py         the per-session token prefix tree and its samples
     toolcalls.py     <tool_call> parsing and stream hold-back
     routing.py       worker table: sticky, then least loaded
-    admission.py     the staleness bound
     store.py         Redis (the only module touching it)
     config.py        SF_TRAJECTORY_* settings
 

@@ -12,35 +12,35 @@ from Redis and continues it, so the agent's HTTP request still completes.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from msgspec.structs import replace
 
-from services.trajectory import toolcalls
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.conversation import candidate_prefixes, conversation_key
-from services.trajectory.generation import Call, Generated, GenerationFailed, generate, head
-from services.trajectory.rendering import IncrementalText, Renderer, RenderError
-from services.trajectory.routing import WorkerTable
-from services.trajectory.stopstrings import StopMatcher
-from services.trajectory.store import DeltaRecord, InFlight, Lookup, SessionNotFound, Store
-from services.trajectory.turns import Turn, path, token_ids
+from services.trajectory.generation import Call, Generated, GenerationFailed, generate
+from services.trajectory.record import Prompt, last_worker, record
+from services.trajectory.rendering import Renderer, RenderError
+from services.trajectory.routing import Picker, WorkerTable
+from services.trajectory.store import InFlight, Lookup, SessionNotFound, Store
+from services.trajectory.turns import path, token_ids
+from services.trajectory.turnstream import TurnStream
 from shared.codec import decode, encode
-from shared.messages import ChatDelta, ChatDone, ChatRequest, TokenDelta, TokenLogprob, Usage
+from shared.messages import ChatDelta, ChatDone, ChatRequest, TokenDelta
 from shared.messages.chat import KEEPALIVE_INTERVAL
+
+log = logging.getLogger(__name__)
 
 Emit = Callable[[Any], Awaitable[None]]
 LEASE_MS = 3000
-PREFER_OTHER_WORKER_S = 2.0  # after a preemption, how long to wait for a worker other than the preempter
-PERSIST_CHUNK = 32  # tokens a plain (non-stream) request buffers before persisting
-PROGRESS_INTERVAL = 0.5  # seconds between text deltas of a request the agent does not stream
 RESUME_POLL = 0.2  # seconds between checks while a re-sent request waits for the replica serving it
+PICK_POLL = 0.05  # seconds between looks at the worker table while no worker fits
 
 
 class TurnError(Exception):
@@ -49,17 +49,19 @@ class TurnError(Exception):
         self.status, self.code, self.message = status, code, message
 
 
-@dataclass
-class Prompt:
-    ids: list[int]  # everything the engine reads
-    new_ids: list[int]  # the part this turn adds after its parent's tokens
-    parent: int
-    new_messages: list[dict[str, Any]]
+class LeaseLost(Exception):
+    """Another replica took this request over (this one could not renew its lease in time).
+    This replica stops, its worker call is closed, and the request's state is left to the owner."""
 
 
 class _FinishedElsewhere(Exception):
     def __init__(self, done: bytes):
         self.done = done
+
+
+class _Lease:
+    def __init__(self) -> None:
+        self.lost = False
 
 
 class TurnHandler:
@@ -69,175 +71,130 @@ class TurnHandler:
 
     async def handle(self, req: ChatRequest, emit: Emit) -> ChatDone:
         rid = req.request_id
-        sid = req.session_id or await self.store.create_session(anonymous=True)
-        try:
-            look = await self.store.lookup(rid, sid)
-        except SessionNotFound:
-            raise TurnError(404, "session_not_found", f"session {sid} does not exist") from None
+        look = await self._lookup(req)
         # 0. a retry of a request that already finished gets the same answer
         if look.done is not None:
             return decode(look.done, ChatDone)
-        keepalive = asyncio.create_task(self._keepalive(rid, emit))
+        lease = _Lease()
+        keepalive = asyncio.create_task(self._keepalive(rid, emit, asyncio.current_task(), lease))
         try:
-            return await self._handle(req, emit, sid, look)
+            return await self._handle(req, emit, look, lease)
         except _FinishedElsewhere as e:  # a re-sent request whose first copy finished meanwhile
             return decode(e.done, ChatDone)
+        except asyncio.CancelledError:
+            if lease.lost and asyncio.current_task().uncancel() == 0:  # our keepalive, not the agent
+                raise LeaseLost(f"request {rid}: another replica holds its lease") from None
+            raise
         finally:
             keepalive.cancel()
 
-    async def _keepalive(self, rid: str, emit: Emit) -> None:
+    async def _lookup(self, req: ChatRequest) -> Lookup:
+        """The request's state in one round trip; a request without a session that is not a
+        resume gets a new anonymous one (a resume continues in the session it began in)."""
+        try:
+            look = await self.store.lookup(req.request_id, req.session_id)
+            if look.done is None and look.state is None and not req.session_id:
+                look = await self.store.lookup(req.request_id, await self.store.create_session(anonymous=True))
+        except SessionNotFound as e:
+            raise TurnError(404, "session_not_found", f"session {e.args[0]} does not exist") from None
+        return look
+
+    async def _keepalive(self, rid: str, emit: Emit, work: asyncio.Task, lease: _Lease) -> None:
+        """Tell the gateway this replica is alive, and hold the request's lease. Once the lease
+        is lost (another replica holds it, or renewals failed until it lapsed), stop the turn."""
+        renewed = time.monotonic()
         while True:
             await asyncio.sleep(KEEPALIVE_INTERVAL)
             await emit(ChatDelta(rid, "", 0))
             try:
-                await self.store.renew_lease(rid, self.owner, LEASE_MS)
-            except Exception:  # Redis hiccup: the next write reports it
-                pass
+                held = await self.store.renew_lease(rid, self.owner, LEASE_MS)
+            except Exception as e:  # a Redis hiccup: fine while the lease has not lapsed
+                held = time.monotonic() - renewed < LEASE_MS / 1000
+                log.warning("request %s: lease renewal failed (%s)%s", rid, e, "" if held else "; lease lapsed")
+            if not held:
+                log.warning("request %s: lease lost to another replica; stopping here", rid)
+                lease.lost = True
+                work.cancel()
+                return
+            renewed = time.monotonic()
 
-    async def _handle(self, req: ChatRequest, emit: Emit, sid: str, look: Lookup) -> ChatDone:
+    async def _handle(self, req: ChatRequest, emit: Emit, look: Lookup, lease: _Lease) -> ChatDone:
         rid = req.request_id
         # 1. resume a request a dead replica was serving, or start a new one
+        max_len = self.table.max_model_len(time.time(), self.cfg.max_model_len)
+        prompt, partial, turn_id, sticky = await self._begin(req, look, max_len)
+
+        # 2. generate; each delta is persisted, then shown (turnstream.py)
+        stream = TurnStream(self.renderer, req, time.monotonic())
+
+        async def show(piece: tuple[str, int] | None) -> None:
+            if piece is not None:
+                await emit(ChatDelta(rid, *piece))
+
+        async def on_tokens(delta: TokenDelta, worker: str, first: bool) -> int | None:
+            keep = stream.add(delta, worker, first)
+            if records := stream.to_persist(first):
+                await self.store.append_deltas(rid, records)
+            await show(stream.progress(time.monotonic()))
+            return keep
+
+        if partial is not None:
+            stream.replay(partial.token_ids)  # a dead replica may have persisted the stop string already
+            await show(stream.progress(time.monotonic()))
+        budget = min(req.sampling.max_tokens, max_len - len(prompt.ids))
+        try:
+            if partial is not None and stream.stopped:  # it had already stopped
+                gen = partial
+                gen.finish_reason = "stop"
+            else:
+                gen = await generate(self.call, lambda exclude: self._pick(sticky, exclude), rid,
+                                     look.session_id, prompt.ids, replace(req.sampling, max_tokens=budget), on_tokens,
+                                     self.cfg.max_redispatch, resume=partial)
+        except GenerationFailed as e:
+            await self.store.drop_request(rid, self.owner)
+            raise TurnError(e.status, "generation_failed", str(e)) from None
+        except asyncio.CancelledError:
+            if not lease.lost:  # else the request is another replica's now: leave its state alone
+                await asyncio.shield(self.store.drop_request(rid, self.owner))
+            raise
+
+        # 3. the turn and the reply (record.py), saved in one transaction, then the rest of the text
+        sid = look.session_id
+        turn, done = record(req, sid, turn_id, prompt, gen, stream.final_text(), self.renderer.token_texts,
+                            time.time())
+        await show(stream.rest(done.text))
+        await self.store.save_turn(sid, turn, last_worker(gen, sticky or ""), result=encode(done))
+        return done
+
+    async def _begin(self, req: ChatRequest, look: Lookup,
+                     max_len: int) -> tuple[Prompt, Generated | None, int, str | None]:
+        """(prompt, partial generation of a resumed request, turn id, sticky worker)."""
+        rid = req.request_id
         if look.state is not None:
             prompt, partial, turn_id = await self._resume(rid)
-            sticky = None
-        else:
-            assert look.meta is not None
-            if look.meta["status"] == "finished":
-                raise TurnError(409, "session_finished", f"session {sid} is finished; start a new one")
-            sticky = look.meta.get("worker")
-            prompt = await self._prompt(sid, req)
-            partial, turn_id = None, look.turn_id
-        max_len = self.table.max_model_len(time.time(), self.cfg.max_model_len)
+            return prompt, partial, turn_id, None
+        assert look.meta is not None
+        if look.meta["status"] == "finished":
+            raise TurnError(409, "session_finished", f"session {look.session_id} is finished; start a new one")
+        prompt = await self._prompt(look.session_id, req)
         if len(prompt.ids) >= max_len:
             raise TurnError(400, "context_length_exceeded",
                             f"the prompt is {len(prompt.ids)} tokens; this model's context window is "
                             f"{max_len} tokens")
-        if partial is None:
-            state = InFlight(sid, turn_id, prompt.ids, prompt.new_ids, prompt.parent, prompt.new_messages)
-            if not await self.store.begin_request(rid, state, self.owner, LEASE_MS):
-                raise TurnError(409, "duplicate_request", f"request {rid} is already running")
+        state = InFlight(look.session_id, look.turn_id, prompt.ids, prompt.new_ids, prompt.parent,
+                         prompt.new_messages)
+        if not await self.store.begin_request(rid, state, self.owner, LEASE_MS):
+            raise TurnError(409, "duplicate_request", f"request {rid} is already running")
+        return prompt, None, look.turn_id, look.meta.get("worker")
 
-        # 2. generate; each token is persisted, then streamed
-        text = IncrementalText(self.renderer)
-        stops = StopMatcher(text, req.stop)
-        parse_tools = req.kind == "chat" and bool(req.tools)
-        sent = 0
-        last_emit = time.monotonic()
-
-        async def stream_text() -> None:
-            nonlocal sent, last_emit
-            if not req.stream:
-                return
-            if not req.agent_streams and time.monotonic() - last_emit < PROGRESS_INTERVAL:
-                return  # nobody reads a plain request's text before the end: progress now and then
-            last_emit = time.monotonic()
-            visible = stops.visible(text.text)
-            visible = toolcalls.visible_prefix(visible) if parse_tools else visible
-            if len(visible) > sent:
-                await emit(ChatDelta(rid, visible[sent:], sent))
-                sent = len(visible)
-
-        if partial is not None:
-            stops.add(partial.token_ids)  # a dead replica may have persisted the stop string already
-            await stream_text()
-
-        # A stream persists each delta before the agent sees it. A plain request shows nothing
-        # until the end, so it persists in chunks: a resume regenerates at most one chunk.
-        pending: list[DeltaRecord] = []
-
-        async def on_tokens(delta: TokenDelta, worker: str, first: bool) -> int | None:
-            keep = stops.add(delta.token_ids)  # a stop string ends the turn: drop what follows it
-            kept = delta if keep is None else head(delta, keep)
-            pending.append(DeltaRecord(worker, first, kept.version, kept.token_ids, kept.logprobs))
-            if req.agent_streams or first or sum(len(r.token_ids) for r in pending) >= PERSIST_CHUNK:
-                await self.store.append_deltas(rid, pending)
-                pending.clear()
-            await stream_text()
-            return keep
-
-        last_worker = sticky or ""
-
-        async def pick(exclude: frozenset[str]) -> str:
-            nonlocal last_worker
-            deadline = time.monotonic() + self.cfg.worker_wait
-            # after a preemption, wait a little for another worker before going back to the same
-            # one, if there is another one at all
-            prefer = exclude and self.table.others(time.time(), exclude)
-            prefer_until = time.monotonic() + (PREFER_OTHER_WORKER_S if prefer else 0.0)
-            while True:
-                now = time.time()
-                w = self.table.choose(now, sticky, exclude)
-                if w is None and time.monotonic() >= prefer_until:
-                    w = self.table.choose(now, sticky)
-                if w:
-                    last_worker = w
-                    return w
-                if time.monotonic() > deadline:
-                    raise GenerationFailed(f"no rollout worker is serving (waited {self.cfg.worker_wait:.0f}s)", 503)
-                await asyncio.sleep(0.05)
-
-        budget = min(req.sampling.max_tokens, max_len - len(prompt.ids))
-        try:
-            if partial is not None and stops.at is not None:  # it had already stopped
-                gen = partial
-                gen.finish_reason = "stop"
-            else:
-                gen = await generate(self.call, pick, rid, sid, prompt.ids,
-                                     replace(req.sampling, max_tokens=budget), on_tokens,
-                                     self.cfg.max_redispatch, resume=partial)
-        except GenerationFailed as e:
-            await self.store.drop_request(rid)
-            raise TurnError(e.status, "generation_failed", str(e)) from None
-        except asyncio.CancelledError:
-            await asyncio.shield(self.store.drop_request(rid))
-            raise
-
-        # 3. the reply the agent sees, and the turn that records it
-        full = text.final()
-        if stops.at is not None:
-            full = full[: stops.at]
-        content, calls = toolcalls.parse(full, rid) if parse_tools else (full, [])
-        if req.stream and len(content) > sent:
-            await emit(ChatDelta(rid, content[sent:], sent))
-        reply: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            reply["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for c in calls
-            ]
-        turn = Turn(
-            turn_id=turn_id,
-            parent=prompt.parent,
-            prefix_ids=prompt.new_ids,
-            segments=gen.segments,
-            finish_reason=gen.finish_reason,
-            request_id=rid,
-            created=time.time(),
-            key=conversation_key(req.tools, req.messages + [reply]) if req.kind == "chat" else "",
-            messages=prompt.new_messages,
-            reply=reply if req.kind == "chat" else {"role": "assistant", "content": full},
-        )
-        versions: list[int] = []
-        for s in gen.segments:
-            if not versions or versions[-1] != s.version:
-                versions.append(s.version)
-        logprobs: list[TokenLogprob] = []
-        if req.logprobs:
-            lps = [lp for seg in gen.segments for lp in seg.logprobs]
-            logprobs = [TokenLogprob(t, lps[k]) for k, t in self.renderer.token_texts(gen.token_ids)]
-        done = ChatDone(
-            request_id=rid,
-            text=content,
-            finish_reason="tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason,
-            usage=Usage(prompt_tokens=len(prompt.ids), completion_tokens=len(gen.token_ids)),
-            turn_id=turn.turn_id,
-            tool_calls=calls,
-            versions=versions,
-            session_id=sid,
-            logprobs=logprobs,
-        )
-        await self.store.save_turn(sid, turn, last_worker, result=encode(done))
-        return done
+    async def _pick(self, sticky: str | None, exclude: frozenset[str]) -> str:
+        """A serving worker (routing.Picker), waiting up to `worker_wait` for one."""
+        picker = Picker.start(self.table, time.time(), sticky, exclude, self.cfg.worker_wait)
+        while (worker := picker.choose(time.time())) is None:
+            if picker.expired(time.time()):
+                raise GenerationFailed(f"no rollout worker is serving (waited {self.cfg.worker_wait:.0f}s)", 503)
+            await asyncio.sleep(PICK_POLL)
+        return worker
 
     async def _resume(self, rid: str) -> tuple[Prompt, Generated, int]:
         """Take over a request another replica started. If that replica is alive (the gateway

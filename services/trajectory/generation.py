@@ -59,21 +59,6 @@ def head(delta: TokenDelta, n: int) -> TokenDelta:
     return TokenDelta(delta.request_id, delta.token_ids[:n], delta.logprobs[:n], delta.version)
 
 
-def coalesce_deltas(replies: list[RolloutReply]) -> list[RolloutReply]:
-    """Merge consecutive TokenDeltas of one version into one: a turn that fell behind its
-    worker persists and streams what has arrived in one step instead of one per token."""
-    out: list[RolloutReply] = []
-    for r in replies:
-        prev = out[-1] if out else None
-        if (isinstance(r, TokenDelta) and isinstance(prev, TokenDelta) and prev.version == r.version
-                and prev.request_id == r.request_id):
-            out[-1] = TokenDelta(prev.request_id, prev.token_ids + r.token_ids, prev.logprobs + r.logprobs,
-                                 prev.version)
-        else:
-            out.append(r)
-    return out
-
-
 async def generate(
     call: Call,
     pick: Pick,
@@ -131,7 +116,8 @@ async def generate(
             out.finish_reason = done.finish_reason
             return out
         if done.finish_reason == "error":
-            status = 400 if "longer than" in done.error or "max_model_len" in done.error else 500
+            # the worker says whose fault it was (GenerateDone.code), never its message's words
+            status = 400 if done.code in ("context_length", "bad_request") else 500
             raise GenerationFailed(f"rollout worker {worker}: {done.error}", status)
         preempted_on.add(worker)
         if out.dispatches > max_redispatch:

@@ -5,6 +5,7 @@ Subscriptions (queue group "trajectory" where replicas share work):
     sf.session.*     -> session create/get/reward/finish
     sf.chat.cancel   -> cancel the named request if this replica runs it (every replica)
     sf.rollout.status-> the worker table used for routing (every replica)
+    sf.weights.published -> the policy version (shared/weightfollow.py: pushed, and polled)
 """
 
 from __future__ import annotations
@@ -19,17 +20,19 @@ import msgspec
 import redis.exceptions
 from nats.aio.msg import Msg
 
-from services.trajectory.admission import Admission
-from services.trajectory.chat import TurnError, TurnHandler
+from services.trajectory.chat import LeaseLost, TurnError, TurnHandler
 from services.trajectory.config import TrajectoryConfig
-from services.trajectory.generation import coalesce_deltas
 from services.trajectory.rendering import Renderer
 from services.trajectory.routing import WorkerTable
 from services.trajectory.sessions import SessionOps
 from services.trajectory.store import Store
-from shared import bus, subjects, weightstore
+from shared import bus, subjects
+from shared.admission import Admission, Backlog, BacklogUnknown
 from shared.codec import decode, encode
 from shared.config import Connections
+from shared.deltas import merge_deltas
+from shared.logonce import OncePerCause
+from shared.weightfollow import WeightFollower
 from shared.messages import (
     ChatCancel,
     ChatFailed,
@@ -40,10 +43,13 @@ from shared.messages import (
     RolloutReply,
     SessionReply,
     SessionRequest,
+    WeightsPublished,
     WorkerStatus,
 )
 
 log = logging.getLogger("sf.trajectory")
+_warn = OncePerCause(log)
+WEIGHTS_POLL = 1.0  # seconds between reads of the newest version besides the push
 
 
 class TrajectoryService:
@@ -65,10 +71,10 @@ class TrajectoryService:
             self.js = js
             self.turns = TurnHandler(self.cfg, self.store, renderer, self.table, self._call)
             self.sessions = SessionOps(
-                self.store, js, Admission(self.cfg.max_staleness, self.cfg.batch_samples),
-                self.cfg.open_session_timeout, lambda: self.policy_version, self._untrained,
+                self.store, js, Admission(self.cfg.max_staleness),
+                self.cfg.open_session_timeout, lambda: self.policy_version, self._backlog,
             )
-            watcher = asyncio.create_task(self._watch_weights())
+            watcher = asyncio.create_task(WeightFollower(self.nc, self._on_weights, WEIGHTS_POLL).run())
             stack.callback(watcher.cancel)
 
             await self.nc.subscribe(subjects.ROLLOUT_STATUS, cb=self._on_status)
@@ -85,35 +91,38 @@ class TrajectoryService:
 
     # -- policy version and trainer backlog ------------------------------------------------------
 
-    async def _watch_weights(self) -> None:
-        while True:
-            try:
-                cur = await weightstore.current(self.js)
-                if cur is not None and cur.version != self.policy_version:
-                    self.policy_version = cur.version
-                    log.info("policy version %d", cur.version)
-            except Exception as e:  # NATS reconnecting: keep the last known version
-                log.debug("weights watch: %s", e)
-            await asyncio.sleep(1.0)
+    async def _on_weights(self, newest: WeightsPublished) -> None:
+        if newest.version != self.policy_version:
+            self.policy_version = newest.version
+            log.info("policy version %d", newest.version)
 
-    async def _untrained(self) -> int:
-        """Completed samples not yet delivered to the trainer (0 if no trainer consumer exists).
+    async def _backlog(self) -> Backlog:
+        """Completed sessions not yet delivered to the trainer, and how many it trains per version
+        (its consumer's metadata). Raises BacklogUnknown if either cannot be read.
 
         Delivered-but-unacked ones do not count: the trainer holds trained messages unacked
         until a checkpoint covers them, and counting those would close admission for good."""
+        consumer = f"consumer {self.cfg.trainer_consumer!r} on {subjects.TRAJECTORIES_STREAM}"
         try:
-            info = await self.js.consumer_info("TRAJECTORIES", self.cfg.trainer_consumer, timeout=2)
-        except Exception:
-            return 0
-        return int(info.num_pending or 0)
+            info = await self.js.consumer_info(subjects.TRAJECTORIES_STREAM, self.cfg.trainer_consumer, timeout=2)
+        except Exception as e:  # no trainer consumer yet, NATS down, a timeout: the backlog is unknown
+            why = f"{consumer}: {type(e).__name__}: {e}"
+            _warn(f"backlog:{type(e).__name__}", "admission refuses sessions: %s", why)
+            raise BacklogUnknown(why) from None
+        per_version = subjects.sessions_per_version(info.config)
+        if per_version is None:
+            why = f"{consumer} does not say how many sessions it trains per version ({subjects.SESSIONS_PER_VERSION})"
+            _warn("backlog:no-batch-size", "admission refuses sessions: %s", why)
+            raise BacklogUnknown(why)
+        return Backlog(int(info.num_pending or 0), per_version)
 
     # -- rollout workers -------------------------------------------------------------------------
 
     async def _on_status(self, msg: Msg) -> None:
         try:
             self.table.update(decode(msg.data, WorkerStatus))
-        except msgspec.ValidationError as e:
-            log.warning("bad worker status: %s", e)
+        except msgspec.DecodeError as e:
+            _warn("bad_worker_status", "bad worker status on %s ignored: %s", msg.subject, e)
 
     async def _call(self, worker: str, cmd: Generate) -> AsyncIterator[RolloutReply]:
         """Stream one Generate to `worker`. A worker that vanishes counts as a preemption."""
@@ -123,10 +132,11 @@ class TrajectoryService:
             async with bus.stream_request(
                 self.nc, subjects.rollout_gen(worker), encode(cmd),
                 self.cfg.first_token_timeout, self.cfg.token_timeout,
+                alive=lambda: self.table.is_alive(worker, time.time()),  # a dead worker: by heartbeat age
             ) as replies:
                 async for data in replies:
                     # a turn that fell behind its worker takes what has arrived in one go
-                    for reply in coalesce_deltas([decode(d, RolloutReply) for d in (data, *replies.ready())]):
+                    for reply in merge_deltas([decode(d, RolloutReply) for d in (data, *replies.ready())]):
                         if isinstance(reply, GenerateDone):
                             finished = True
                         yield reply
@@ -138,12 +148,13 @@ class TrajectoryService:
             yield GenerateDone(cmd.request_id, "preempted", len(cmd.prompt_ids), -1, worker)
         finally:
             self.table.inflight[worker] -= 1
-            if not finished:  # cancelled by the agent: free the worker's slot now
+            if not finished:  # cancelled (the agent left, a stop string, a lost lease): free the worker's slot now
                 ctl = encode(RolloutControl(op="abort", request_id=cmd.request_id))
                 try:
                     await self.nc.publish(subjects.rollout_ctl(worker), ctl)
-                except Exception:
-                    pass
+                except Exception as e:  # the worker keeps generating until max_tokens: worth knowing
+                    _warn(f"abort:{type(e).__name__}", "abort of %s on worker %s failed: %s", cmd.request_id,
+                          worker, e)
 
     # -- chat turns ------------------------------------------------------------------------------
 
@@ -169,6 +180,8 @@ class TrajectoryService:
                      done.usage.prompt_tokens, done.usage.completion_tokens, time.monotonic() - started)
         except TurnError as e:
             await emit(ChatFailed(req.request_id, e.status, e.code, e.message))
+        except LeaseLost as e:  # the gateway re-sent it; the replica that holds the lease answers
+            log.warning("turn %s stopped: %s", req.request_id, e)
         except redis.exceptions.RedisError as e:
             log.warning("redis error on %s: %s", req.request_id, e)
             await emit(ChatFailed(req.request_id, 503, "redis_unavailable", f"Redis is unreachable: {e}"))

@@ -10,9 +10,9 @@ import msgspec
 from nats.js import JetStreamContext
 
 from services.trajectory import turns as turn_tree
-from services.trajectory.admission import Admission, staleness
 from services.trajectory.store import SessionFinished, SessionNotFound, Store
 from shared import bus, subjects
+from shared.admission import Admission, Backlog, BacklogUnknown, staleness
 from shared.messages import SessionReply, SessionRequest, TrajectoryCompleted
 
 
@@ -24,12 +24,12 @@ class SessionOps:
         admission: Admission,
         open_window: float,
         policy_version: Callable[[], int],
-        untrained: Callable[[], Awaitable[int]],
+        backlog: Callable[[], Awaitable[Backlog]],
     ):
         self.store, self.js, self.admission = store, js, admission
         self.open_window = open_window
         self.policy_version = policy_version
-        self.untrained = untrained
+        self.backlog = backlog
 
     async def handle(self, req: SessionRequest) -> SessionReply:
         try:
@@ -52,9 +52,12 @@ class SessionOps:
         return SessionReply(400, message=f"unknown op {req.op}")
 
     async def create(self, req: SessionRequest) -> SessionReply:
-        if self.admission.capacity is not None:
+        if self.admission.enabled:
+            try:
+                backlog = await self.backlog()
+            except BacklogUnknown as e:
+                return SessionReply(503, message=f"admission control cannot read the trainer's backlog: {e}")
             open_now = await self.store.count_open(time.time() - self.open_window)
-            backlog = await self.untrained()
             if not self.admission.admit(open_now, backlog):
                 return SessionReply(429, message=self.admission.refusal(open_now, backlog))
         sid = await self.store.create_session(req.group_id, req.metadata)

@@ -6,7 +6,6 @@ Keys (all expire `session_ttl` seconds after the session's last write):
     sf:s:{sid}:turns    hash  turn_id -> msgpack Turn
     sf:s:{sid}:idx      hash  conversation key -> turn_id
     sf:s:{sid}:seq      int   last turn id handed out
-    sf:completed        list  finished session ids, oldest first
     sf:open             zset  open (agent-created) session ids by creation time: admission control
     sf:req:{rid}        string msgpack InFlight: a running request's prompt (partial-rollout state)
     sf:req:{rid}:deltas list  msgpack [worker, starts_dispatch, version, token_ids, logprobs], in order
@@ -31,7 +30,6 @@ import redis.asyncio as aioredis
 
 from services.trajectory.turns import Turn
 
-COMPLETED = "sf:completed"
 OPEN = "sf:open"
 
 _turn_enc = msgspec.msgpack.Encoder()
@@ -71,9 +69,9 @@ class SessionFinished(RuntimeError):
 class Lookup(msgspec.Struct):
     done: bytes | None
     state: InFlight | None
-    deltas: list[DeltaRecord]
     meta: dict[str, Any] | None
     turn_id: int
+    session_id: str  # the request's session: where a running request began, else the one asked for
 
 
 def _meta(sid: str, raw: dict[bytes, bytes]) -> dict[str, Any]:
@@ -88,6 +86,13 @@ def _meta(sid: str, raw: dict[bytes, bytes]) -> dict[str, Any]:
 def _k(sid: str, part: str = "") -> str:
     return f"sf:s:{sid}" + (f":{part}" if part else "")
 
+
+_DROP_IF_OWNER = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+return 1
+"""
 
 # renew a lease only for its holder: a replica waiting to resume must not keep a dead one's alive
 _RENEW_IF_OWNER = """
@@ -144,19 +149,18 @@ class Store:
         async with self.r.pipeline(transaction=False) as p:
             p.get(f"sf:done:{rid}")
             p.get(f"sf:req:{rid}")
-            p.lrange(f"sf:req:{rid}:deltas", 0, -1)
             if sid:
                 p.hgetall(_k(sid))
                 p.incr(_k(sid, "seq"))
             out = await p.execute()
-        done, state, deltas = out[:3]
-        meta = _meta(sid, out[3]) if sid else None
+        done, raw_state = out[:2]
+        state = _inflight_dec.decode(raw_state) if raw_state is not None else None
         return Lookup(
             done=done,
-            state=_inflight_dec.decode(state) if state is not None else None,
-            deltas=[_delta_dec.decode(d) for d in deltas],
-            meta=meta,
-            turn_id=int(out[4]) - 1 if sid else -1,
+            state=state,
+            meta=_meta(sid, out[2]) if sid else None,
+            turn_id=int(out[3]) - 1 if sid else -1,
+            session_id=state.session_id if state is not None else sid,
         )
 
     async def session(self, sid: str) -> dict[str, Any]:
@@ -215,8 +219,11 @@ class Store:
             p.expire(f"sf:req:{rid}:deltas", REQUEST_TTL)
             await p.execute()
 
-    async def drop_request(self, rid: str) -> None:
-        await self.r.delete(f"sf:req:{rid}", f"sf:req:{rid}:deltas", f"sf:req:{rid}:owner")
+    async def drop_request(self, rid: str, owner: str) -> bool:
+        """Forget a running request, if `owner` still holds its lease (or nobody does): a replica
+        that lost the lease must not delete the state its new owner continues from."""
+        keys = (f"sf:req:{rid}:owner", f"sf:req:{rid}", f"sf:req:{rid}:deltas")
+        return bool(await self.r.eval(_DROP_IF_OWNER, len(keys), *keys, owner))
 
     # -- turns -------------------------------------------------------------------------------------
 
@@ -251,8 +258,5 @@ class Store:
             prev, _ = await p.execute()
         if prev == b"finished":
             return False
-        async with self.r.pipeline(transaction=True) as p:
-            p.rpush(COMPLETED, sid)
-            p.zrem(OPEN, sid)
-            await p.execute()
+        await self.r.zrem(OPEN, sid)
         return True

@@ -23,11 +23,14 @@ class ChatRequest(msgspec.Struct, tag=True, omit_defaults=True):
     messages: list[dict[str, Any]] = []
     tools: list[dict[str, Any]] = []
     prompt: str = ""  # kind == "completion"
+    # Retired: nobody reads it (the trajectory manager always streams to the gateway, for liveness;
+    # `agent_streams` says whether the agent does). Kept, with its default, for older senders.
     stream: bool = False
     stop: list[str] = []  # OpenAI stop strings, matched on the decoded text by the trajectory manager
     logprobs: bool = False  # return each generated token's behaviour logprob in ChatDone
-    # Does the agent see deltas as they come? (`stream` is always on between the gateway and
-    # the trajectory manager, for liveness.) If not, deltas are persisted in chunks, not each.
+    # Does the agent see deltas as they come (OpenAI's `stream`)? Deltas always flow to the gateway
+    # (they double as liveness); if the agent does not stream, they are persisted in chunks and sent
+    # as progress only now and then.
     agent_streams: bool = True
 
 

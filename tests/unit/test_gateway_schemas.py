@@ -104,7 +104,7 @@ def test_chat_request_fields():
         stream=True, user="agent-1", metadata={"k": "v"}, parallel_tool_calls=False,
     )
     out = translate.chat_request(req, "rid", "sess", CFG)
-    assert (out.request_id, out.session_id, out.kind, out.model, out.stream) == ("rid", "sess", "chat", "m", True)
+    assert (out.request_id, out.session_id, out.kind, out.model, out.agent_streams) == ("rid", "sess", "chat", "m", True)
     assert out.messages == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "a\nb", "name": "u"},
@@ -156,7 +156,8 @@ def test_unsupported_values_are_400(fields, param, needle):
 
 
 def test_empty_stop_and_false_logprobs_are_fine():
-    translate.chat_request(chat(stop=[], logprobs=False, top_logprobs=0, n=1), "r", "", CFG)
+    out = translate.chat_request(chat(stop=[], logprobs=False, top_logprobs=0, n=1), "r", "", CFG)
+    assert (out.stop, out.logprobs, out.sampling) == ([], False, Sampling(max_tokens=100))
 
 
 def test_stop_strings_become_a_list():

@@ -18,7 +18,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from services.rollout import engine as engine_mod
-from services.rollout.checkpoint import CheckpointError
+from shared.checkpoint import CheckpointError
 from services.rollout.config import RolloutConfig
 from services.rollout.engine import Engine, EngineDead, EngineError
 from shared.messages.rollout import Sampling

@@ -1,4 +1,4 @@
-"""services/rollout/checkpoint.py: weight dirs are judged from their headers, before vLLM sees them."""
+"""shared/checkpoint.py (and services/rollout/sampling.py: eos_token_ids): weight dirs are judged from their headers, before vLLM sees them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from services.rollout.checkpoint import CheckpointError, check_checkpoint, eos_token_ids, tensor_specs
+from services.rollout.sampling import eos_token_ids
+from shared.checkpoint import CheckpointError, check_checkpoint, tensor_specs
 
 
 def write_ckpt(d: Path, tensors: dict[str, np.ndarray] | None = None, config: dict | None = None) -> Path:

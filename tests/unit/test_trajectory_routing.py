@@ -1,0 +1,57 @@
+"""services/trajectory/routing.py: the worker table and the picker (pure; time is passed in)."""
+
+from __future__ import annotations
+
+from services.trajectory.routing import PREFER_OTHER_WORKER_S, Picker, WorkerTable
+from shared.messages import WorkerStatus
+
+
+def _status(wid, running=0, state="serving", ts=100.0, cap=4):
+    return WorkerStatus(wid, state, 0, running, cap, "m", 2048, ts)
+
+
+def test_routing_sticky_then_least_loaded():
+    t = WorkerTable(stale_after=5)
+    t.update(_status("a", running=1))
+    t.update(_status("b", running=0))
+    assert t.choose(101, sticky="a") == "a"
+    assert t.choose(101) == "b"
+    t.update(_status("a", running=4))  # full: sticky yields
+    assert t.choose(101, sticky="a") == "b"
+    t.update(_status("b", state="vacated"))
+    assert t.choose(101) == "a"
+    assert t.choose(200) is None  # heartbeats stale
+    assert t.choose(101, exclude=frozenset({"a"})) is None
+    # another live worker exists (vacated b), so a re-dispatch may wait for it; none beyond a and b
+    assert t.others(101, frozenset({"a"})) and not t.others(101, frozenset({"a", "b"}))
+    assert not t.others(200, frozenset({"a"}))  # b's heartbeat is stale
+
+
+def test_picker_prefers_sticky_then_waits_for_another_worker_after_a_preemption():
+    t = WorkerTable(stale_after=5)
+    t.update(_status("a", ts=100.0))
+    t.update(_status("b", ts=100.0, state="vacated"))  # alive, not serving yet
+    assert Picker.start(t, 100.0, "a", frozenset(), worker_wait=30).choose(100.0) == "a"
+    # a preempted us; b is alive, so wait for it a while before going back to a
+    p = Picker.start(t, 100.0, None, frozenset({"a"}), worker_wait=30)
+    assert p.choose(100.0) is None and not p.expired(100.0)
+    assert p.choose(100.0 + PREFER_OTHER_WORKER_S) == "a"
+    t.update(_status("b", ts=100.5))  # b serves now
+    assert p.choose(100.6) == "b"
+
+
+def test_picker_goes_straight_back_when_no_other_worker_is_alive_and_gives_up_after_worker_wait():
+    t = WorkerTable(stale_after=5)
+    t.update(_status("a", ts=100.0))
+    assert Picker.start(t, 100.0, None, frozenset({"a"}), worker_wait=30).choose(100.0) == "a"
+    t.update(_status("a", ts=100.0, state="vacated"))
+    p = Picker.start(t, 100.0, None, frozenset(), worker_wait=3)
+    assert p.choose(101.0) is None and not p.expired(103.0) and p.expired(103.1)
+
+
+def test_inflight_requests_count_towards_load():
+    t = WorkerTable(stale_after=5)
+    t.update(_status("a", running=0, cap=2))
+    t.update(_status("b", running=1, cap=2))
+    t.inflight["a"] += 2  # this replica sent two since a's heartbeat
+    assert t.choose(100.5) == "b" and t.max_model_len(100.5, 99) == 2048 and t.max_model_len(300, 99) == 99

@@ -1,0 +1,28 @@
+"""services/trajectory/stopstrings.py: OpenAI stop strings over a token stream."""
+
+from __future__ import annotations
+
+
+
+def test_stop_strings_find_holdback_and_matcher():
+    from services.trajectory.stopstrings import StopMatcher, find_stop, holdback
+
+    assert find_stop("abc END x", ["END"]) == 4 and find_stop("abc", ["END"]) is None
+    assert find_stop("xEND yEN", ["EN", "END"]) == 1  # the earliest start wins
+    assert find_stop("abcEND", ["END"], start=4) == 3  # a match straddling what was checked before
+    assert holdback("hello EN", ["END"]) == 2 and holdback("hello", ["END"]) == 0
+    assert holdback("a\n\nObs", ["\nObservation:"]) == 4 and holdback("", ["x"]) == 0
+
+    class Text:  # one character per token id
+        def __init__(self):
+            self.text = ""
+
+        def add(self, ids):
+            self.text += "".join(chr(i) for i in ids)
+
+    m = StopMatcher(Text(), ["END"])
+    assert m.add([ord(c) for c in "abcE"]) is None and m.visible(m.text.text) == "abc"
+    assert m.add([ord(c) for c in "NDxyz"]) == 2  # "N", "D" kept; "xyz" dropped
+    assert m.text.text == "abcEND" and m.at == 3 and m.visible(m.text.text) == "abc"
+    plain = StopMatcher(Text(), [])
+    assert plain.add([ord("E")]) is None and plain.visible(plain.text.text) == "E"
