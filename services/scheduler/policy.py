@@ -34,7 +34,8 @@ to apply one.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from operator import attrgetter
 from typing import Literal
 
 from shared.messages.scheduler import Activity, HostMode, PolicyName, TrainerState
@@ -109,7 +110,7 @@ class Decision:
 
 def train_pool(s: Snapshot) -> frozenset[str]:
     """The hosts the trainer's ranks run on: train-tagged, first `train_hosts` by id."""
-    ids = sorted(h.id for h in s.hosts if h.can_train)
+    ids = sorted([h.id for h in s.hosts if "train" in h.tags])  # can_train, inlined: 4,096-host snapshots
     return frozenset(ids[: s.train_hosts] if s.train_hosts > 0 else ids)
 
 
@@ -169,10 +170,17 @@ def decide(s: Snapshot) -> list[Decision]:
     lend = lend_verdict(s) if s.policy == "seamless" else (False, "")
     reclaim_at = s.now + max(0.0, predicted_wait(s.trainer, s.completion_rate) - s.costs.reclaim_s)
     out: list[Decision] = []
-    for h in sorted(s.hosts, key=lambda h: h.id):
-        if not h.healthy or h.switching:
+    # _wanted reads a host only through this key, so hosts that share it share the answer
+    # (the simulator decides for thousands of hosts; this keeps it to a few distinct calls)
+    wanted: dict[tuple, tuple[HostMode, str, bool]] = {}
+    for h in sorted(s.hosts, key=_BY_ID):
+        if not h.healthy or h.mode != h.target:  # h.switching, inlined
             continue
-        mode, reason, hold = _wanted(s, h, pool, lend)
+        key = (h.cordoned, h.id in pool, "train" in h.tags, "rollout" in h.tags, h.mode, h.target)
+        got = wanted.get(key)
+        if got is None:
+            got = wanted[key] = _wanted(s, h, pool, lend)
+        mode, reason, hold = got
         if mode == h.target:
             continue
         lent_until = 0.0
@@ -191,11 +199,19 @@ def gate_open(s: Snapshot) -> bool:
 def apply(s: Snapshot, decisions: list[Decision]) -> Snapshot:
     """The snapshot after `decisions` are issued (targets and epochs move; modes do not)."""
     by_host = {d.host: d for d in decisions}
-    hosts = tuple(
-        replace(h, target=by_host[h.id].mode, epoch=by_host[h.id].epoch) if h.id in by_host else h
-        for h in s.hosts
-    )
+    hosts = tuple(_retarget(h, by_host[h.id]) if h.id in by_host else h for h in s.hosts)
     return replace(s, hosts=hosts)
+
+
+_BY_ID = attrgetter("id")
+_HOST_FIELDS = tuple(f.name for f in fields(Host))
+
+
+def _retarget(h: Host, d: Decision) -> Host:
+    """replace(h, target=d.mode, epoch=d.epoch), several times faster (no field introspection)."""
+    if _HOST_FIELDS != ("id", "tags", "capacity", "mode", "target", "epoch", "healthy", "cordoned"):
+        return replace(h, target=d.mode, epoch=d.epoch)  # Host grew a field: stay correct
+    return Host(h.id, h.tags, h.capacity, h.mode, d.mode, d.epoch, h.healthy, h.cordoned)
 
 
 def activity(mode: HostMode, target: HostMode, trainer_state: str, running: int) -> Activity:

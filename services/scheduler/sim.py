@@ -1,0 +1,525 @@
+"""A SIMULATED cluster in virtual time, driven by the scheduler's real policy module.
+
+    from services.scheduler.sim import Cluster, simulate
+    r = simulate(Cluster.uniform(16, train_hosts=4), CALIBRATIONS["decode-heavy"],
+                 WORKLOADS["long-tail"], policy="seamless", steps=50)
+    print(r.trained_tokens_per_s, r.idle_fraction)
+
+No model runs here: hosts generate and train tokens at a calibrated speed
+(sim_workload.Calibration), for benchmarks and capacity planning only.
+
+What it owns: virtual time, the hosts' running sequences, the trainer's state machine and
+the bookkeeping (sim_result.Result). What it borrows, never copies:
+- placement: services/scheduler/policy.py `decide`, `apply`, `gate_open`, `lend_verdict`
+  and `activity` (host timelines) are called as the live scheduler calls them;
+- the staleness bound: shared/admission.py `Admission`, as the trajectory manager applies it
+  on every session it creates.
+
+Model, in order of one tick (steps numbered in `_tick`):
+- Time advances in ticks of at most `dt` (the scheduler's control tick); a tick also ends
+  at every control event (a switch finishing, the trainer finishing compute or publish).
+- A rolling host decodes every running sequence one token per step of
+  `a + b*k` seconds (k running, up to K), after paying its pending prefill and weight loads.
+  Within a tick k is constant; a slot freed mid-tick is refilled with the time it was free
+  credited, so a saturated host loses nothing to the tick.
+- Sessions: admitted by `Admission`, then queued, dispatched to free slots (a lent host
+  only takes a turn predicted to finish before its `lent_until`), decoded, then either a
+  tool call (slot freed for `tool_latency_s`) or done. A group is complete when all its
+  sessions are; the trainer takes `groups_per_step` complete groups per step.
+- A reclaimed host vacates: its sequences keep their tokens, re-queue, and pay a prefill of
+  their whole context where they land (counted as re-prefilled). Colocated holds instead.
+- `replicas` = w > 1 makes each simulated session stand for w identical ones (w x the
+  tokens, w x the slots it occupies), so 4,096 hosts x 1,000 steps fit in a minute; the
+  length tail is then drawn w times more coarsely. w = 1 is exact.
+- `host_group` = m > 1 makes each simulated host stand for m identical hosts, evenly loaded,
+  that the policy moves together (as it does identical hosts: same tags, same costs, same
+  trainer state). The policy then sees n/m hosts. m = 1 is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.scheduler import policy as P
+from services.scheduler.sim_result import Result, Totals
+from services.scheduler.sim_workload import Calibration, Workload
+from shared.admission import Admission, Backlog
+
+MODES = ("idle", "rollout", "train")  # array codes 0, 1, 2
+_MODE = {m: i for i, m in enumerate(MODES)}
+ACTS = ("train", "rollout", "switch", "idle")
+FREE, QUEUED, RUNNING, TOOL = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Hosts by id order: tags and capacity weights; `train_hosts` = the train pool size."""
+
+    tags: tuple[frozenset[str], ...]
+    capacity: tuple[float, ...]
+    train_hosts: int
+
+    @classmethod
+    def uniform(cls, n: int, train_hosts: int, pool_only_train: bool = False) -> Cluster:
+        """n hosts, all tagged {train, rollout} (a host outside the pool may still be lent
+        nothing: lending is of pool hosts); with pool_only_train, hosts past the pool are
+        {rollout} only."""
+        both, roll = frozenset({"train", "rollout", "gpu"}), frozenset({"rollout", "gpu"})
+        tags = tuple(both if (i < train_hosts or not pool_only_train) else roll for i in range(n))
+        return cls(tags, (1.0,) * n, train_hosts)
+
+    @property
+    def n(self) -> int:
+        return len(self.tags)
+
+
+@dataclass
+class Options:
+    steps: int = 50
+    seed: int = 0
+    dt: float = 0.25  # scheduler tick (s): control decisions and dispatch happen on ticks
+    lend_margin: float = 1.5
+    rate_tau_s: float = 20.0  # completion-rate EWMA time constant, as the scheduler measures it
+    replicas: int = 1
+    host_group: int = 1  # m > 1: each simulated host stands for m identical hosts that move together
+    timeline: bool = False  # record every host's activity intervals (for Gantt charts)
+    max_time_s: float = math.inf
+    progress: object = None  # callable(steps_done) or None
+
+
+def host_id(i: int) -> str:
+    return f"h{i:05d}"
+
+
+class Simulator:
+    def __init__(self, cluster: Cluster, cal: Calibration, wl: Workload, policy: str, opt: Options):
+        self.cl, self.cal, self.wl, self.policy, self.opt = cluster, cal, wl, policy, opt
+        w = opt.replicas
+        if wl.groups_per_step % w:
+            raise ValueError(f"replicas {w} must divide groups_per_step {wl.groups_per_step}")
+        self.w = w
+        self.rng = np.random.default_rng(opt.seed)
+        self.adm = Admission(wl.max_staleness)
+        self.B = wl.batch_samples  # real samples per version
+        m = self.m = opt.host_group
+        if cluster.n % m or cluster.train_hosts % m:
+            raise ValueError(f"host_group {m} must divide the hosts ({cluster.n}) and the pool ({cluster.train_hosts})")
+        for g in range(0, cluster.n, m):
+            if len({(cluster.tags[i], cluster.capacity[i]) for i in range(g, g + m)}) != 1:
+                raise ValueError(f"host_group {m}: hosts {g}..{g + m - 1} differ in tags or capacity")
+        cluster = Cluster(cluster.tags[::m], cluster.capacity[::m], cluster.train_hosts // m)
+        self.K = max(1, cal.max_seqs * m // w)  # slots per simulated host, in simulated sessions
+        self.train_hosts = 0 if policy == "colocated" else cluster.train_hosts
+        n = cluster.n
+        self.cap = np.asarray(cluster.capacity, dtype=float)
+        self.mode = np.zeros(n, np.int8)
+        self.target = np.zeros(n, np.int8)
+        self.switch_end = np.full(n, math.inf)
+        self.stall = np.zeros(n)  # seconds of prefill / weight load a host owes before decoding
+        self.hversion = np.zeros(n, np.int64)
+        self.lent_until = np.zeros(n)
+        self.hosts = [P.Host(host_id(i), cluster.tags[i], cluster.capacity[i]) for i in range(n)]
+        self.index = {h.id: i for i, h in enumerate(self.hosts)}
+        # sessions (fixed pool; admission bounds how many are open)
+        cap_real = self.adm.capacity(self.B) if self.adm.enabled else 4 * self.B
+        size = cap_real // w + wl.group_size + 8
+        self.s_state = np.zeros(size, np.int8)
+        self.s_host = np.full(size, -1, np.int64)
+        self.s_rem = np.zeros(size)
+        self.s_turn = np.zeros(size, np.int64)
+        self.s_group = np.zeros(size, np.int64)
+        self.s_ctx = np.zeros(size)  # context tokens: prompt + generated + tool output
+        self.s_gen = np.zeros(size)
+        self.s_pf = np.zeros(size)  # tokens to prefill at the next dispatch
+        self.s_ready = np.zeros(size)  # queued since / tool returns at
+        self.s_v0 = np.full(size, -1, np.int64)  # version of the oldest generated token
+        self.free_slots = list(range(size - 1, -1, -1))
+        # open groups, by slot: sessions left, tokens, generated, sum and min of first-token versions
+        self.g_left = np.zeros(size + 2, np.int64)
+        self.g_tokens = np.zeros(size + 2)
+        self.g_gen = np.zeros(size + 2)
+        self.g_v0sum = np.zeros(size + 2)
+        self.g_v0min = np.zeros(size + 2, np.int64)
+        self.g_free = list(range(size + 1, -1, -1))
+        self.cur_group, self.group_fill = -1, 0
+        # complete groups the trainer has not taken: (samples, tokens, generated, v0 sum, v0 min)
+        self.complete: deque[tuple[int, float, float, float, int]] = deque()
+        # trainer
+        self.t = 0.0
+        self.tstate = "waiting"
+        self.version = 0
+        self.step = 0
+        self.tr_end = math.inf  # end of compute or publish
+        self.batch: list = []
+        self.available = 0  # real samples in complete, untaken groups
+        self.untrained = 0  # real completed samples not trained yet (the admission backlog)
+        self.open = 0  # real open sessions
+        self.rate = 0.0
+        self.pred_len = wl.length_median  # predicted turn length (recent completions), for lent routing
+        self.dirty = True
+        self.last_verdict = None
+        self.tot = Totals(n)
+        self.act_prev = np.full(n, -1, np.int8)
+        self.act_since = np.zeros(n)
+        self.act_table: dict[str, np.ndarray] = {}
+
+    # -- the policy, called as the live scheduler calls it -----------------------------------
+
+    def snapshot(self) -> P.Snapshot:
+        needed = max(0, self.B - self.available) if self.tstate == "waiting" else 0
+        return P.Snapshot(self.policy, self.t, tuple(self.hosts), P.Trainer(self.tstate, needed),
+                          self.rate, P.Costs(self.cal.lend_s, self.cal.reclaim_s), self.opt.lend_margin,
+                          self.train_hosts)
+
+    def _decide(self) -> None:
+        s = self.snapshot()
+        ds = P.decide(s)
+        self.tot.decide_calls += 1
+        if not ds:
+            return
+        self.hosts = list(P.apply(s, ds).hosts)
+        vacate = []
+        for d in ds:
+            i = self.index[d.host]
+            old, new = self.mode[i], _MODE[d.mode]
+            self.target[i] = new
+            self.switch_end[i] = self.t + (self.cal.lend_s if new == 1 else self.cal.reclaim_s) / self.cap[i]
+            # lent_until steers routing only where a reclaim vacates (seamless); colocated holds
+            self.lent_until[i] = d.lent_until if self.policy == "seamless" else 0.0
+            if old == 1 and new != 1:
+                if not d.hold:
+                    vacate.append(i)
+                if new == 2:
+                    self.tot.reclaims += 1
+            elif new == 1 and i in self.pool:
+                self.tot.lends += 1
+        if vacate:
+            self._vacate(vacate)
+
+    def _verdict_changed(self) -> bool:
+        if self.policy != "seamless" or self.tstate != "waiting":
+            return False
+        v = P.lend_verdict(self.snapshot_light())[0]
+        changed, self.last_verdict = v != self.last_verdict, v
+        return changed
+
+    def snapshot_light(self) -> P.Snapshot:
+        """lend_verdict reads only the trainer, the rate and the costs: no host tuple needed."""
+        needed = max(0, self.B - self.available)
+        return P.Snapshot(self.policy, self.t, (), P.Trainer(self.tstate, needed), self.rate,
+                          P.Costs(self.cal.lend_s, self.cal.reclaim_s), self.opt.lend_margin, self.train_hosts)
+
+    def _settle_switches(self) -> None:
+        done = np.nonzero(self.switch_end <= self.t + 1e-12)[0]
+        if not len(done):
+            return
+        for i in done:
+            i = int(i)
+            self.mode[i] = self.target[i]
+            self.switch_end[i] = math.inf
+            self.hosts[i] = P.Host(self.hosts[i].id, self.hosts[i].tags, self.hosts[i].capacity,
+                                   MODES[self.mode[i]], MODES[self.target[i]], self.hosts[i].epoch)
+            if self.mode[i] == 1:
+                self.hversion[i] = self.version  # a lent host loaded the current version first
+        self.dirty = True
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    def _vacate(self, hosts: list[int]) -> None:
+        on = np.nonzero((self.s_state == RUNNING) & np.isin(self.s_host, hosts))[0]
+        if not len(on):
+            return
+        self.s_state[on] = QUEUED
+        self.s_host[on] = -1
+        self.s_ready[on] = self.t
+        self.s_pf[on] = self.s_ctx[on]  # the whole context is prefilled again where it lands
+        self.tot.reprefilled += float(self.s_ctx[on].sum()) * self.w
+        self.tot.migrated += len(on) * self.w
+
+    def _admit(self) -> None:
+        """Open as many sessions as `Admission.admit` allows, one simulated session (w real
+        ones) at a time; admit() is monotone in the open count, so bisect instead of looping."""
+        wl, w = self.wl, self.w
+        backlog = Backlog(self.untrained, self.B)
+        lo, hi = 0, len(self.free_slots)  # admit() holds before each of the first n sessions
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.adm.admit(self.open + (mid - 1) * w, backlog):
+                lo = mid
+            else:
+                hi = mid - 1
+        n = lo
+        if n == 0:
+            return
+        js = np.array(self.free_slots[-n:][::-1], np.int64)
+        del self.free_slots[-n:]
+        gs, i = wl.group_size, 0
+        while i < n:  # sessions fill groups in order; a group's slot is taken at its first session
+            if self.group_fill == 0:
+                g = self.cur_group = self.g_free.pop()
+                self.g_left[g], self.g_tokens[g], self.g_gen[g], self.g_v0sum[g] = gs, 0.0, 0.0, 0.0
+                self.g_v0min[g] = 2**62
+            take = min(gs - self.group_fill, n - i)
+            self.s_group[js[i:i + take]] = self.cur_group
+            i += take
+            self.group_fill = (self.group_fill + take) % gs
+        self.s_state[js] = QUEUED
+        self.s_turn[js] = 0
+        self.s_rem[js] = wl.draw(self.rng, n)
+        self.s_ctx[js] = wl.prompt_tokens
+        self.s_pf[js] = wl.prompt_tokens
+        self.s_gen[js] = 0.0
+        self.s_v0[js] = -1
+        self.s_ready[js] = self.t
+        self.open += n * w
+
+    def _dispatch(self, t0: float, freed_h: np.ndarray, freed_t: np.ndarray) -> None:
+        q = np.nonzero(self.s_state == QUEUED)[0]
+        if not len(q):
+            return
+        n = len(self.mode)
+        rolling = (self.mode == 1) & (self.target == 1)
+        running = np.bincount(self.s_host[self.s_state == RUNNING], minlength=n)
+        free = np.where(rolling, self.K - running, 0)
+        lent = rolling & (self.lent_until > 0)
+        if lent.any():  # route to a lent host only turns predicted to end before its reclaim
+            turn_s = self.pred_len * self.cal.step_s(self.cal.max_seqs) / self.cap
+            free = np.where(lent & (self.t + turn_s > self.lent_until), 0, free)
+        total = int(free.sum())
+        if total <= 0:
+            return
+        # slots: those freed this tick (their free time) first, then ones free since t0
+        extra = np.bincount(freed_h, minlength=n) if len(freed_h) else np.zeros(n, np.int64)
+        pre = np.maximum(free - extra, 0)
+        hosts = np.nonzero(pre)[0]
+        cnt = pre[hosts]
+        ph = np.repeat(hosts, cnt)
+        rank = np.arange(len(ph)) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+        keep = free[freed_h] > 0 if len(freed_h) else np.zeros(0, bool)
+        sh = np.concatenate([freed_h[keep], ph])
+        st = np.concatenate([freed_t[keep], np.full(len(ph), t0)])
+        sr = np.concatenate([np.zeros(int(keep.sum())), rank])
+        order = np.lexsort((sh, sr, st))[: min(total, len(q))]
+        sh, st = sh[order], st[order]
+        q = q[np.argsort(self.s_ready[q], kind="stable")][: len(sh)]
+        self.s_state[q] = RUNNING
+        self.s_host[q] = sh
+        pf_s = self.s_pf[q] * self.cal.prefill_s_per_token * self.w / (self.cap[sh] * self.m)
+        np.add.at(self.stall, sh, pf_s)
+        self.tot.prefilled += float(self.s_pf[q].sum()) * self.w
+        self.s_pf[q] = 0.0
+        # credit the time the slot and the session were both free before this tick's end
+        credit = np.maximum(0.0, self.t - np.maximum(st, self.s_ready[q]))
+        if credit.any():
+            k = np.bincount(sh, minlength=n)[sh] + running[sh]
+            step = (self.cal.decode_a_s + self.cal.decode_b_s * k * self.w / self.m) / self.cap[sh]
+            adv = np.minimum(credit / step, self.s_rem[q] - 1e-9)
+            adv = np.maximum(adv, 0.0)
+            self._generate(q, sh, adv)
+
+    def _generate(self, idx: np.ndarray, hosts: np.ndarray, adv: np.ndarray) -> None:
+        self.s_rem[idx] -= adv
+        self.s_gen[idx] += adv
+        self.s_ctx[idx] += adv
+        self.tot.generated += float(adv.sum()) * self.w
+        fresh = (self.s_v0[idx] < 0) & (adv > 0)
+        if fresh.any():
+            self.s_v0[idx[fresh]] = self.hversion[hosts[fresh]]
+
+    # -- one tick ----------------------------------------------------------------------------
+
+    def _advance(self, t0: float, t1: float) -> tuple[np.ndarray, np.ndarray]:
+        """Decode on rolling hosts from t0 to t1; returns (host, time) of slots freed."""
+        dt = t1 - t0
+        n = len(self.mode)
+        rolling = (self.mode == 1) & (self.target == 1)
+        use = np.where(rolling, np.minimum(self.stall, dt), 0.0)
+        self.stall -= use
+        r = np.nonzero(self.s_state == RUNNING)[0]
+        if not len(r):
+            return np.zeros(0, np.int64), np.zeros(0)
+        h = self.s_host[r]
+        k = np.bincount(h, minlength=n)
+        # m identical hosts, evenly loaded: each decodes k*w/m real sequences per step
+        step = (self.cal.decode_a_s + self.cal.decode_b_s * k * self.w / self.m) / self.cap
+        adv_h = np.where(rolling, (dt - use) / step, 0.0)
+        before = self.s_rem[r].copy()
+        adv = np.minimum(adv_h[h], before)
+        self._generate(r, h, adv)
+        fin = adv_h[h] >= before - 1e-9
+        if not fin.any():
+            return np.zeros(0, np.int64), np.zeros(0)
+        f, fh = r[fin], h[fin]
+        ft = t0 + use[fh] + before[fin] * step[fh]
+        self._finish_turns(f, ft)
+        return fh, ft
+
+    def _finish_turns(self, f: np.ndarray, ft: np.ndarray) -> None:
+        wl = self.wl
+        self.pred_len = 0.9 * self.pred_len + 0.1 * float(self.s_gen[f].mean() / (self.s_turn[f].mean() + 1))
+        self.s_host[f] = -1
+        more = self.s_turn[f] + 1 < wl.turns
+        tool = f[more]
+        if len(tool):
+            self.s_state[tool] = TOOL
+            self.s_turn[tool] += 1
+            self.s_ready[tool] = ft[more] + wl.tool_latency_s
+            self.s_ctx[tool] += wl.tool_tokens
+            self.s_pf[tool] = wl.tool_tokens
+            self.s_rem[tool] = wl.draw(self.rng, len(tool))
+        done = f[~more]
+        if not len(done):
+            return
+        self.tot.samples_done += len(done) * self.w
+        self.rate_count += len(done) * self.w
+        g = self.s_group[done]
+        np.add.at(self.g_left, g, -1)
+        np.add.at(self.g_tokens, g, self.s_ctx[done])
+        np.add.at(self.g_gen, g, self.s_gen[done])
+        np.add.at(self.g_v0sum, g, self.s_v0[done])
+        np.minimum.at(self.g_v0min, g, self.s_v0[done])
+        self.s_state[done] = FREE
+        self.free_slots.extend(done.tolist())
+        gs = wl.group_size
+        for gg in np.unique(g[self.g_left[g] == 0]).tolist():
+            self.complete.append((gs, float(self.g_tokens[gg]), float(self.g_gen[gg]), float(self.g_v0sum[gg]),
+                                  int(self.g_v0min[gg])))
+            self.available += gs * self.w
+            self.g_free.append(gg)
+        self.open -= len(done) * self.w
+        self.untrained += len(done) * self.w
+
+    def _wake_tools(self) -> None:
+        woke = np.nonzero((self.s_state == TOOL) & (self.s_ready <= self.t))[0]
+        if len(woke):
+            self.s_state[woke] = QUEUED
+
+    # -- the trainer -------------------------------------------------------------------------
+
+    def _trainer(self) -> None:
+        if self.tstate == "waiting" and self.available >= self.B:
+            self._set_trainer("ready")
+        if self.tstate == "ready" and P.gate_open(self.snapshot()):
+            per_step = self.wl.groups_per_step // self.w
+            self.batch = [self.complete.popleft() for _ in range(per_step)]
+            self.available -= self.B
+            tokens = sum(b[1] for b in self.batch) * self.w
+            self.tr_end = self.t + tokens * self.cal.train_s_per_token / self.pool_cap
+            self._set_trainer("computing")
+        elif self.tstate == "computing" and self.t >= self.tr_end - 1e-12:
+            self.tr_end = self.t + self.cal.weight_sync_s
+            self._set_trainer("publishing")
+        elif self.tstate == "publishing" and self.t >= self.tr_end - 1e-12:
+            self.tr_end = math.inf
+            for n_s, tokens, gen, v0sum, v0min in self.batch:  # staleness: versions since the oldest token
+                self.tot.trained_tokens += tokens * self.w
+                self.tot.trained_generated += gen * self.w
+                self.tot.staleness_sum += (self.version * n_s - v0sum) * self.w
+                self.tot.staleness_max = max(self.tot.staleness_max, self.version - v0min)
+                self.tot.trained_samples += n_s * self.w
+            self.untrained -= self.B
+            self.batch = []
+            self.version += 1
+            self.step += 1
+            rolling = (self.mode == 1) & (self.target == 1)
+            self.hversion[rolling] = self.version  # in-place update (keep mode) on rollout hosts
+            self.stall[rolling] += self.cal.weight_sync_s / self.cap[rolling]
+            self._set_trainer("waiting")
+            if self.opt.progress:
+                self.opt.progress(self.step)
+            self._trainer()
+
+    def _set_trainer(self, state: str) -> None:
+        # decide() reads the trainer's state only through wants_hosts (and the lend verdict
+        # while it waits): computing -> publishing changes nothing it reads
+        if (state in P.TRAINER_WANTS_HOSTS) != (self.tstate in P.TRAINER_WANTS_HOSTS):
+            self.dirty = True
+        self.tstate = state
+        self.last_verdict = None
+
+    # -- accounting --------------------------------------------------------------------------
+
+    def _activity(self) -> np.ndarray:
+        table = self.act_table.get(self.tstate)
+        if table is None:  # policy.activity over every (mode, target, running > 0)
+            table = np.zeros((3, 3, 2), np.int8)
+            for a in range(3):
+                for b in range(3):
+                    for r in range(2):
+                        table[a, b, r] = ACTS.index(P.activity(MODES[a], MODES[b], self.tstate, r))
+            self.act_table[self.tstate] = table
+        running = np.bincount(self.s_host[self.s_state == RUNNING], minlength=len(self.mode)) > 0
+        return table[self.mode, self.target, running.astype(np.int8)]
+
+    def _account(self, t0: float, t1: float, act: np.ndarray) -> None:
+        np.add.at(self.tot.host_time, (np.arange(len(act)), act), t1 - t0)
+        if self.tstate in ("waiting", "ready"):
+            self.tot.trainer_wait_s += t1 - t0
+        if self.opt.timeline:
+            ch = np.nonzero(act != self.act_prev)[0]
+            for i in ch.tolist():
+                if self.act_prev[i] >= 0 and t0 > self.act_since[i]:
+                    self.tot.timeline.append((i, float(self.act_since[i]), t0, ACTS[self.act_prev[i]]))
+                self.act_since[i] = t0
+            self.act_prev = act.copy()
+
+    # -- main loop ---------------------------------------------------------------------------
+
+    def run(self) -> Result:
+        opt = self.opt
+        self.rate_count = 0.0
+        self.pool = {self.index[h] for h in P.train_pool(self.snapshot())}
+        self.pool_cap = float(self.cap[sorted(self.pool)].sum()) * self.m if self.pool else 1.0
+        self._decide()  # initial placement, applied at once: hosts start placed
+        self._settle_now()
+        self._admit()
+        self._dispatch(0.0, np.zeros(0, np.int64), np.zeros(0))
+        while self.step < opt.steps and self.t < opt.max_time_s:
+            t0 = self.t
+            # 1. the tick ends at dt or at the next control event
+            t1 = min(t0 + opt.dt, float(self.switch_end.min()), self.tr_end if self.tr_end > t0 else math.inf)
+            if t1 <= t0:
+                t1 = t0 + 1e-9
+            act = self._activity()
+            # 2. decode, finish turns and sessions
+            freed_h, freed_t = self._advance(t0, t1)
+            self._account(t0, t1, act)
+            self.t = t1
+            a = math.exp(-(t1 - t0) / opt.rate_tau_s)  # completions per second, smoothed
+            self.rate = a * self.rate + (1 - a) * self.rate_count / (t1 - t0)
+            self.rate_count = 0.0
+            # 3. switches that finished; the trainer's state machine (gate included)
+            self._settle_switches()
+            self._trainer()
+            # 4. the policy, whenever what it reads has changed
+            if self.dirty or self._verdict_changed():
+                self.dirty = False
+                self._decide()
+                self._trainer()  # a reclaim may have been instant (nothing to reclaim)
+            # 5. tools return, admission opens sessions, queued turns take free slots
+            self._wake_tools()
+            self._admit()
+            self._dispatch(t0, freed_h, freed_t)
+        if opt.timeline:
+            for i in range(len(self.mode)):
+                if self.act_prev[i] >= 0 and self.t > self.act_since[i]:
+                    self.tot.timeline.append((i, float(self.act_since[i]), self.t, ACTS[self.act_prev[i]]))
+        inflight = float(self.s_gen[self.s_state != FREE].sum()) * self.w
+        queued_gen = sum(g[2] for g in self.complete) * self.w + sum(b[2] for b in self.batch) * self.w
+        open_groups = np.ones(len(self.g_left), bool)
+        open_groups[self.g_free] = False
+        partial = float(self.g_gen[open_groups].sum()) * self.w
+        return Result.build(self, inflight + queued_gen + partial)
+
+    def _settle_now(self) -> None:
+        self.switch_end[:] = np.where(np.isfinite(self.switch_end), self.t, math.inf)
+        self._settle_switches()
+        self.dirty = False
+
+
+def simulate(cluster: Cluster, cal: Calibration, wl: Workload, policy: str, **kw) -> Result:
+    return Simulator(cluster, cal, wl, policy, Options(**kw)).run()
