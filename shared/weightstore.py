@@ -36,6 +36,12 @@ def version_dir(root: Path, version: int) -> Path:
     return Path(root) / f"v{version:06d}"
 
 
+def version_of(path: str | Path) -> int | None:
+    """The version a store dir holds (`<root>/v000007` -> 7); None for any other directory."""
+    m = _VERSION_DIR.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
 def versions_on_disk(root: Path) -> list[int]:
     root = Path(root)
     if not root.is_dir():

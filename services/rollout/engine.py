@@ -14,7 +14,12 @@ Rules the rest of the system relies on:
 - a weight directory is checked before the reload, and after a failed reload the
   engine is dead: it is never resumed (vLLM would run on half-loaded weights);
 - the reload runs in vLLM's worker through `vllm_ext.py`, which also repacks the CPU
-  kernels that vLLM's own `reload_weights` leaves stale (a tied LM head).
+  kernels that vLLM's own `reload_weights` leaves stale (a tied LM head);
+- a vacate never waits behind a weight load: while one holds the engine, the vacate
+  aborts the requests around it (vLLM ends an aborted request at once, paused or not);
+- `sleep`/`wake`: vLLM sleep level 1 / `wake_up` where the platform has sleep mode (GPU:
+  weights offloaded, KV cache freed); elsewhere (CPU) a pause / resume that frees nothing.
+  No weights are loaded into a sleeping engine.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.rollout.config import RolloutConfig
+from services.rollout.config import RolloutConfig, initial_version
 from services.rollout.sampling import eos_token_ids, finish_reason, sampling_kwargs
 from shared.checkpoint import TensorSpecs, check_checkpoint
 from shared.deltas import merge_deltas
@@ -54,6 +59,10 @@ class EngineError(RuntimeError):
     def __init__(self, message: str, code: ErrorCode = "internal"):
         super().__init__(message)
         self.code = code
+
+
+class EngineAsleep(RuntimeError):
+    """The operation needs an awake engine (a weight load): wake it first."""
 
 
 class EngineDead(RuntimeError):
@@ -118,17 +127,27 @@ def _build_llm(cfg: RolloutConfig) -> Any:
         seed=cfg.seed,
         disable_log_stats=True,
         worker_extension_cls=WORKER_EXTENSION,
+        enable_sleep_mode=sleep_mode_available(),  # level-1 sleep needs vLLM's cumem allocator (GPU)
     )
     return AsyncLLM.from_engine_args(args)
+
+
+def sleep_mode_available() -> bool:
+    """Whether vLLM can really sleep here (free weights and KV cache): CUDA yes, CPU no."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
 
 
 class Engine:
     def __init__(self, cfg: RolloutConfig, llm: Any = None):
         self.cfg = cfg
-        self.version = 0
+        self.version = initial_version(cfg)
         self.dead = ""  # why, once the engine is dead
         self.vacated = False
         self.updating = False
+        self.sleeping = False
+        self.gpu_sleep = False  # sleep frees memory (vLLM sleep level 1); else sleep is a pause
         self.last_update: dict[str, float] = {}  # timings of the last in-place weight update
         self._llm = llm
         self._eos: list[int] = eos_token_ids(cfg.model)
@@ -145,6 +164,7 @@ class Engine:
             # explicit, not a default: a launcher's environment must not override SF_ROLLOUT_KV_CACHE_GIB
             os.environ.update(engine_env(self.cfg))
             self._llm = _build_llm(self.cfg)
+            self.gpu_sleep = sleep_mode_available()
         await self._llm.update_weight_version(str(self.version))
         if warmup:
             # The first request that asks for logprobs pays a one-time warm-up of seconds.
@@ -152,6 +172,8 @@ class Engine:
                 pass
         if not self._eos:
             log.warning("no eos_token_id in %s: only stop_token_ids end a request", self.cfg.model)
+        if self.cfg.start_vacated:  # the scheduler assigns it work with a resume
+            await self.pause_abort_all()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         llm, self._llm = self._llm, None
@@ -256,38 +278,84 @@ class Engine:
 
     async def pause_abort_all(self) -> None:
         """Vacate: every in-flight request finishes "preempted" with all its tokens, and the
-        engine stays paused (new requests would queue) until `resume`."""
-        async with self._lock:
-            if self.dead:
-                return
-            self.vacated = True
-            await self._llm.pause_generation(mode="abort")
-            # A request still on its way into vLLM when the pause came would sit in the paused
-            # engine's queue and never finish: abort every stream we know, a few times, until
-            # each has ended.
-            for _ in range(ABORT_SWEEPS):
-                if not self._streams:
-                    break
-                for rid, stream in list(self._streams.items()):
-                    stream.aborted = True
-                    await self._llm.abort(rid)
-                await asyncio.sleep(ABORT_SWEEP_GAP)
+        engine takes no new request until `resume`.
+
+        `vacated` is set before the first await, so a status sent right after the call
+        starts already says so. A vacate never waits behind a weight load (or another
+        operation holding the engine): it then only aborts the requests, which ends them
+        at once in a paused vLLM too, and the load does not resume a vacated engine."""
+        if self.dead:
+            return
+        self.vacated = True
+        if not self._lock.locked():
+            async with self._lock:
+                if not self.dead:
+                    await self._llm.pause_generation(mode="abort")
+        # A request still on its way into vLLM when the pause came would sit in the paused
+        # engine's queue and never finish: abort every stream we know, a few times, until
+        # each has ended.
+        for _ in range(ABORT_SWEEPS):
+            if not self._streams or self.dead:
+                break
+            for rid, stream in list(self._streams.items()):
+                stream.aborted = True
+                await self._llm.abort(rid)
+            await asyncio.sleep(ABORT_SWEEP_GAP)
 
     async def resume(self) -> None:
+        if self.sleeping:
+            log.warning("resume of a sleeping engine: waking it first")
+            await self.wake()
         async with self._lock:
             if self.dead:
                 raise EngineDead(self.dead)
-            await self._llm.resume_generation()
+            # cleared before the await: a vacate that comes meanwhile must stay in force
             self.vacated = False
+            await self._llm.resume_generation()
+
+    async def sleep(self, keep: bool = False) -> None:
+        """Put the engine to sleep. Without `keep`, vacate first (if not vacated already); with
+        `keep`, in-flight requests stay frozen in place and go on after `wake`."""
+        if self.dead:
+            raise EngineDead(self.dead)
+        if not keep and not self.vacated:
+            await self.pause_abort_all()
+        async with self._lock:
+            if self.dead:
+                raise EngineDead(self.dead)
+            if self.sleeping:
+                return
+            mode = "keep" if keep else "abort"
+            if self.gpu_sleep:
+                await self._llm.sleep(level=1, mode=mode)
+            else:  # CPU: nothing to free; pausing the scheduler is all sleep would do
+                await self._llm.pause_generation(mode=mode, clear_cache=False)
+            self.sleeping = True
+
+    async def wake(self) -> None:
+        """Undo `sleep`. A vacated engine stays vacated (no requests) until `resume`."""
+        async with self._lock:
+            if self.dead:
+                raise EngineDead(self.dead)
+            if not self.sleeping:
+                return
+            if self.gpu_sleep:
+                await self._llm.wake_up()
+            else:
+                await self._llm.resume_generation()
+            self.sleeping = False
 
     async def load_weights(self, path: str | Path, version: int) -> None:
         """Pause in keep mode, reload weights in place from `path`, bump the version, resume.
 
         Raises CheckpointError (nothing touched, still serving the old version) or
-        EngineDead (the reload failed halfway; in-flight requests end "preempted")."""
+        EngineDead (the reload failed halfway; in-flight requests end "preempted") or
+        EngineAsleep (nothing touched)."""
         async with self._lock:
             if self.dead:
                 raise EngineDead(self.dead)
+            if self.sleeping:  # on GPU its weights are offloaded: a reload would fail halfway
+                raise EngineAsleep(f"not loading version {version} into a sleeping engine; wake it first")
             # 1. check the directory while still serving: a bad one must not reach vLLM
             check_checkpoint(path, self._reference)
             self.updating = True

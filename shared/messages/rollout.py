@@ -54,7 +54,9 @@ class GenerateDone(msgspec.Struct, tag=True, array_like=True, omit_defaults=True
 
     `preempted` means the worker paused in abort mode (vacate): every token sampled
     so far was already sent as deltas, and the caller should continue elsewhere.
-    `error` is for people; `code` is what a caller may act on.
+    `error` is for people; `code` is what a caller may act on. `scheduled` marks a
+    preemption the tag scheduler caused (a vacate with `RolloutControl.scheduled`): the
+    caller re-dispatches it without counting it as a failure.
     """
 
     request_id: str
@@ -64,12 +66,16 @@ class GenerateDone(msgspec.Struct, tag=True, array_like=True, omit_defaults=True
     worker_id: str = ""
     error: str = ""
     code: ErrorCode = ""
+    scheduled: bool = False
 
 
 RolloutReply = TokenDelta | GenerateDone
 
 
-WorkerState = Literal["serving", "paused", "vacated", "updating"]
+# serving: takes work; updating: loading weights in place (in-flight requests frozen, then go on);
+# vacated: takes no work, in-flight requests were ended "preempted"; sleeping: vacated or frozen
+# (RolloutControl.keep), and the engine asleep (on GPU its memory is freed); paused: stopping or dead
+WorkerState = Literal["serving", "paused", "vacated", "updating", "sleeping"]
 
 
 class WorkerStatus(msgspec.Struct, tag=True, omit_defaults=True):
@@ -85,6 +91,10 @@ class WorkerStatus(msgspec.Struct, tag=True, omit_defaults=True):
     ts: float
     host: str = ""
     generated_tokens: int = 0
+    lent_until: float = 0.0  # wall clock: when the scheduler expects to reclaim this worker (0 = not lent)
+
+
+RolloutOp = Literal["abort", "vacate", "resume", "load", "sleep", "wake"]
 
 
 class RolloutControl(msgspec.Struct, tag=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -94,10 +104,23 @@ class RolloutControl(msgspec.Struct, tag=True, omit_defaults=True, forbid_unknow
     - `abort`: end one request (`request_id`) now; its GenerateDone says "preempted".
     - `vacate`: abort every in-flight request (each ends "preempted") and take no new work.
     - `resume`: take work again after a vacate.
-    - `load`: pause in keep mode, load weight `version` from `path`, resume.
+    - `load`: pause in keep mode, load weight `version` from `path`, resume. Refused (the
+      reply shows the old version) while the worker sleeps: wake it first.
+    - `sleep`: put the engine to sleep (vLLM sleep level 1 on GPU: weights offloaded, KV cache
+      freed; on CPU a pause that frees nothing). Without `keep` it vacates first if it was
+      not vacated; with `keep`, in-flight requests stay frozen in place and go on after `wake`
+      (a colocated train phase).
+    - `wake`: undo `sleep`. A worker that was vacated stays vacated until `resume`, so the
+      scheduler's lend sequence is wake, load, resume.
+
+    `scheduled` (vacate, sleep) marks the preemptions this causes in their GenerateDone;
+    `lent_until` (resume, wake) is reported back in WorkerStatus.
     """
 
-    op: Literal["abort", "vacate", "resume", "load"]
+    op: RolloutOp
     request_id: str = ""
     version: int = 0
     path: str = ""
+    scheduled: bool = False  # a vacate the tag scheduler caused
+    keep: bool = False  # sleep: keep in-flight requests frozen in place instead of vacating
+    lent_until: float = 0.0  # resume / wake: when the scheduler expects to reclaim it (0 = not lent)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.rollout.config import RolloutConfig, load_config, served_name
+from services.rollout.config import RolloutConfig, initial_version, load_config, served_name
 from shared.config import ConfigError, load
 
 
@@ -35,6 +35,23 @@ def test_model_is_required_and_typos_fail():
         load(RolloutConfig, "SF_ROLLOUT_", env={})
     with pytest.raises(ConfigError, match="unknown setting"):
         load(RolloutConfig, "SF_ROLLOUT_", env={"SF_ROLLOUT_MODEL": "m", "SF_ROLLOUT_MAX_SEQS": "3"})
+
+
+def test_update_policy_is_a_closed_set():
+    env = {"SF_ROLLOUT_MODEL": "m", "SF_ROLLOUT_UPDATE_POLICY": "drain"}
+    assert load(RolloutConfig, "SF_ROLLOUT_", env=env).update_policy == "drain"
+    with pytest.raises(ConfigError, match="update_policy"):
+        load(RolloutConfig, "SF_ROLLOUT_", env={**env, "SF_ROLLOUT_UPDATE_POLICY": "later"})
+
+
+def test_start_vacated_and_the_initial_version(monkeypatch):
+    cfg = load_config(model="m", worker_id="w")
+    assert not cfg.start_vacated and initial_version(cfg) == 0  # no scheduler: serve version 0 at once
+    monkeypatch.setenv("SF_ROLLOUT_START_VACATED", "true")
+    cfg = load_config(model="/store/v000012/", worker_id="w")
+    assert cfg.start_vacated and initial_version(cfg) == 12  # a weight-store dir names its version
+    assert initial_version(load_config(model="/store/v000012", worker_id="w", initial_version=4)) == 4
+    assert initial_version(load_config(model="/store/v12", worker_id="w")) == 0  # not the store's naming
 
 
 def test_split_cpus_gives_each_local_engine_its_own_cores():

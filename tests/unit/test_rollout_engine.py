@@ -51,6 +51,7 @@ class FakeLLM:
         self.unpaused = asyncio.Event()
         self.unpaused.set()
         self.fail_reload = False
+        self.reload_gate: asyncio.Event | None = None  # set: a reload lasts until the test sets it
 
     async def generate(self, prompt, params, request_id):
         stop = set(params["stop_token_ids"])
@@ -58,7 +59,8 @@ class FakeLLM:
         try:
             for i in range(params["max_tokens"]):
                 await asyncio.sleep(0.002)
-                await self.unpaused.wait()
+                while not self.unpaused.is_set() and request_id not in self.aborted:
+                    await asyncio.sleep(0.002)  # paused; like vLLM's front end, an abort still ends it
                 if request_id in self.aborted:
                     yield out([], "abort")
                     return
@@ -87,9 +89,20 @@ class FakeLLM:
 
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         self.calls.append(("rpc", method, kwargs))
+        if self.reload_gate is not None:
+            await self.reload_gate.wait()
         if self.fail_reload:
             raise RuntimeError("meta tensors")
         return [2]
+
+    async def sleep(self, level=1, mode="abort"):
+        self.calls.append(("sleep", level, mode))
+        await self.pause_generation(mode=mode)
+
+    async def wake_up(self, tags=None):
+        self.calls.append(("wake_up",))
+        self.unpaused.set()
+        return True
 
     async def update_weight_version(self, v):
         self.calls.append(("version", v))
@@ -234,3 +247,93 @@ async def test_failed_reload_kills_engine_and_never_resumes(make, tmp_path):
         await collect(e)
     with pytest.raises(EngineDead):
         await e.resume()
+
+
+# -- under the tag scheduler ---------------------------------------------------------------------
+
+async def test_a_vacate_does_not_wait_behind_a_weight_load(make, tmp_path):
+    llm = FakeLLM()
+    llm.reload_gate = asyncio.Event()  # the load holds the engine until the test lets it finish
+    e = await make(llm)
+    task = asyncio.create_task(collect(e, max_tokens=10_000))
+    await asyncio.sleep(0.02)
+    load = asyncio.create_task(e.load_weights(write_ckpt(tmp_path / "v1"), 1))
+    await asyncio.sleep(0.02)
+    assert e.updating and not load.done()
+    await asyncio.wait_for(e.pause_abort_all(), 1.0)  # before the fix: queued behind the load
+    ds = await asyncio.wait_for(task, 1.0)
+    assert ds[-1].finish == "preempted" and len(flat(ds)[0]) > 0 and not load.done()
+    llm.reload_gate.set()
+    await asyncio.wait_for(load, 1.0)
+    # the load did not resume the vacated engine; a resume does
+    assert e.version == 1 and e.vacated and llm.calls[-1] != ("resume",)
+    await e.resume()
+    assert (await collect(e, "r2", max_tokens=2))[-1].finish == "length"
+
+
+async def test_sleep_keep_freezes_requests_in_place_and_wake_continues_them(make):
+    llm = FakeLLM()
+    e = await make(llm)
+    got = []
+
+    async def consume():
+        async for d in e.generate("r", [1], Sampling(max_tokens=40)):
+            got.append(d)
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.02)
+    await e.sleep(keep=True)
+    assert e.sleeping and not e.vacated and ("pause", "keep") in llm.calls  # CPU: a pause, nothing freed
+    await asyncio.sleep(0.02)
+    frozen = len(flat(got)[0])
+    await asyncio.sleep(0.05)
+    assert len(flat(got)[0]) == frozen and not task.done()
+    await e.wake()
+    await asyncio.wait_for(task, 5)
+    assert not e.sleeping and len(flat(got)[0]) == 40 and got[-1].finish == "length"
+
+
+async def test_sleep_without_keep_vacates_and_uses_vllm_sleep_where_it_frees_memory(make):
+    llm = FakeLLM()
+    e = await make(llm)
+    e.gpu_sleep = True  # as on CUDA: vLLM sleep level 1 / wake_up
+    task = asyncio.create_task(collect(e, max_tokens=10_000))
+    await asyncio.sleep(0.02)
+    await e.sleep()
+    assert (await asyncio.wait_for(task, 5))[-1].finish == "preempted"
+    assert e.sleeping and e.vacated and ("sleep", 1, "abort") in llm.calls
+    await e.wake()
+    assert ("wake_up",) in llm.calls and not e.sleeping and e.vacated  # awake, still vacated
+    await e.resume()
+    assert (await collect(e, "r2", max_tokens=2))[-1].finish == "length"
+
+
+async def test_no_weights_are_loaded_into_a_sleeping_engine(make, tmp_path):
+    from services.rollout.engine import EngineAsleep
+
+    llm = FakeLLM()
+    e = await make(llm)
+    await e.sleep()
+    with pytest.raises(EngineAsleep):
+        await e.load_weights(write_ckpt(tmp_path / "v1"), 1)
+    assert not any(c[0] == "rpc" for c in llm.calls) and e.version == 0 and not e.dead
+    # the scheduler's lend sequence: wake, load, resume
+    await e.wake()
+    await e.load_weights(tmp_path / "v1", 1)
+    await e.resume()
+    assert e.version == 1 and (await collect(e, max_tokens=2))[-1].version == 1
+
+
+async def test_start_vacated_at_the_checkpoint_version(tmp_path, monkeypatch):
+    monkeypatch.setattr(engine_mod, "_vllm_request", lambda ids, kw: (ids, kw))
+    store_dir = write_ckpt(tmp_path / "weights" / "v000007")
+    llm = FakeLLM()
+    e = Engine(RolloutConfig(model=str(store_dir), worker_id="w", start_vacated=True), llm)
+    await e.start(warmup=False)
+    assert e.version == 7 and e.vacated and ("version", "7") in llm.calls
+    assert (await collect(e))[-1].finish == "preempted"  # no work until the scheduler resumes it
+    await e.resume()
+    assert (await collect(e, max_tokens=2))[-1].version == 7
+    # a base checkpoint is version 0; an explicit setting wins
+    assert Engine(RolloutConfig(model=str(tmp_path / "weights"), worker_id="w"), llm).version == 0
+    assert Engine(RolloutConfig(model=str(store_dir), worker_id="w", initial_version=3), llm).version == 3
