@@ -110,7 +110,10 @@ class HostAgent:
     def heartbeat(self) -> HostHeartbeat:
         return HostHeartbeat(self.cfg.id, self.tags, self.cfg.capacity, self.mode, self.epoch, time.time(),
                              self.cfg.worker_id if self.has_worker else "", self.cfg.cores, self.switching,
-                             self.restarts)
+                             self.restarts, ready=not self.has_worker or self._worker_is_up())
+
+    def _worker_is_up(self) -> bool:
+        return self.worker is not None and self.worker.ts >= self.worker_started > 0
 
     async def _heartbeat_loop(self, quit: asyncio.Event) -> None:
         while not quit.is_set():
@@ -223,7 +226,7 @@ class HostAgent:
     async def _worker_up(self) -> None:
         """Wait until the current worker process has sent a heartbeat (bounded)."""
         deadline = time.monotonic() + self.cfg.worker_ready_timeout
-        while not (self.worker is not None and self.worker.ts >= self.worker_started > 0):
+        while not self._worker_is_up():
             if time.monotonic() > deadline:
                 raise SwitchFailed(f"worker {self.cfg.worker_id} not up after {self.cfg.worker_ready_timeout:.0f}s")
             await asyncio.sleep(0.1)

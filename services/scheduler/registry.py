@@ -52,12 +52,13 @@ class HostRecord:
     worker_id: str = ""
     restarts: int = 0
     issued_at: float = 0.0  # when the current target was assigned
+    ready: bool = True  # its worker is up; a host that is not ready is not placed (nor dead)
     activity: Activity = "idle"
     activity_since: float = 0.0
 
     def view(self) -> policy.Host:
         return policy.Host(self.host, frozenset(self.tags), self.capacity, self.mode, self.target, self.epoch,
-                           self.healthy, self.cordoned)
+                           self.healthy and self.ready, self.cordoned)
 
     def info(self) -> HostInfo:
         return HostInfo(self.host, list(self.tags), self.capacity, self.mode, self.target, self.epoch, self.healthy,
@@ -74,6 +75,7 @@ class Registry:
     trainer: TrainerStatus | None = None
     trainer_seen: float = 0.0
     gate_pending: bool = False
+    granted_step: int = 0  # the newest step whose gate was granted: the trainer computes until it reports it
     finished: deque[float] = field(default_factory=deque)  # arrival times of finished trajectories
     costs: policy.Costs = policy.Costs()
     counts: dict[str, int] = field(default_factory=lambda: {"lends": 0, "reclaims": 0, "failed_switches": 0,
@@ -91,6 +93,9 @@ class Registry:
                                                    activity_since=now)
             notes.append(f"host {hb.host} registered: tags {','.join(hb.tags)}, mode {hb.mode}, epoch {hb.epoch}")
         rec.tags, rec.capacity, rec.worker_id, rec.last_seen = list(hb.tags), hb.capacity, hb.worker_id, now
+        if hb.ready != rec.ready:
+            rec.ready = hb.ready
+            notes.append(f"host {hb.host}: worker {'up' if hb.ready else 'starting'}")
         if hb.restarts > rec.restarts:
             rec.restarts = hb.restarts
             notes.append(f"host {hb.host}: its worker was restarted ({hb.restarts} in all); rejoins {hb.mode}")
@@ -119,11 +124,14 @@ class Registry:
             return f"host {ev.host} failed to switch to {ev.mode} (epoch {ev.epoch}): {ev.error}; marked unhealthy"
         was = rec.mode
         rec.mode = ev.mode
+        # the configured costs are a prior: the first measured switch replaces it, later ones blend in
         if ev.mode == "rollout" and was == "train":
-            self.costs = policy.Costs(_ewma(self.costs.lend_s, took), self.costs.reclaim_s)
+            lend = _ewma(self.costs.lend_s, took) if self.counts["lends"] else took
+            self.costs = policy.Costs(lend, self.costs.reclaim_s)
             self.counts["lends"] += 1
         elif ev.mode == "train" and was == "rollout":
-            self.costs = policy.Costs(self.costs.lend_s, _ewma(self.costs.reclaim_s, took))
+            reclaim = _ewma(self.costs.reclaim_s, took) if self.counts["reclaims"] else took
+            self.costs = policy.Costs(self.costs.lend_s, reclaim)
             self.counts["reclaims"] += 1
         return (f"host {ev.host}: {was} -> {ev.mode} (epoch {ev.epoch}) in {took * 1000:.0f} ms"
                 + (f", {ev.migrated} request(s) migrated" if ev.migrated else ""))
@@ -139,6 +147,9 @@ class Registry:
     def issued(self, host: str, mode: HostMode, epoch: int, now: float) -> None:
         rec = self.hosts[host]
         rec.target, rec.epoch, rec.issued_at = mode, epoch, now
+
+    def granted(self, step: int) -> None:
+        self.granted_step = max(self.granted_step, step)
 
     def check_health(self, now: float) -> list[str]:
         notes = []
@@ -169,7 +180,11 @@ class Registry:
         if st is None or now - self.trainer_seen > self.stale_after or st.state == "stopped":
             return policy.Trainer("ready" if self.gate_pending else "absent")
         needed = max(0, st.groups_per_step * st.group_size - st.buffered_samples)
-        state = "ready" if self.gate_pending and st.state == "waiting" else st.state
+        state = st.state
+        if st.state in ("waiting", "ready") and st.step < self.granted_step:
+            state = "computing"  # a heartbeat from before the grant: the step it was granted is running
+        elif self.gate_pending and st.state == "waiting":
+            state = "ready"
         return policy.Trainer(state, 0 if state != "waiting" else needed)
 
     def completion_rate(self, now: float) -> float:

@@ -178,6 +178,7 @@ class SchedulerService:
         self.gates.remove(g)
         if granted:
             self.reg.counts["gates_granted"] += 1
+            self.reg.granted(g.req.step)
         reply = TrainGateReply(granted, now - g.t0, reason)
         log.info("gate for step %d: %s after %.2fs (%s)", g.req.step, "granted" if granted else "refused",
                  now - g.t0, reason)

@@ -47,6 +47,7 @@ class HostHeartbeat(msgspec.Struct, tag=True, omit_defaults=True):
     cores: str = ""  # the CPU cores (or devices) it owns, for display
     switching: bool = False  # applying an assignment right now
     restarts: int = 0  # times its rollout worker was restarted
+    ready: bool = True  # its rollout worker is up (heartbeating); a host is not placed until it is
 
 
 class HostAssignment(msgspec.Struct, tag=True, omit_defaults=True):

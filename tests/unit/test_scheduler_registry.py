@@ -54,7 +54,7 @@ def test_switch_reports_move_modes_costs_and_counts_only_for_the_current_epoch()
     assert reg.hosts["host-0"].mode == "train"
     reg.on_changed(HostModeChanged("host-0", "rollout", 1, 100.0, 102.0), 102.0)
     assert reg.hosts["host-0"].mode == "rollout" and reg.counts["lends"] == 1
-    assert reg.costs.lend_s == 0.7 * 1.0 + 0.3 * 2.0
+    assert reg.costs.lend_s == 2.0  # the first measurement replaces the 1 s prior
     reg.issued("host-0", "train", 2, 103.0)
     msg = reg.on_changed(HostModeChanged("host-0", "train", 2, 103.0, 103.1, ok=False, error="boom"), 103.1)
     assert "failed" in msg and not reg.hosts["host-0"].healthy and reg.counts["failed_switches"] == 1
@@ -99,3 +99,31 @@ def test_timeline_intervals_follow_activity():
     assert [iv.activity for iv in tl] == ["idle", "train", "idle"]
     f = fractions(tl, 101.0, 104.0)
     assert abs(f["train"] - 2 / 3) < 1e-9 and abs(f["idle"] - 1 / 3) < 1e-9
+
+
+def test_a_stale_waiting_heartbeat_after_a_granted_gate_still_counts_as_computing():
+    """The race seen live: the trainer's 'waiting' heartbeat of step 3 arrives after the gate of
+    step 4 was granted; lending host-0 then would take it from under a running step."""
+    reg = Registry()
+    reg.on_trainer(trainer("waiting"), 10.0)  # TrainerStatus.step == 3
+    reg.granted(4)
+    assert reg.trainer_view(10.5).state == "computing"
+    done = TrainerStatus("waiting", 4, 4, 0, 0, 0, 2, 4, 1.0, 0.5, 0.0)
+    reg.on_trainer(done, 11.0)
+    assert reg.trainer_view(11.0).state == "waiting"
+
+
+def test_the_first_measured_switch_replaces_the_configured_prior():
+    reg = Registry()
+    reg.on_heartbeat(hb("host-0", "train", tags=("train", "rollout")), 100.0)
+    reg.issued("host-0", "rollout", 1, 100.0)
+    reg.on_changed(HostModeChanged("host-0", "rollout", 1, 100.0, 100.02), 100.1)
+    assert abs(reg.costs.lend_s - 0.02) < 1e-6 and reg.costs.reclaim_s == 1.0
+
+
+def test_a_host_whose_worker_is_starting_is_not_placed():
+    reg = Registry()
+    reg.on_heartbeat(HostHeartbeat("host-1", ["rollout"], 1.0, "idle", 0, 0.0, "host-1-rollout", ready=False), 1.0)
+    assert reg.hosts["host-1"].view().healthy is False and reg.hosts["host-1"].healthy
+    notes = reg.on_heartbeat(HostHeartbeat("host-1", ["rollout"], 1.0, "idle", 0, 0.0, "host-1-rollout"), 2.0)
+    assert "worker up" in notes[0] and reg.hosts["host-1"].view().healthy
