@@ -41,7 +41,8 @@ def prepare_model(data: Path, log=print) -> Path:
 def run_demo(opts: StackOptions, rounds: int = 60, groups: int = 4, group_size: int = 8) -> int:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     samples = groups * group_size
-    opts.extra_env.update(SF_TRAJECTORY_MAX_STALENESS="2", SF_TRAJECTORY_BATCH_SAMPLES=str(samples))
+    # the trainer tells admission control its batch (sessions per version) in its consumer's metadata
+    opts.extra_env.update(SF_TRAJECTORY_MAX_STALENESS="2")
     stack = Stack(opts)
     log("starting the stack (the first start builds vLLM's and DeepSpeed's caches: a few minutes) ...")
     try:

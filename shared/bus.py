@@ -18,7 +18,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
+from nats.js.api import StreamConfig
 from nats.js.errors import NotFoundError
 
 from shared.codec import encode
@@ -81,20 +81,6 @@ async def publish_durable(
 ) -> None:
     """Publish to JetStream, de-duplicated by `msg_id` within the stream's window."""
     await js.publish(subject, encode(msg), timeout=timeout, headers={"Nats-Msg-Id": msg_id})
-
-
-async def durable_pull(
-    js: JetStreamContext, subject: str, durable: str, ack_wait: float = 60.0, max_deliver: int = 10
-) -> JetStreamContext.PullSubscription:
-    """A durable pull consumer with explicit ack and a bounded number of redeliveries."""
-    cfg = ConsumerConfig(
-        durable_name=durable,
-        ack_policy=AckPolicy.EXPLICIT,
-        deliver_policy=DeliverPolicy.ALL,
-        ack_wait=ack_wait,
-        max_deliver=max_deliver,
-    )
-    return await js.pull_subscribe(subject, durable=durable, config=cfg)
 
 
 async def last_value(js: JetStreamContext, stream: str, subject: str) -> bytes | None:

@@ -21,7 +21,6 @@ It does not know DeepSpeed, NATS or what a trajectory id means beyond a string.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -211,11 +210,3 @@ def empty_micro_batch(pad_id: int) -> MicroBatch:
     row = Row(Sample([pad_id, pad_id], [0, 0], [0.0, 0.0], [-1, -1]), 0.0, -1)
     return collate([row], pad_id)
 
-
-def staleness_histogram(batches: list[MicroBatch], current_version: int) -> dict[int, int]:
-    """How many loss tokens were sampled k versions ago (k = current_version - version)."""
-    hist: Counter[int] = Counter()
-    for mb in batches:
-        v = mb.versions[mb.loss_mask > 0]
-        hist.update((current_version - v).tolist())
-    return dict(sorted(hist.items()))

@@ -108,15 +108,17 @@ class TurnHandler:
             await emit(ChatDelta(rid, "", 0))
             try:
                 held = await self.store.renew_lease(rid, self.owner, LEASE_MS)
+                why = "another replica holds it"
+                renewed = time.monotonic() if held else renewed
             except Exception as e:  # a Redis hiccup: fine while the lease has not lapsed
                 held = time.monotonic() - renewed < LEASE_MS / 1000
-                log.warning("request %s: lease renewal failed (%s)%s", rid, e, "" if held else "; lease lapsed")
+                why = f"renewals failed until it lapsed ({e})"
+                log.warning("request %s: lease renewal failed: %s", rid, e)
             if not held:
-                log.warning("request %s: lease lost to another replica; stopping here", rid)
+                log.warning("request %s: lease lost (%s); stopping here", rid, why)
                 lease.lost = True
                 work.cancel()
                 return
-            renewed = time.monotonic()
 
     async def _handle(self, req: ChatRequest, emit: Emit, look: Lookup, lease: _Lease) -> ChatDone:
         rid = req.request_id

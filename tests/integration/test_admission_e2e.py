@@ -1,7 +1,8 @@
 """Staleness admission end to end (real NATS JetStream, Redis, vLLM-CPU): with
-max_staleness 0 and 2 samples per version, a third session waits (HTTP 429 with
-Retry-After) while two are open; a finished but untrained one still counts; once the
-trainer's durable consumer has taken it, sessions are admitted again."""
+max_staleness 0 and 2 sessions per version (declared in the trainer consumer's metadata), a
+third session waits (HTTP 429 with Retry-After) while two are open; a finished but untrained
+one still counts; once the trainer's durable consumer has taken it, sessions are admitted
+again. Before the trainer's consumer exists, the backlog is unknown: 503, not admission."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def test_sessions_wait_while_the_staleness_bound_is_reached(tmp_path, tiny_model
     nats_url = f"nats://127.0.0.1:{nats_port}"
     # its own Redis database: open sessions of other tests' stacks must not count here
     stack = make_stack(tmp_path, tiny_model, nats_url, redis_url.rsplit("/", 1)[0] + "/7", workers=1,
-                       extra_env={"SF_TRAJECTORY_MAX_STALENESS": "0", "SF_TRAJECTORY_BATCH_SAMPLES": "2"})
+                       extra_env={"SF_TRAJECTORY_MAX_STALENESS": "0"})
     try:
         asyncio.run(scenario(stack, nats_url))
     finally:
@@ -38,10 +39,16 @@ async def scenario(stack, nats_url: str) -> None:
     nc = await bus.connect(Connections(nats_url=nats_url), name="test-trainer")
     js = nc.jetstream()
     await bus.ensure_streams(js, subjects.STREAMS)
-    trainer = await bus.durable_pull(js, subjects.TRAJ_COMPLETED, "trainer")  # the trainer's consumer
     headers = {"Authorization": f"Bearer {stack.api_key}"}
     try:
         async with httpx.AsyncClient(base_url=stack.gateway_url, headers=headers, timeout=60) as http:
+            # no trainer consumer yet: the backlog is unknown, so nothing is admitted (fail closed)
+            unknown = await http.post("/sessions", json={})
+            assert unknown.status_code == 503 and "backlog" in unknown.json()["error"]["message"], unknown.text
+            # the trainer's consumer, as the trainer declares it: 2 sessions per version
+            await js.add_consumer(subjects.TRAJECTORIES_STREAM, subjects.trainer_consumer(subjects.TRAINER_DURABLE, 2))
+            trainer = await js.pull_subscribe(subjects.TRAJ_COMPLETED, durable=subjects.TRAINER_DURABLE,
+                                              stream=subjects.TRAJECTORIES_STREAM)
             a = (await http.post("/sessions", json={})).json()
             b = (await http.post("/sessions", json={})).json()
             refused = await http.post("/sessions", json={})

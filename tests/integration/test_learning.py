@@ -48,8 +48,7 @@ def test_mean_reward_rises(tmp_path, warm_model, nats_url, redis_url):
     nats_port = servers.free_port()
     nats = servers.start_nats(nats_port, tmp_path / "nats")
     stack = make_stack(tmp_path, warm_model, f"nats://127.0.0.1:{nats_port}", redis_url, workers=1,
-                       extra_env={"SF_TRAJECTORY_MAX_STALENESS": "2",
-                                  "SF_TRAJECTORY_BATCH_SAMPLES": str(GROUPS * GROUP_SIZE)})
+                       extra_env={"SF_TRAJECTORY_MAX_STALENESS": "2"})  # the trainer declares its batch
     try:
         stack.wait_ready(stack.spawn_trainer(group_size=GROUP_SIZE, groups_per_step=GROUPS, **TRAINER_SETTINGS))
         result = asyncio.run(run_rounds(stack, ROUNDS, GROUPS, GROUP_SIZE, seed=1))

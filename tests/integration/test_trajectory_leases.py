@@ -37,7 +37,7 @@ async def test_only_the_holder_renews_a_lease(store):
     assert await store.r.pttl(f"sf:req:{rid}:owner") <= 10_000
     assert await store.renew_lease(rid, "replica-a", 60_000)
     assert await store.r.pttl(f"sf:req:{rid}:owner") > 10_000
-    await store.drop_request(rid)
+    await store.drop_request(rid, "replica-a")
 
 
 async def test_a_resend_waits_for_a_live_replica_and_gets_its_result(store):
@@ -50,7 +50,7 @@ async def test_a_resend_waits_for_a_live_replica_and_gets_its_result(store):
             await asyncio.sleep(0.25)
             assert await store.renew_lease(rid, "replica-a", 1_000)
         await store.r.set(f"sf:done:{rid}", b"the result", ex=60)
-        await store.drop_request(rid)
+        await store.drop_request(rid, "replica-a")
 
     a = asyncio.create_task(replica_a_finishes())
     with pytest.raises(chat._FinishedElsewhere) as got:
@@ -67,7 +67,7 @@ async def test_a_resend_takes_over_when_the_holder_died(store):
     prompt, partial, turn_id = await asyncio.wait_for(h._resume(rid), 5)  # after a's lease lapses
     assert prompt.ids == [1, 2, 3] and partial.token_ids == [7, 8] and partial.segments[0].version == 3
     assert await store.r.get(f"sf:req:{rid}:owner") == h.owner.encode()
-    await store.drop_request(rid)
+    await store.drop_request(rid, h.owner)
 
 
 async def test_a_resend_gives_up_after_resume_wait(store):
@@ -76,4 +76,15 @@ async def test_a_resend_gives_up_after_resume_wait(store):
     with pytest.raises(TurnError) as e:
         await handler(store, resume_wait=0.5)._resume(rid)
     assert e.value.status == 409 and "still being served" in str(e.value)
-    await store.drop_request(rid)
+    await store.drop_request(rid, "replica-a")
+
+
+async def test_only_the_holder_drops_a_request(store):
+    # bug 1: a replica that lost the lease deleted the state its successor continues from
+    rid = "lease-drop"
+    assert await store.begin_request(rid, state(), "replica-a", 60_000)
+    await store.append_deltas(rid, [DeltaRecord("w0", True, 0, [7], [-0.5])])
+    assert not await store.drop_request(rid, "replica-b")
+    assert await store.load_request(rid) is not None
+    assert await store.drop_request(rid, "replica-a")
+    assert await store.load_request(rid) is None and await store.r.get(f"sf:req:{rid}:owner") is None

@@ -18,3 +18,25 @@ from shared.messages.chat import ChatDelta, ChatDone, ChatFailed, ToolCall, Usag
 def test_every_reply_kind_round_trips(reply):
     # msgspec cannot decode the ChatReply union itself (array_like and map Structs mixed).
     assert decode_reply(encode(reply)) == reply
+
+
+async def test_a_bad_worker_heartbeat_is_logged_once_and_a_good_one_is_kept(caplog):
+    # bug 5: a heartbeat that did not decode was dropped without a word
+    import logging
+    import time
+    import types
+
+    from services.gateway import service as gw_service
+    from services.gateway.config import GatewayConfig
+    from shared.config import Connections
+    from shared.messages.rollout import WorkerStatus
+
+    caplog.set_level(logging.DEBUG, logger=gw_service.log.name)
+    gw_service._warn.seen.clear()
+    gw = gw_service.Gateway(GatewayConfig(), Connections())
+    for _ in range(3):
+        await gw._on_worker_status(types.SimpleNamespace(subject="sf.rollout.status", data=b"\x93junk"))
+    good = WorkerStatus("w0", "serving", 0, 0, 4, "m", 64, time.time())
+    await gw._on_worker_status(types.SimpleNamespace(subject="sf.rollout.status", data=encode(good)))
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "bad worker status" in r.message]
+    assert len(warned) == 1 and [s.worker_id for s in gw.worker_table()] == ["w0"]

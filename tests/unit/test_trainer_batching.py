@@ -14,7 +14,6 @@ from services.trainer.batching import (
     empty_micro_batch,
     micro_batches,
     shard_rows,
-    staleness_histogram,
 )
 from shared.messages.trajectory import Sample, TrajectoryCompleted
 
@@ -117,11 +116,6 @@ def test_shard_rows_is_a_balanced_partition():
     loads = [sum(r.length for r in s) for s in shards]
     assert abs(loads[0] - loads[1]) <= 8
     assert shard_rows(rows, 0, 2) == shards[0]  # deterministic: every rank computes the same split
-
-
-def test_staleness_histogram_counts_loss_tokens_by_age():
-    rows = [Row(sample([1, 2], [3, 4], version=5), 0.0, 0), Row(sample([1], [3, 4, 5], version=3), 0.0, 1)]
-    assert staleness_histogram(micro_batches(rows, 64, PAD), current_version=6) == {1: 2, 3: 3}
 
 
 def test_empty_micro_batch_has_nothing_in_the_loss():

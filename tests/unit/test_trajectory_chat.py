@@ -1,0 +1,223 @@
+"""services/trajectory/chat.py: one agent turn, with the edges faked: Redis (an in-memory
+store with the same methods as store.py) and the rollout worker (`call`). The handler, the
+turn stream, the picker, generation and the record stay real, with the tiny model's tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from services.trajectory import chat
+from services.trajectory.chat import LeaseLost, TurnHandler
+from services.trajectory.config import TrajectoryConfig
+from services.trajectory.rendering import Renderer
+from services.trajectory.routing import WorkerTable
+from services.trajectory.store import DeltaRecord, InFlight, Lookup, SessionNotFound
+from shared.codec import decode
+from shared.messages import ChatDelta, ChatDone, ChatRequest, GenerateDone, Sampling, TokenDelta, WorkerStatus
+
+
+class FakeStore:
+    """store.Store's methods over dicts; leases are plain owner strings (no expiry)."""
+
+    def __init__(self):
+        self.sessions: dict[str, dict] = {}
+        self.seq: dict[str, int] = {}
+        self.requests: dict[str, InFlight] = {}
+        self.deltas: dict[str, list[DeltaRecord]] = {}
+        self.owners: dict[str, str] = {}
+        self.done_: dict[str, bytes] = {}
+        self.saved: list[tuple[str, object, str]] = []
+        self.renew_ok = True
+        self.n = 0
+
+    async def create_session(self, group_id="", metadata=None, anonymous=False):
+        self.n += 1
+        sid = f"sess-{self.n}"
+        self.sessions[sid] = {"status": "open", "anonymous": anonymous}
+        return sid
+
+    async def lookup(self, rid, sid):
+        if sid and sid not in self.sessions:
+            raise SessionNotFound(sid)
+        turn_id = -1
+        if sid:
+            self.seq[sid] = self.seq.get(sid, 0) + 1
+            turn_id = self.seq[sid] - 1
+        state = self.requests.get(rid)
+        return Lookup(self.done_.get(rid), state, dict(self.sessions[sid]) if sid else None, turn_id,
+                      state.session_id if state else sid)
+
+    async def find_turn(self, sid, keys):
+        return None
+
+    async def turns(self, sid):
+        return {}
+
+    async def begin_request(self, rid, state, owner, lease_ms):
+        if rid in self.requests:
+            return False
+        self.requests[rid], self.owners[rid], self.deltas[rid] = state, owner, []
+        return True
+
+    async def claim_request(self, rid, owner, lease_ms):
+        if self.owners.get(rid) not in (None, owner):
+            return False
+        self.owners[rid] = owner
+        return True
+
+    async def load_request(self, rid):
+        return (self.requests[rid], list(self.deltas.get(rid, []))) if rid in self.requests else None
+
+    async def done(self, rid):
+        return self.done_.get(rid)
+
+    async def renew_lease(self, rid, owner, lease_ms):
+        return self.renew_ok and self.owners.get(rid) == owner
+
+    async def append_deltas(self, rid, recs):
+        self.deltas.setdefault(rid, []).extend(recs)
+
+    async def drop_request(self, rid, owner):
+        if self.owners.get(rid) not in (None, owner):
+            return False
+        for d in (self.requests, self.deltas, self.owners):
+            d.pop(rid, None)
+        return True
+
+    async def save_turn(self, sid, turn, worker, result=b""):
+        self.saved.append((sid, turn, worker))
+        self.done_[turn.request_id] = result
+        for d in (self.requests, self.deltas, self.owners):
+            d.pop(turn.request_id, None)
+
+
+@pytest.fixture(scope="module")
+def renderer(tiny_model):
+    return Renderer.from_pretrained(str(tiny_model))
+
+
+def table() -> WorkerTable:
+    t = WorkerTable(stale_after=3600)
+    t.update(WorkerStatus("w0", "serving", 0, 0, 8, "m", 512, ts=time.time()))
+    return t
+
+
+def worker(renderer, text: str, delay: float = 0.0, calls: list | None = None):
+    """A rollout worker that sends `text` one token at a time, then stops (EOS)."""
+    ids = renderer.encode(text) + [renderer.eos_id]
+
+    async def call(w, cmd):
+        if calls is not None:
+            calls.append(cmd)
+        try:
+            for t in ids[len(cmd.prompt_ids) - len(calls[0].prompt_ids) if calls else 0:]:
+                await asyncio.sleep(delay)
+                yield TokenDelta(cmd.request_id, [t], [-0.5], 0)
+            yield GenerateDone(cmd.request_id, "stop", len(cmd.prompt_ids), 0, w)
+        finally:
+            if calls is not None:
+                calls.append("closed")
+
+    return call
+
+
+def request(rid: str, sid: str = "", **kw) -> ChatRequest:
+    return ChatRequest(rid, sid, "chat", "m", Sampling(max_tokens=64, temperature=0.0),
+                       messages=[{"role": "user", "content": "hi"}], **kw)
+
+
+async def run(h: TurnHandler, req: ChatRequest) -> tuple[ChatDone, list]:
+    sent: list = []
+
+    async def emit(m):
+        sent.append(m)
+
+    return await h.handle(req, emit), sent
+
+
+async def test_a_turn_streams_persists_and_records(renderer):
+    store = FakeStore()
+    sid = await store.create_session()
+    h = TurnHandler(TrajectoryConfig(worker_wait=2), store, renderer, table(), worker(renderer, "hello world"))
+    done, sent = await run(h, request("r1", sid))
+    text = "".join(m.text for m in sent if isinstance(m, ChatDelta))
+    assert done.text == text == "hello world" and done.finish_reason == "stop"
+    (saved_sid, turn, w), = store.saved
+    assert saved_sid == sid and w == "w0" and turn.reply == {"role": "assistant", "content": "hello world"}
+    assert decode(store.done_["r1"], ChatDone) == done
+
+
+async def test_deltas_reach_the_agent_whatever_the_retired_stream_field_says(renderer):
+    # bug 7: ChatRequest.stream was always True on the wire and its branches were dead; a request
+    # that does not set it (its default, False) must still stream when the agent streams
+    store = FakeStore()
+    sid = await store.create_session()
+    h = TurnHandler(TrajectoryConfig(worker_wait=2), store, renderer, table(), worker(renderer, "abc def"))
+    done, sent = await run(h, request("r7", sid, stream=False, agent_streams=True))
+    deltas = [m for m in sent if isinstance(m, ChatDelta) and m.text]
+    assert len(deltas) > 1 and "".join(d.text for d in deltas) == done.text == "abc def"
+
+
+async def test_a_resumed_anonymous_request_stays_in_the_session_it_began_in(renderer):
+    # bug 2: a request without a session that another replica resumes was recorded in a fresh session
+    store = FakeStore()
+    first = await store.create_session(anonymous=True)
+    prompt = renderer.prompt([{"role": "user", "content": "hi"}], [])
+    state = InFlight(first, 0, prompt, prompt, -1, [{"role": "user", "content": "hi"}])
+    assert await store.begin_request("r2", state, "dead-replica", 3000)
+    await store.append_deltas("r2", [DeltaRecord("w0", True, 0, renderer.encode("hello"), [-0.5])])
+    store.owners.pop("r2")  # the dead replica's lease lapsed
+    h = TurnHandler(TrajectoryConfig(worker_wait=2), store, renderer, table(), worker(renderer, " there"))
+    done, _ = await run(h, request("r2"))  # the gateway re-sends it, still without a session
+    assert done.session_id == first and [s for s, _, _ in store.saved] == [first]
+    assert len(store.sessions) == 1  # no stray session was created
+    assert done.text.startswith("hello")
+
+
+async def test_a_replica_that_loses_its_lease_stops_and_leaves_the_request_to_the_owner(renderer, monkeypatch):
+    # bug 1: the keepalive ignored renew_lease's False and the replica went on writing the request
+    monkeypatch.setattr(chat, "KEEPALIVE_INTERVAL", 0.05)
+    store = FakeStore()
+    sid = await store.create_session()
+    calls: list = []
+    h = TurnHandler(TrajectoryConfig(worker_wait=2), store, renderer, table(),
+                    worker(renderer, "a long answer " * 20, delay=0.02, calls=calls))
+    task = asyncio.create_task(run(h, request("r3", sid)))
+    while not store.deltas.get("r3"):
+        await asyncio.sleep(0.01)
+    store.owners["r3"] = "replica-b"  # another replica took the request over
+    with pytest.raises(LeaseLost):
+        await asyncio.wait_for(task, 5)
+    assert calls[-1] == "closed"  # the worker call was closed (service.py then sends abort)
+    assert store.saved == [] and "r3" in store.requests and store.owners["r3"] == "replica-b"
+
+
+async def test_renewal_errors_count_as_lost_once_the_lease_would_have_lapsed(renderer, monkeypatch):
+    monkeypatch.setattr(chat, "KEEPALIVE_INTERVAL", 0.05)
+    monkeypatch.setattr(chat, "LEASE_MS", 200)
+    store = FakeStore()
+
+    async def broken(*a):
+        raise ConnectionError("redis down")
+
+    store.renew_lease = broken
+    sid = await store.create_session()
+    h = TurnHandler(TrajectoryConfig(worker_wait=2), store, renderer, table(), worker(renderer, "slow " * 50, delay=0.02))
+    with pytest.raises(LeaseLost):
+        await asyncio.wait_for(run(h, request("r4", sid)), 5)
+
+
+async def test_unknown_session_is_404_and_finished_session_is_409(renderer):
+    store = FakeStore()
+    h = TurnHandler(TrajectoryConfig(worker_wait=2), store, renderer, table(), worker(renderer, "x"))
+    with pytest.raises(chat.TurnError) as e:
+        await run(h, request("r5", "sess-nope"))
+    assert e.value.status == 404
+    sid = await store.create_session()
+    store.sessions[sid]["status"] = "finished"
+    with pytest.raises(chat.TurnError) as e:
+        await run(h, request("r6", sid))
+    assert e.value.status == 409

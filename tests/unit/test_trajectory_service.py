@@ -1,0 +1,103 @@
+"""services/trajectory/service.py with NATS faked at the edge: the admission backlog fails
+closed, and best-effort failures are logged once per cause (not swallowed)."""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+
+from services.trajectory import service as svc_mod
+from services.trajectory.config import TrajectoryConfig
+from services.trajectory.service import TrajectoryService
+from services.trajectory.sessions import SessionOps
+from shared import subjects
+from shared.admission import Admission, Backlog, BacklogUnknown
+from shared.codec import encode
+from shared.config import Connections
+from shared.messages import Generate, Sampling, SessionRequest, TokenDelta
+
+
+class JS:
+    def __init__(self, info=None, error: Exception | None = None):
+        self.info, self.error, self.asked = info, error, []
+
+    async def consumer_info(self, stream, durable, timeout):
+        self.asked.append((stream, durable))
+        if self.error:
+            raise self.error
+        return self.info
+
+
+def service(js) -> TrajectoryService:
+    s = TrajectoryService(TrajectoryConfig(), Connections())
+    s.js = js
+    return s
+
+
+async def test_the_backlog_comes_from_the_trainer_consumer_and_its_metadata():
+    cfg = subjects.trainer_consumer(subjects.TRAINER_DURABLE, sessions_per_version=12)
+    js = JS(types.SimpleNamespace(num_pending=5, config=cfg))
+    assert await service(js)._backlog() == Backlog(untrained=5, per_version=12)
+    assert js.asked == [(subjects.TRAJECTORIES_STREAM, subjects.TRAINER_DURABLE)]
+
+
+@pytest.mark.parametrize("js", [
+    JS(error=TimeoutError("nats timeout")),  # bug 4: any error used to count as an empty backlog
+    JS(types.SimpleNamespace(num_pending=0, config=subjects.ConsumerConfig(durable_name="trainer"))),  # no batch size
+])
+async def test_an_unknown_backlog_is_refused_and_logged(js, caplog):
+    caplog.set_level(logging.WARNING, logger="sf.trajectory")
+    svc_mod._warn.seen.clear()
+    with pytest.raises(BacklogUnknown):
+        await service(js)._backlog()
+    assert any("admission refuses sessions" in r.message for r in caplog.records)
+
+
+async def test_session_create_answers_503_when_the_backlog_is_unknown():
+    class Store:
+        async def count_open(self, newer_than):
+            return 0
+
+    async def unknown():
+        raise BacklogUnknown("consumer 'trainer': TimeoutError")
+
+    ops = SessionOps(Store(), None, Admission(0), 3600, lambda: 0, unknown)
+    reply = await ops.create(SessionRequest("create"))
+    assert reply.status == 503 and "backlog" in reply.message
+
+
+class FakeNC:
+    """Replies to a Generate with one token; publishing the abort fails (bug 5: it was swallowed)."""
+
+    is_connected = True
+
+    def __init__(self):
+        self.cb = None
+
+    def new_inbox(self):
+        return "_INBOX.t"
+
+    async def subscribe(self, subject, cb):
+        self.cb = cb
+
+    async def publish(self, subject, payload, reply=None):
+        if subject.startswith("sf.rollout.ctl."):
+            raise ConnectionError("connection closed")
+        msg = types.SimpleNamespace(subject=reply, data=encode(TokenDelta("r.0", [1], [0.0], 0)), headers=None)
+        await self.cb(msg)
+
+
+async def test_a_failed_abort_is_logged_once_per_cause(caplog):
+    caplog.set_level(logging.DEBUG, logger="sf.trajectory")
+    svc_mod._warn.seen.clear()
+    s = service(None)
+    s.nc = FakeNC()
+    for _ in range(2):  # the agent leaves after the first token, twice
+        replies = s._call("w0", Generate("r.0", [1, 2], Sampling()))
+        assert isinstance(await replies.__anext__(), TokenDelta)
+        await replies.aclose()
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "abort of r.0" in r.message]
+    assert len(warned) == 1 and "connection closed" in warned[0].message
+    assert s.table.inflight["w0"] == 0
