@@ -7,6 +7,11 @@
 
 No queue group on the gen subject: the trajectory manager picks the worker. The
 worker holds no session state; everything it needs is in each Generate.
+
+Under the tag scheduler (services/scheduler/host.py) a worker starts vacated
+(`start_vacated`) and its host agent moves it with vacate (scheduled), sleep (keep for a
+colocated train phase), wake, load and resume. The weight follower never loads into a
+sleeping engine: the scheduler's lend sequence loads explicitly (wake, load, resume).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from nats.aio.msg import Msg
 
 from shared.checkpoint import CheckpointError
 from services.rollout.config import RolloutConfig, served_name
-from services.rollout.engine import Engine, EngineDead, EngineError
+from services.rollout.engine import Engine, EngineAsleep, EngineDead, EngineError
 from shared import bus, subjects
 from shared.codec import decode, encode
 from shared.config import Connections
@@ -62,6 +67,8 @@ class RolloutService:
         self._admit = asyncio.Event()  # cleared while a drain-policy update holds new requests
         self._admit.set()
         self._rejected: set[int] = set()  # published versions whose checkpoint failed the checks
+        self.lent_until = 0.0  # wall clock: when the scheduler expects to reclaim this worker (0 = not lent)
+        self._scheduled_vacate = False  # the vacate in force is the scheduler's: its preemptions say so
 
     async def run(self, quit: asyncio.Event) -> int:
         """Serve until `quit` is set or the engine dies; returns the process exit code."""
@@ -113,6 +120,8 @@ class RolloutService:
             return "paused"
         if e.updating:
             return "updating"
+        if e.sleeping:
+            return "sleeping"
         return "vacated" if e.vacated else "serving"
 
     def status(self) -> WorkerStatus:
@@ -127,6 +136,7 @@ class RolloutService:
             ts=time.time(),
             host=self.cfg.host,
             generated_tokens=self.generated_tokens,
+            lent_until=self.lent_until,
         )
 
     async def _publish_status(self) -> None:
@@ -199,12 +209,14 @@ class RolloutService:
                   time.monotonic() - t0, version)
         if finish == "error" and not code:
             code = "internal"  # a timeout, an unexpected exception, a dead engine: not the caller's fault
-        await self._send(reply, self._done(rid, finish, n, version, error, code))
+        # preempted by the scheduler's vacate: the caller re-dispatches without counting a failure
+        scheduled = finish == "preempted" and not error and self._scheduled_vacate and self.engine.vacated
+        await self._send(reply, self._done(rid, finish, n, version, error, code, scheduled))
 
     def _done(self, rid: str, finish: FinishReason, n: int, version: int | None = None,
-              error: str = "", code: ErrorCode = "") -> GenerateDone:
+              error: str = "", code: ErrorCode = "", scheduled: bool = False) -> GenerateDone:
         version = self.engine.version if version is None else version
-        return GenerateDone(rid, finish, n, version, self.cfg.worker_id, error, code)
+        return GenerateDone(rid, finish, n, version, self.cfg.worker_id, error, code, scheduled)
 
     # -- control --------------------------------------------------------------------------------
 
@@ -230,6 +242,8 @@ class RolloutService:
             except EngineDead as e:
                 log.error("engine dead after %s: %s; exiting", ctl.op, e)
                 self._quit.set()
+            except EngineAsleep as e:
+                log.warning("control %s refused: %s", ctl.op, e)
             except Exception:
                 log.exception("control %s failed", ctl.op)
         if msg.reply:
@@ -245,11 +259,19 @@ class RolloutService:
                 if task is not None:
                     await asyncio.wait([task], timeout=CONTROL_WAIT)
             case "vacate":
-                await self.engine.pause_abort_all()
-                if self.tasks:
-                    await asyncio.wait(list(self.tasks.values()), timeout=CONTROL_WAIT)
+                await self._vacate(ctl.scheduled)
             case "resume":
                 await self.engine.resume()
+                self._scheduled_vacate = False
+                self.lent_until = ctl.lent_until
+            case "sleep":
+                if not ctl.keep and not self.engine.vacated:
+                    await self._vacate(ctl.scheduled)
+                self.lent_until = 0.0
+                await self.engine.sleep(keep=ctl.keep)
+            case "wake":
+                await self.engine.wake()
+                self.lent_until = ctl.lent_until
             case "load":
                 if ctl.version == self.engine.version:
                     log.info("version %d is already loaded", ctl.version)
@@ -258,13 +280,26 @@ class RolloutService:
                 await self.engine.load_weights(ctl.path, ctl.version)
                 log.info("loaded version %d from %s in %.2fs", ctl.version, ctl.path, time.monotonic() - t0)
 
+    async def _vacate(self, scheduled: bool) -> None:
+        # 1. take no new work, and say so before anything waits: routers stop sending at once
+        # (pause_abort_all sets the flag as well; setting it here makes the order explicit)
+        self._scheduled_vacate = scheduled
+        self.lent_until = 0.0
+        self.engine.vacated = True
+        await self._publish_status()
+        # 2. end what is in flight ("preempted", with every token so far); never behind a weight load
+        await self.engine.pause_abort_all()
+        # 3. the reply goes once their GenerateDone are sent (bounded)
+        if self.tasks:
+            await asyncio.wait(list(self.tasks.values()), timeout=CONTROL_WAIT)
+
     # -- weights --------------------------------------------------------------------------------
 
     async def _on_newest_weights(self, cur: WeightsPublished) -> None:
         """Load each newly published version (shared/weightfollow.py: pushed, and polled so a
         worker that starts late or misses versions jumps to the newest one)."""
         if (cur.version > self.engine.version and cur.version not in self._rejected
-                and not self.engine.dead and not self.closing):
+                and not self.engine.dead and not self.closing and not self.engine.sleeping):
             await self._update(cur)
 
     async def _update(self, ev: WeightsPublished) -> None:
@@ -280,6 +315,8 @@ class RolloutService:
         except EngineDead as e:
             log.error("engine dead loading version %d: %s; exiting", ev.version, e)
             self._quit.set()
+        except EngineAsleep:  # it went to sleep meanwhile; the scheduler's lend loads the newest version
+            log.info("version %d not loaded: the engine sleeps", ev.version)
         finally:
             self._admit.set()
             await self._publish_status()
