@@ -6,6 +6,7 @@
     seamlessflow export --out trajectories.jsonl
     seamlessflow workers list | vacate ID | resume ID
     seamlessflow weights publish DIR | list
+    seamlessflow plan --hosts N [--calibration decode-heavy|train-heavy] [--steps 200]   (SIMULATED)
     seamlessflow up --policy seamless --hosts train+rollout,rollout --train
     seamlessflow hosts list | cordon ID | uncordon ID | policy NAME
     seamlessflow timeline --out timeline.json
@@ -270,6 +271,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path("timeline.json"))
     p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs (for its URLs)")
     p.set_defaults(fn=cmd_timeline)
+
+    from seamlessflow import plan
+
+    plan.add_parser(sub)
 
     a = ap.parse_args(argv)
     a.fn(a)

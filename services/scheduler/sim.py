@@ -245,6 +245,8 @@ class Simulator:
         ones) at a time; admit() is monotone in the open count, so bisect instead of looping."""
         wl, w = self.wl, self.w
         backlog = Backlog(self.untrained, self.B)
+        if not self.free_slots or not self.adm.admit(self.open, backlog):
+            return
         lo, hi = 0, len(self.free_slots)  # admit() holds before each of the first n sessions
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -394,6 +396,8 @@ class Simulator:
         self.untrained += len(done) * self.w
 
     def _wake_tools(self) -> None:
+        if self.wl.turns == 1:
+            return
         woke = np.nonzero((self.s_state == TOOL) & (self.s_ready <= self.t))[0]
         if len(woke):
             self.s_state[woke] = QUEUED
@@ -401,8 +405,15 @@ class Simulator:
     # -- the trainer -------------------------------------------------------------------------
 
     def _trainer(self) -> None:
+        """waiting -> ready (a batch of complete groups) -> computing (the gate is open) ->
+        publishing -> waiting; as many transitions as are due now."""
+        while self._trainer_once():
+            pass
+
+    def _trainer_once(self) -> bool:
         if self.tstate == "waiting" and self.available >= self.B:
             self._set_trainer("ready")
+            return True
         if self.tstate == "ready" and P.gate_open(self.snapshot()):
             per_step = self.wl.groups_per_step // self.w
             self.batch = [self.complete.popleft() for _ in range(per_step)]
@@ -410,10 +421,12 @@ class Simulator:
             tokens = sum(b[1] for b in self.batch) * self.w
             self.tr_end = self.t + tokens * self.cal.train_s_per_token / self.pool_cap
             self._set_trainer("computing")
-        elif self.tstate == "computing" and self.t >= self.tr_end - 1e-12:
+            return True
+        if self.tstate == "computing" and self.t >= self.tr_end - 1e-12:
             self.tr_end = self.t + self.cal.weight_sync_s
             self._set_trainer("publishing")
-        elif self.tstate == "publishing" and self.t >= self.tr_end - 1e-12:
+            return True
+        if self.tstate == "publishing" and self.t >= self.tr_end - 1e-12:
             self.tr_end = math.inf
             for n_s, tokens, gen, v0sum, v0min in self.batch:  # staleness: versions since the oldest token
                 self.tot.trained_tokens += tokens * self.w
@@ -431,7 +444,8 @@ class Simulator:
             self._set_trainer("waiting")
             if self.opt.progress:
                 self.opt.progress(self.step)
-            self._trainer()
+            return self.step < self.opt.steps
+        return False
 
     def _set_trainer(self, state: str) -> None:
         # decide() reads the trainer's state only through wants_hosts (and the lend verdict

@@ -1,0 +1,174 @@
+"""Pipeline benchmark on SIMULATED clusters: the three placement policies side by side.
+
+    .venv/bin/python bench/pipeline.py [--steps 30] [--sweep-steps 10] [--out var/bench/pipeline]
+
+No GPU and no model: services/scheduler/sim.py drives the scheduler's own policy module
+(services/scheduler/policy.py) in virtual time on calibrated 8-accelerator hosts
+(docs/capacity-planning.md). Every figure here is simulated.
+
+One run measures, on the same workload and cluster for every policy:
+1. side by side at 16 and 64 hosts (decode-heavy, long tail), at the split where seamless
+   does best: trained tokens/s and its fraction of the physical limit, idle (per host and
+   overall), staleness, trainer wait, lends/reclaims, time switching, re-prefilled tokens;
+   Gantt PNGs of every host's timeline (16 hosts), one per policy;
+2. the split sweep: disaggregated against seamless at every train/rollout split (16 hosts)
+   and on a grid (64 hosts);
+3. a fixed-split case: the train pool fixed (by memory) at half of 64 hosts, where
+   disaggregated leaves the trainer waiting >= 40% of the time;
+4. the train-heavy calibration at 8-accelerator granularity: seamless against the best
+   static split;
+5. the planner's time bound (4,096 hosts x 1,000 steps);
+and prints the goals as ratios (markdown), writing results.json and the PNGs under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from seamlessflow.plan import POLICIES, plot_sweep, run, sized, splits  # noqa: E402
+from services.scheduler.sim_workload import CALIBRATIONS, WORKLOADS  # noqa: E402
+
+COLORS = {"train": "#d62728", "rollout": "#2ca02c", "switch": "#ff7f0e", "idle": "#c7c7c7"}
+
+
+def gantt(result, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    fig, ax = plt.subplots(figsize=(11, 0.3 * result.hosts + 1.2))
+    by = {}
+    for h, a, b, act in result.timeline:
+        by.setdefault(act, []).append((h, a, b))
+    for act, spans in by.items():
+        for h, a, b in spans:
+            ax.broken_barh([(a, b - a)], (h - 0.4, 0.8), color=COLORS[act], linewidth=0)
+    ax.set_ylim(-0.6, result.hosts - 0.4)
+    ax.invert_yaxis()
+    ax.set_xlabel("virtual seconds (SIMULATED)")
+    ax.set_ylabel("host")
+    ax.set_title(title)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper right", ncol=4, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def sweep(hosts, cal, wl, steps, grid):
+    rows = []
+    for t in grid:
+        rows.append({"train_hosts": t, **{p: run(p, hosts, t, cal, wl, steps).trained_tokens_per_s
+                                          for p in ("disaggregated", "seamless")}})
+    return rows
+
+
+def side_by_side(hosts, split, cal, wl, steps, out: Path | None):
+    res = {}
+    for p in POLICIES:
+        r = run(p, hosts, split, cal, wl, steps, timeline=out is not None)
+        if out is not None:
+            gantt(r, out / f"gantt-{hosts}-{p}.png", f"{p}: {hosts} hosts, split {split}, {cal.name} (SIMULATED)")
+        res[p] = r.row() | {"idle_per_host": [round(x, 4) for x in r.idle_per_host]}
+    return res
+
+
+def md_policies(title, res) -> str:
+    lines = [f"**{title}**", "", "| policy | trained tok/s | of limit | idle (max host) | staleness mean / max | "
+             "trainer wait | lends / reclaims | switching s | re-prefilled |", "|---|---|---|---|---|---|---|---|---|"]
+    for p, r in res.items():
+        lines.append(f"| {p} | {r['trained_tok_s']:,} | {r['limit_fraction']:.1%} | {r['idle']:.1%} "
+                     f"({r['idle_host_max']:.1%}) | {r['staleness_mean']:.2f} / {r['staleness_max']} | "
+                     f"{r['trainer_wait']:.1%} | {r['lends']} / {r['reclaims']} | {r['switch_s']:,} | "
+                     f"{r['reprefill_fraction']:.2%} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--sweep-steps", type=int, default=10)
+    ap.add_argument("--out", type=Path, default=Path("var/bench/pipeline"))
+    ap.add_argument("--skip-scale", action="store_true", help="skip the 4,096-host time bound")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    t_all = time.perf_counter()
+    dh, th = CALIBRATIONS["decode-heavy"], CALIBRATIONS["train-heavy"]
+    report: dict = {}
+    md: list[str] = ["SIMULATED (services/scheduler/sim.py driving services/scheduler/policy.py); "
+                     f"`.venv/bin/python bench/pipeline.py --steps {a.steps} --sweep-steps {a.sweep_steps}`", ""]
+
+    # 1 + 2: sweeps, then the three policies at seamless's best split
+    for hosts in (16, 64):
+        wl = sized(WORKLOADS["long-tail"], dh, hosts, fill=1.0)
+        grid = list(range(1, hosts)) if hosts <= 16 else splits(hosts, 8)
+        sw = sweep(hosts, dh, wl, a.sweep_steps, grid)
+        plot_sweep(sw, a.out / f"sweep-{hosts}.png", f"{hosts} hosts, decode-heavy, long tail (SIMULATED)")
+        best = max(sw, key=lambda r: r["seamless"])["train_hosts"]
+        res = side_by_side(hosts, best, dh, wl, a.steps, a.out if hosts == 16 else None)
+        report[f"long-tail-{hosts}"] = {"sweep": sw, "split": best, "policies": res}
+        md += [md_policies(f"{hosts} hosts, decode-heavy, long tail, split {best} train / {hosts - best} rollout", res), ""]
+        md += ["| train hosts | " + " | ".join(str(r["train_hosts"]) for r in sw) + " |",
+               "|---|" + "---|" * len(sw),
+               "| seamless / disaggregated | " + " | ".join(f"{r['seamless'] / r['disaggregated']:.3f}" for r in sw)
+               + " |", ""]
+
+    # 3: fixed split: train pool = half the hosts (memory), training fast next to rollout
+    wl64 = sized(WORKLOADS["long-tail"], dh, 64, fill=1.0)
+    fixed = {p: run(p, 64, 32, dh, wl64, a.steps).row() for p in ("disaggregated", "seamless")}
+    report["fixed-split"] = fixed
+    md += [md_policies("fixed split: 64 hosts, 32 train (fixed by memory), decode-heavy, long tail", fixed), ""]
+
+    # 4: train-heavy at 8-accelerator granularity: best static split vs seamless's best
+    wl16 = sized(WORKLOADS["long-tail"], th, 16, fill=1.0)
+    sw_th = sweep(16, th, wl16, a.sweep_steps, list(range(1, 16)))
+    plot_sweep(sw_th, a.out / "sweep-16-train-heavy.png", "16 hosts, train-heavy, long tail (SIMULATED)")
+    report["train-heavy-16"] = sw_th
+
+    # 5: the planner's time bound
+    if not a.skip_scale:
+        t0 = time.perf_counter()
+        wl4k = sized(WORKLOADS["long-tail"], dh, 4096, fill=1.0)
+        big = run("seamless", 4096, 2048, dh, wl4k, 1000).row()
+        report["scale"] = {"seconds": time.perf_counter() - t0, "result": big}
+
+    # goals, as ratios measured in this run
+    lt64 = report["long-tail-64"]
+    g = []
+    r1 = lt64["policies"]["seamless"]["trained_tok_s"] / lt64["policies"]["colocated"]["trained_tok_s"]
+    g.append(("seamless / colocated-sync, long tail, 64 hosts, recommended split", r1, 2.0, ">="))
+    worst = min(min(r["seamless"] / r["disaggregated"] for r in report[k]["sweep"]) for k in ("long-tail-16", "long-tail-64"))
+    g.append(("seamless / disaggregated, worst split (16 and 64 hosts)", worst, 0.99, ">="))
+    g.append(("seamless / disaggregated, fixed split", fixed["seamless"]["trained_tok_s"] / fixed["disaggregated"]["trained_tok_s"], 1.2, ">="))
+    g.append(("(fixed split: disaggregated trainer wait)", fixed["disaggregated"]["trainer_wait"], 0.40, ">="))
+    g.append(("seamless best / best static split, train-heavy, 16 hosts",
+              max(r["seamless"] for r in sw_th) / max(r["disaggregated"] for r in sw_th), 1.15, ">="))
+    g.append(("fixed split, seamless overall idle", fixed["seamless"]["idle"], 0.05, "<"))
+    g.append(("fixed split, seamless fraction of physical limit", fixed["seamless"]["limit_fraction"], 0.90, ">="))
+    rp = max(lt64["policies"]["seamless"]["reprefill_fraction"], fixed["seamless"]["reprefill_fraction"],
+             report["long-tail-16"]["policies"]["seamless"]["reprefill_fraction"])
+    g.append(("re-prefilled / generated tokens, seamless (worst of the runs above)", rp, 0.02, "<"))
+    if "scale" in report:
+        g.append(("4,096 hosts x 1,000 steps (seamless, one policy), seconds", report["scale"]["seconds"], 60.0, "<"))
+    md += ["**Goals** (ratios from this run)", "", "| goal | measured | target | met | by |", "|---|---|---|---|---|"]
+    for name, v, target, op in g:
+        ok = v >= target if op == ">=" else v < target
+        md.append(f"| {name} | {v:.3f} | {op} {target:g} | {'yes' if ok else 'NO'} | "
+                  f"{(v / target - 1) * 100:+.1f}% |")
+    report["goals"] = [{"goal": n, "measured": v, "target": t, "op": o} for n, v, t, o in g]
+    report["seconds"] = time.perf_counter() - t_all
+    (a.out / "results.json").write_text(json.dumps(report, indent=1))
+    print("\n".join(md))
+    print(f"\n{report['seconds']:.0f} s; results and PNGs in {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""`seamlessflow plan`: capacity planning on a SIMULATED cluster, before a GPU is spent.
+
+    seamlessflow plan --hosts 64 [--calibration decode-heavy] [--workload long-tail] [--steps 200]
+                      [--train-hosts N] [--out var/plan]
+    seamlessflow plan --hosts 4096 --steps 1000          # the scale bound: under 60 s here
+
+It sweeps the train/rollout split (disaggregated against seamless, short runs), picks the
+split where seamless trains the most tokens/s, tries the lending threshold (lend_margin)
+there, then runs all three policies at that split for `--steps` steps and prints trained
+tokens/s, its fraction of the physical limit, idle and staleness for each. It writes the
+sweep as a PNG and the results as JSON under --out.
+
+Every figure comes from services/scheduler/sim.py, which drives the scheduler's own policy
+module in virtual time; none is measured on hardware. Large clusters are simulated with
+session replicas and host groups (see sim.py); the table says which were used.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from services.scheduler.sim import Cluster, simulate
+from services.scheduler.sim_result import Result
+from services.scheduler.sim_workload import CALIBRATIONS, WORKLOADS, Calibration, Workload
+
+POLICIES = ("colocated", "disaggregated", "seamless")
+MAX_SIM_HOSTS = 128  # above this, hosts are simulated in identical groups
+MAX_SIM_SESSIONS = 8192  # above this, each simulated session stands for several
+
+
+def sized(wl: Workload, cal: Calibration, hosts: int, fill: float = 0.5) -> Workload:
+    """The workload with a batch that can keep `hosts` busy: batch ~ fill x all slots."""
+    groups = max(1, round(hosts * cal.max_seqs * fill / wl.group_size))
+    return replace(wl, groups_per_step=groups)
+
+
+def scale_factors(hosts: int, train_hosts: int, wl: Workload) -> tuple[int, int]:
+    """(replicas, host_group) that keep the simulation small; (1, 1) is exact."""
+    m = 1
+    while hosts // m > MAX_SIM_HOSTS and hosts % (2 * m) == 0 and train_hosts % (2 * m) == 0:
+        m *= 2
+    w = 1
+    sessions = (max(wl.max_staleness, 0) + 1) * wl.batch_samples
+    while sessions // w > MAX_SIM_SESSIONS and wl.groups_per_step % (2 * w) == 0:
+        w *= 2
+    return w, m
+
+
+def run(policy: str, hosts: int, train_hosts: int, cal: Calibration, wl: Workload, steps: int,
+        seed: int = 0, lend_margin: float = 1.5, timeline: bool = False, dt: float | None = None,
+        exact: bool = False, progress=None, pool_only_train: bool = False) -> Result:
+    """One policy on one cluster. colocated is verl-style synchronous: max_staleness 0, every host trains."""
+    if policy == "colocated":
+        wl = replace(wl, max_staleness=0)
+    w, m = (1, 1) if exact else scale_factors(hosts, train_hosts, wl)
+    if dt is None:  # the control tick, as a fraction of a mean turn (control events cut ticks exactly)
+        turn_s = wl.mean_length() * cal.step_s(cal.max_seqs)
+        dt = max(0.01, turn_s / (20 if hosts > 256 else 100))
+    return simulate(Cluster.uniform(hosts, train_hosts, pool_only_train), cal, wl, policy, steps=steps, seed=seed,
+                    dt=dt, lend_margin=lend_margin, replicas=w, host_group=m, timeline=timeline, progress=progress)
+
+
+def splits(hosts: int, points: int = 12) -> list[int]:
+    """Train-pool sizes to sweep: every split on small clusters, an even grid on large ones."""
+    if hosts - 1 <= points:
+        return list(range(1, hosts))
+    _, m = scale_factors(hosts, 0, WORKLOADS["long-tail"])
+    step = max(m, (hosts // points) // m * m)
+    return list(range(step, hosts, step))
+
+
+@dataclass
+class Plan:
+    hosts: int
+    calibration: str
+    workload: str
+    split: int
+    lend_margin: float
+    sweep: list[dict]
+    margins: list[dict]
+    results: list[dict]
+    seconds: float
+
+
+def plan(hosts: int, cal: Calibration, wl: Workload, steps: int, sweep_steps: int = 20,
+         train_hosts: int | None = None, margins=(1.0, 1.5, 3.0), progress=None, workload_name: str = "") -> Plan:
+    t0 = time.perf_counter()
+    sweep: list[dict] = []
+    grid = [train_hosts] if train_hosts else splits(hosts)
+    tick = progress or (lambda *a, **k: None)
+    for t in grid:
+        row = {"train_hosts": t}
+        for pol in ("disaggregated", "seamless"):
+            row[pol] = run(pol, hosts, t, cal, wl, sweep_steps).trained_tokens_per_s
+            tick("sweep", 1)
+        sweep.append(row)
+    best = max(sweep, key=lambda r: r["seamless"])["train_hosts"]
+    tried = []
+    for mg in margins:
+        tried.append({"lend_margin": mg,
+                      "seamless": run("seamless", hosts, best, cal, wl, sweep_steps, lend_margin=mg).trained_tokens_per_s})
+        tick("margin", 1)
+    margin = max(tried, key=lambda r: r["seamless"])["lend_margin"]
+    results = []
+    for pol in POLICIES:
+        done = [0]
+
+        def on_step(k, pol=pol):
+            tick(pol, k - done[0])
+            done[0] = k
+        r = run(pol, hosts, best, cal, wl, steps, lend_margin=margin, progress=on_step)
+        results.append(r.row())
+    return Plan(hosts, cal.name, workload_name, best, margin, sweep, tried, results, time.perf_counter() - t0)
+
+
+def table(p: Plan) -> str:
+    lines = [f"SIMULATED plan: {p.hosts} hosts ({p.calibration}, workload {p.workload}); recommended split "
+             f"{p.split} train / {p.hosts - p.split} rollout, lend_margin {p.lend_margin:g}; {p.seconds:.1f} s",
+             "", "| policy | trained tok/s | of physical limit | idle | max host idle | staleness mean / max | "
+             "trainer wait | lends / reclaims | re-prefilled |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in p.results:
+        lines.append(f"| {r['policy']} | {r['trained_tok_s']:,} | {r['limit_fraction']:.1%} | {r['idle']:.1%} | "
+                     f"{r['idle_host_max']:.1%} | {r['staleness_mean']:.2f} / {r['staleness_max']} | "
+                     f"{r['trainer_wait']:.1%} | {r['lends']} / {r['reclaims']} | {r['reprefill_fraction']:.2%} |")
+    return "\n".join(lines)
+
+
+def plot_sweep(sweep: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [r["train_hosts"] for r in sweep]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for pol in ("disaggregated", "seamless"):
+        ax.plot(x, [r[pol] for r in sweep], marker="o", label=pol)
+    ax.set_xlabel("train hosts (the rest roll out)")
+    ax.set_ylabel("trained tokens/s (SIMULATED)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cmd_plan(a) -> None:
+    from rich.progress import Progress
+
+    cal = CALIBRATIONS[a.calibration]
+    wl = sized(WORKLOADS[a.workload], cal, a.hosts)
+    grid = [a.train_hosts] if a.train_hosts else splits(a.hosts)
+    total = 2 * len(grid) + 3 + 3 * a.steps
+    with Progress() as bar:
+        task = bar.add_task(f"simulating {a.hosts} hosts", total=total)
+        p = plan(a.hosts, cal, wl, a.steps, a.sweep_steps, a.train_hosts,
+                 progress=lambda what, k: bar.update(task, advance=k, description=f"simulating: {what}"),
+                 workload_name=a.workload)
+    print(table(p))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_sweep(p.sweep, out / "sweep.png", f"{a.hosts} hosts, {cal.name}, {a.workload} (SIMULATED)")
+    (out / "plan.json").write_text(json.dumps(asdict(p), indent=1))
+    print(f"\nsweep: {out / 'sweep.png'}   results: {out / 'plan.json'}")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="capacity planner: expected throughput, idle and staleness per policy on a "
+                                    "SIMULATED cluster; recommends the split and the lending threshold")
+    p.add_argument("--hosts", type=int, default=64, help="8-accelerator hosts, all tagged {train, rollout}")
+    p.add_argument("--train-hosts", type=int, default=0, help="fix the train pool (default: sweep and recommend)")
+    p.add_argument("--calibration", default="decode-heavy", choices=sorted(CALIBRATIONS))
+    p.add_argument("--workload", default="long-tail", choices=sorted(WORKLOADS))
+    p.add_argument("--steps", type=int, default=200, help="trainer steps per policy at the recommended split")
+    p.add_argument("--sweep-steps", type=int, default=20, help="trainer steps per point of the split sweep")
+    p.add_argument("--out", default="var/plan")
+    p.set_defaults(fn=cmd_plan)

@@ -1,0 +1,85 @@
+"""The SIMULATED cluster (services/scheduler/sim.py): conservation, a case computed by hand,
+determinism, and that it runs the real policy module (a policy change changes the outcome)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from services.scheduler import policy
+from services.scheduler.sim import Cluster, simulate
+from services.scheduler.sim_workload import CALIBRATIONS, Calibration, Workload
+
+SMALL = Workload(group_size=4, groups_per_step=8, prompt_tokens=64, length_median=200, length_sigma=1.0,
+                 length_cap=2000, max_staleness=1)
+CAL = CALIBRATIONS["live-mini"]
+
+
+def test_tokens_and_time_are_conserved():
+    for pol in ("colocated", "disaggregated", "seamless"):
+        r = simulate(Cluster.uniform(4, 1), CAL, SMALL, pol, steps=6, seed=3)
+        assert r.steps == 6
+        # every generated token is trained or still in flight (in a session, group or batch)
+        assert abs(r.unaccounted_generated) < 1e-6 * r.generated, (pol, r.unaccounted_generated)
+        # each host's activity (train/rollout/switch/idle) adds up to the wall time
+        assert np.allclose(r.host_time.sum(axis=1), r.wall_s), pol
+        assert r.trained_tokens_per_s > 0
+
+
+def test_a_case_computed_by_hand():
+    """1 train + 1 rollout host, disaggregated, staleness 0 (synchronous): 4 sequences of 100
+    tokens decode together at 10 ms a step (1.0 s), then 400 tokens train at 2.5 ms each
+    (1.0 s). A step is 2.0 s and trains 400 tokens: 200 tokens/s."""
+    cal = Calibration("hand", decode_a_s=0.010, decode_b_s=0.0, max_seqs=4, prefill_s_per_token=0.0,
+                      train_s_per_token=0.0025, weight_sync_s=0.0, lend_s=1.0, reclaim_s=1.0)
+    wl = Workload(group_size=4, groups_per_step=1, prompt_tokens=0, length="fixed", length_median=100,
+                  length_cap=100, max_staleness=0)
+    r = simulate(Cluster.uniform(2, 1), cal, wl, "disaggregated", steps=5, dt=0.5)
+    assert r.wall_s == pytest.approx(10.0, rel=1e-6)
+    assert r.trained_tokens_per_s == pytest.approx(200.0, rel=1e-6)
+    # the train host computes half the time, the rollout host decodes half the time
+    assert r.idle_per_host == pytest.approx([0.5, 0.5], abs=1e-6)
+    assert r.staleness_max == 0
+    # the physical limit: per step 1.0 host-s of decode + 1.0 of training on 2 hosts: 400 tok/s
+    assert r.limit_tokens_per_s == pytest.approx(400.0, rel=1e-6)
+
+
+def test_same_seed_same_run_other_seed_other_run():
+    a = simulate(Cluster.uniform(4, 1), CAL, SMALL, "seamless", steps=5, seed=7).row()
+    b = simulate(Cluster.uniform(4, 1), CAL, SMALL, "seamless", steps=5, seed=7).row()
+    c = simulate(Cluster.uniform(4, 1), CAL, SMALL, "seamless", steps=5, seed=8).row()
+    assert a == b
+    assert a != c
+
+
+def test_the_simulator_runs_the_real_policy(monkeypatch):
+    """Patch the policy module's lend rule: the simulated outcome changes with it."""
+    base = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", steps=6, seed=1)
+    assert base.lends > 0
+    monkeypatch.setattr(policy, "lend_verdict", lambda s: (False, "patched: never lend"))
+    never = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", steps=6, seed=1)
+    assert never.lends == 0
+    disagg = simulate(Cluster.uniform(4, 2), CAL, SMALL, "disaggregated", steps=6, seed=1)
+    assert never.trained_tokens_per_s == pytest.approx(disagg.trained_tokens_per_s, rel=1e-9)
+    assert never.trained_tokens_per_s != pytest.approx(base.trained_tokens_per_s, rel=1e-3)
+
+
+def test_staleness_is_bounded_by_admission_and_colocated_sync_is_fresh():
+    sync = Workload(**{**{f: getattr(SMALL, f) for f in SMALL.__dataclass_fields__}, "max_staleness": 0})
+    r = simulate(Cluster.uniform(4, 0), CAL, sync, "colocated", steps=5)
+    assert r.staleness_max == 0 and r.staleness_mean == 0
+    r = simulate(Cluster.uniform(4, 1), CAL, SMALL, "disaggregated", steps=8)
+    assert 0 < r.staleness_mean <= 2 and math.isfinite(r.staleness_mean)
+
+
+def test_replicas_and_host_groups_approximate_the_exact_run():
+    wl = Workload(group_size=4, groups_per_step=16, prompt_tokens=64, length_median=200, length_sigma=0.5,
+                  length_cap=1000, max_staleness=1)
+    exact = simulate(Cluster.uniform(8, 2), CAL, wl, "seamless", steps=12, seed=2)
+    coarse = simulate(Cluster.uniform(8, 2), CAL, wl, "seamless", steps=12, seed=2, replicas=2, host_group=2)
+    assert coarse.hosts == 8 and coarse.train_hosts == 2
+    assert coarse.trained_tokens_per_s == pytest.approx(exact.trained_tokens_per_s, rel=0.1)
+    with pytest.raises(ValueError):
+        simulate(Cluster.uniform(8, 3), CAL, wl, "seamless", steps=1, host_group=2)
