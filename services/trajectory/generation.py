@@ -27,6 +27,9 @@ OnTokens = Callable[[TokenDelta, str, bool], Awaitable[int | None]]
 
 
 MAX_BACKOFF = 1.0  # seconds, between re-dispatches after repeated preemptions
+# Preemptions the tag scheduler caused (GenerateDone.scheduled: a reclaim moved the request) are
+# not failures: they count neither toward max_redispatch nor toward the back-off. This bounds them.
+MAX_SCHEDULED_PREEMPTIONS = 64
 
 
 class GenerationFailed(RuntimeError):
@@ -75,6 +78,7 @@ async def generate(
     a replica that resumes this request (`resume`, rebuilt from Redis) continues after them."""
     out = resume or Generated()
     started_with = out.dispatches
+    scheduled = 0  # preemptions the scheduler caused, in this call
     preempted_on: set[str] = set()
     while True:
         remaining = sampling.max_tokens - len(out.token_ids)
@@ -120,9 +124,14 @@ async def generate(
             status = 400 if done.code in ("context_length", "bad_request") else 500
             raise GenerationFailed(f"rollout worker {worker}: {done.error}", status)
         preempted_on.add(worker)
-        if out.dispatches > max_redispatch:
-            raise GenerationFailed(f"request preempted {out.dispatches} times; giving up", 503)
+        if done.scheduled:  # the scheduler moved it: re-dispatch at once, uncounted (bounded)
+            scheduled += 1
+            if scheduled > MAX_SCHEDULED_PREEMPTIONS:
+                raise GenerationFailed(f"request moved by the scheduler {scheduled} times; giving up", 503)
+            continue
+        if out.dispatches - scheduled > max_redispatch:
+            raise GenerationFailed(f"request preempted {out.dispatches - scheduled} times; giving up", 503)
         # 4. from the second preemption on (say the only worker is still vacated and its status
         # has not said so yet), wait, doubling each time, before the next dispatch
-        if (repeats := out.dispatches - started_with) > 1:
+        if (repeats := out.dispatches - started_with - scheduled) > 1:
             await asyncio.sleep(min(backoff * 2 ** (repeats - 2), MAX_BACKOFF))

@@ -101,6 +101,47 @@ async def test_generation_resumes_from_persisted_partial():
     assert out.token_ids == [10, 11, 2] and len(out.segments) == 2
 
 
+async def test_scheduled_preemptions_count_neither_toward_the_limit_nor_the_backoff():
+    import time
+
+    def moved(i):  # a reclaim by the tag scheduler vacated the worker
+        return GenerateDone(f"r.{i}", "preempted", 1, 0, "w", scheduled=True)
+
+    script = [[TokenDelta("r.0", [5], [-0.5], 0), moved(0)], [moved(1)], [moved(2)],
+              [GenerateDone("r.3", "preempted", 1, 0, "w")],  # one ordinary preemption: within the limit
+              [TokenDelta("r.4", [6], [-0.6], 0), GenerateDone("r.4", "length", 2, 0, "w")]]
+    call, sent = _fake_worker(script)
+
+    async def pick(exclude):
+        return "w"
+
+    async def on_tokens(delta, worker, first):
+        pass
+
+    t0 = time.monotonic()
+    out = await generate(call, pick, "r", "s", [1], Sampling(max_tokens=2), on_tokens, 1, backoff=0.5)
+    assert out.token_ids == [5, 6] and out.finish_reason == "length" and len(sent) == 5
+    assert time.monotonic() - t0 < 0.4  # counted, the moves would fail it (limit 1) and back off (0.5 s, 1 s)
+
+
+async def test_scheduled_preemptions_are_still_bounded(monkeypatch):
+    from services.trajectory import generation
+
+    monkeypatch.setattr(generation, "MAX_SCHEDULED_PREEMPTIONS", 5)
+    call, sent = _fake_worker({i: [GenerateDone(f"r.{i}", "preempted", 1, 0, "w", scheduled=True)]
+                               for i in range(10)})
+
+    async def pick(exclude):
+        return "w"
+
+    async def on_tokens(delta, worker, first):
+        pass
+
+    with pytest.raises(GenerationFailed, match="moved by the scheduler 6 times"):
+        await generate(call, pick, "r", "s", [1], Sampling(max_tokens=4), on_tokens, 3, backoff=0.0)
+    assert len(sent) == 6
+
+
 async def test_repeated_preemptions_back_off_before_redispatching():
     import time
 
