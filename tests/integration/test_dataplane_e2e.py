@@ -142,12 +142,21 @@ def test_retokenization_drift_is_avoided(stack, hf):
     drifted = 0
     for i in range(4):
         sid, _ = run_conversation(stack, stream=False, turns=2, seed=100 + i)
-        [sample] = trajectory(stack, sid)["samples"]
-        messages = sample["messages"]
-        naive = tok.apply_chat_template(messages, tokenize=False)
+        traj = trajectory(stack, sid)
+        [sample] = traj["samples"]
+        # the sample is exactly the stored path: each turn's template tokens (mask 0), then the
+        # tokens its workers sampled (mask 1), never a re-tokenization of the text
+        expected, mask = [], []
+        for turn in sorted(traj["turns"], key=lambda t: t["turn_id"]):
+            sampled = [t for seg in turn["segments"] for t in seg["token_ids"]]
+            expected += turn["prefix_ids"] + sampled
+            mask += [0] * len(turn["prefix_ids"]) + [1] * len(sampled)
+        assert (sample["token_ids"], sample["loss_mask"]) == (expected, mask)
+        naive = tok.apply_chat_template(sample["messages"], tokenize=False)
         naive_ids = tok.encode(naive, add_special_tokens=False)
         if naive_ids[: len(sample["token_ids"])] != sample["token_ids"]:
             drifted += 1
+    # and the drift is real: re-tokenizing would have changed some of these token paths
     assert drifted > 0, "expected at least one conversation whose sampled tokens are not canonical BPE"
 
 

@@ -34,19 +34,32 @@ def service(policy: str) -> RolloutService:
     return svc
 
 
+async def until(cond, turns: int = 1000) -> None:
+    """Give the event loop turns until `cond()` holds (bounded; no wall-clock sleeps)."""
+    for _ in range(turns):
+        if cond():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition not reached")
+
+
 async def test_drain_holds_new_requests_and_loads_after_in_flight_ones_finish():
     svc = service("drain")
     engine = svc.engine
+    finish = asyncio.Event()
 
     async def in_flight():
-        await asyncio.sleep(0.2)
+        await finish.wait()
         engine.events.append("in-flight done")
 
     svc.tasks["r1"] = asyncio.create_task(in_flight())
     update = asyncio.create_task(svc._update(WeightsPublished(version=3, path="/x", published_at=0.0)))
-    await asyncio.sleep(0.05)
-    assert not svc._admit.is_set()  # a new request would wait here
-    await update
+    await until(lambda: not svc._admit.is_set())  # a new request would wait here
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not update.done() and engine.events == []  # the load waits for the request in flight
+    finish.set()
+    await asyncio.wait_for(update, 5)
     assert engine.events == ["in-flight done", "load v3"]
     assert svc._admit.is_set() and engine.version == 3
 
@@ -54,7 +67,8 @@ async def test_drain_holds_new_requests_and_loads_after_in_flight_ones_finish():
 async def test_immediate_loads_without_waiting_for_in_flight_requests():
     svc = service("immediate")
     engine = svc.engine
-    svc.tasks["r1"] = asyncio.create_task(asyncio.sleep(0.5))
-    await svc._update(WeightsPublished(version=4, path="/x", published_at=0.0))
+    never = asyncio.Event()
+    svc.tasks["r1"] = asyncio.create_task(never.wait())
+    await asyncio.wait_for(svc._update(WeightsPublished(version=4, path="/x", published_at=0.0)), 5)
     assert engine.events == ["load v4"] and not svc.tasks["r1"].done()
     svc.tasks["r1"].cancel()
