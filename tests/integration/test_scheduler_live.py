@@ -32,7 +32,10 @@ from tests.integration.stack_fixture import make_stack
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.deepspeed]
 
 GROUP_SIZE, GROUPS_PER_STEP = 4, 2
-CONCURRENT_GROUPS = 4  # 16 agents in flight
+# 8 agents in flight, replies of 64-192 tokens: rollout-bound on these 2 cores, so the trainer
+# waits for data between steps (with more agents it never waits, and seamless rightly never lends)
+CONCURRENT_GROUPS = 2
+REPLY_TOKENS = (64, 192)
 TRAINER = {"group_size": GROUP_SIZE, "groups_per_step": GROUPS_PER_STEP, "lr": 1e-5, "publish_every": 1,
            "checkpoint_every": 5, "keep_versions": 3, "gate_timeout": 60}
 
@@ -86,7 +89,8 @@ def run_policy(stack, policy: str, steps: int, timeout: float = 240):
     wait_for(lambda: all(h.mode == h.target for h in ask(stack).hosts), 60, "hosts settled")
     before = ask(stack)
     start = len(trained_steps(stack))
-    agents = GroupAgents(stack.gateway_url, stack.api_key, GROUP_SIZE, CONCURRENT_GROUPS, seed=len(policy))
+    agents = GroupAgents(stack.gateway_url, stack.api_key, GROUP_SIZE, CONCURRENT_GROUPS, seed=len(policy),
+                         min_tokens=REPLY_TOKENS[0], max_tokens=REPLY_TOKENS[1])
     assert asyncio.run(agents.run(lambda: len(trained_steps(stack)) >= start + steps, timeout)), \
         f"{policy}: fewer than {steps} trainer steps within {timeout:.0f}s"
     after = ask(stack, "timeline")
@@ -133,7 +137,8 @@ def test_a_killed_worker_is_detected_its_requests_resume_and_the_host_rejoins(cl
     wait_for(lambda: serving(cluster) == {"host-0", "host-1"}, 90, "both hosts serving")
     restarts = {h.host: h for h in ask(cluster).hosts}["host-1"].epoch
     pid = int(subprocess.check_output(["pgrep", "-f", "worker-id host-1-rollout"]).split()[0])
-    agents = GroupAgents(cluster.gateway_url, cluster.api_key, GROUP_SIZE, CONCURRENT_GROUPS, seed=7)
+    agents = GroupAgents(cluster.gateway_url, cluster.api_key, GROUP_SIZE, CONCURRENT_GROUPS, seed=7,
+                         min_tokens=REPLY_TOKENS[0], max_tokens=REPLY_TOKENS[1])
     killed = {"t": 0.0}
 
     async def scenario():
