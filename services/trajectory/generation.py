@@ -57,6 +57,30 @@ class Generated:
         seg.logprobs += delta.logprobs
 
 
+@dataclass
+class Preemptions:
+    """One generation's preemptions: whether it may go on, and how long to wait first."""
+
+    max_redispatch: int
+    backoff: float
+    started_with: int  # dispatches before this call (a resumed request)
+    scheduled: int = 0  # preemptions the tag scheduler caused, in this call
+
+    def delay(self, done: GenerateDone, dispatches: int) -> float:
+        """Seconds to wait before the next dispatch; GenerationFailed past the limits."""
+        if done.scheduled:  # the scheduler moved it: re-dispatch at once, uncounted (bounded)
+            self.scheduled += 1
+            if self.scheduled > MAX_SCHEDULED_PREEMPTIONS:
+                raise GenerationFailed(f"request moved by the scheduler {self.scheduled} times; giving up", 503)
+            return 0.0
+        if (failed := dispatches - self.scheduled) > self.max_redispatch:
+            raise GenerationFailed(f"request preempted {failed} times; giving up", 503)
+        # from the second preemption on (say the only worker is still vacated and its status has
+        # not said so yet), wait, doubling each time
+        repeats = dispatches - self.started_with - self.scheduled
+        return min(self.backoff * 2 ** (repeats - 2), MAX_BACKOFF) if repeats > 1 else 0.0
+
+
 def head(delta: TokenDelta, n: int) -> TokenDelta:
     """The first n tokens of `delta` (a stop string completed at its n-th token)."""
     return TokenDelta(delta.request_id, delta.token_ids[:n], delta.logprobs[:n], delta.version)
@@ -77,8 +101,7 @@ async def generate(
     """`on_tokens` runs before tokens count as generated: the service persists them there, so
     a replica that resumes this request (`resume`, rebuilt from Redis) continues after them."""
     out = resume or Generated()
-    started_with = out.dispatches
-    scheduled = 0  # preemptions the scheduler caused, in this call
+    preemptions = Preemptions(max_redispatch, backoff, out.dispatches)
     preempted_on: set[str] = set()
     while True:
         remaining = sampling.max_tokens - len(out.token_ids)
@@ -124,14 +147,6 @@ async def generate(
             status = 400 if done.code in ("context_length", "bad_request") else 500
             raise GenerationFailed(f"rollout worker {worker}: {done.error}", status)
         preempted_on.add(worker)
-        if done.scheduled:  # the scheduler moved it: re-dispatch at once, uncounted (bounded)
-            scheduled += 1
-            if scheduled > MAX_SCHEDULED_PREEMPTIONS:
-                raise GenerationFailed(f"request moved by the scheduler {scheduled} times; giving up", 503)
-            continue
-        if out.dispatches - scheduled > max_redispatch:
-            raise GenerationFailed(f"request preempted {out.dispatches - scheduled} times; giving up", 503)
-        # 4. from the second preemption on (say the only worker is still vacated and its status
-        # has not said so yet), wait, doubling each time, before the next dispatch
-        if (repeats := out.dispatches - started_with - scheduled) > 1:
-            await asyncio.sleep(min(backoff * 2 ** (repeats - 2), MAX_BACKOFF))
+        # 4. preempted: go round again, within the limits, after the back-off
+        if delay := preemptions.delay(done, out.dispatches):
+            await asyncio.sleep(delay)
