@@ -53,6 +53,7 @@ class HostRecord:
     restarts: int = 0
     issued_at: float = 0.0  # when the current target was assigned
     ready: bool = True  # its worker is up; a host that is not ready is not placed (nor dead)
+    since: float = 0.0  # when it entered its current mode
     activity: Activity = "idle"
     activity_since: float = 0.0
 
@@ -96,17 +97,21 @@ class Registry:
         if hb.ready != rec.ready:
             rec.ready = hb.ready
             notes.append(f"host {hb.host}: worker {'up' if hb.ready else 'starting'}")
-        if hb.restarts > rec.restarts:
+        if hb.restarts > rec.restarts:  # its worker exited: dead until the restarted one is up
             rec.restarts = hb.restarts
-            notes.append(f"host {hb.host}: its worker was restarted ({hb.restarts} in all); rejoins {hb.mode}")
-            self._adopt(rec, hb)
-        elif not rec.healthy and self._fresh(rec, now):
+            if rec.healthy:
+                rec.healthy = False
+                notes.append(f"host {hb.host} dead: its worker exited (restart {hb.restarts}); it rejoins once the "
+                             f"worker is up again")
+            rec.mode = rec.target = hb.mode
+        elif not rec.healthy and hb.ready and self._fresh(rec, now):
             notes.append(f"host {hb.host} is back; rejoins {hb.mode} at epoch {hb.epoch}")
             self._adopt(rec, hb)
         return notes
 
     def _adopt(self, rec: HostRecord, hb: HostHeartbeat) -> None:
         rec.mode = rec.target = hb.mode
+        rec.since = hb.ts
         rec.epoch = max(rec.epoch, hb.epoch)
         rec.healthy = True
 
@@ -123,7 +128,7 @@ class Registry:
             self.counts["failed_switches"] += 1
             return f"host {ev.host} failed to switch to {ev.mode} (epoch {ev.epoch}): {ev.error}; marked unhealthy"
         was = rec.mode
-        rec.mode = ev.mode
+        rec.mode, rec.since = ev.mode, now
         # the configured costs are a prior: the first measured switch replaces it, later ones blend in
         if ev.mode == "rollout" and was == "train":
             lend = _ewma(self.costs.lend_s, took) if self.counts["lends"] else took
@@ -172,7 +177,8 @@ class Registry:
             return False
         if rec.mode == "rollout" and rec.target == "rollout" and rec.worker_id:
             seen = self.workers.get(rec.worker_id)
-            return seen is not None and now - seen[0] <= self.stale_after
+            last = seen[0] if seen is not None else rec.since  # a worker not heard yet: counted from the switch
+            return now - last <= self.stale_after
         return True
 
     def trainer_view(self, now: float) -> policy.Trainer:

@@ -156,4 +156,4 @@ def test_a_killed_worker_is_detected_its_requests_resume_and_the_host_rejoins(cl
     wait_for(lambda: {h.host: h for h in ask(cluster).hosts}["host-1"].epoch > restarts
              and "host-1" in serving(cluster), 120, "host-1 back in rollout after its worker restarted")
     log = (cluster.logs / "scheduler.log").read_text()
-    assert "host host-1 dead" in log or "host-1: its worker was restarted" in log
+    assert "host host-1 dead" in log and "host host-1 is back" in log

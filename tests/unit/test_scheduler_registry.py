@@ -35,15 +35,33 @@ def test_a_serving_host_dies_with_its_worker():
     assert "dead" in note
 
 
-def test_a_restarted_worker_makes_the_host_rejoin_in_the_mode_its_agent_reports():
+def test_a_host_whose_worker_exits_is_dead_until_the_restarted_worker_is_up():
     reg = Registry()
     reg.on_heartbeat(hb(), 100.0)
     reg.issued("host-1", "rollout", 4, 100.0)
     reg.on_changed(HostModeChanged("host-1", "rollout", 4, 100.0, 100.2), 100.2)
-    notes = reg.on_heartbeat(hb(mode="idle", epoch=4, restarts=1), 101.0)
-    assert "restarted" in notes[0]
+    reg.on_worker("host-1-rollout", 100.5, 1, "serving", 100.5)
+    starting = HostHeartbeat("host-1", ["rollout"], 1.0, "idle", 4, 0.0, "host-1-rollout", restarts=1, ready=False)
+    notes = reg.on_heartbeat(starting, 101.0)
+    assert any("host-1 dead: its worker exited" in n for n in notes)
+    assert not reg.hosts["host-1"].healthy
+    assert reg.on_heartbeat(starting, 110.0) == []  # still starting: still dead
+    reg.on_worker("host-1-rollout", 111.0, 0, "vacated", 111.0)
+    notes = reg.on_heartbeat(hb(mode="idle", epoch=4, restarts=1), 111.5)
+    assert any("is back" in n for n in notes)
     rec = reg.hosts["host-1"]
     assert (rec.mode, rec.target, rec.epoch, rec.healthy) == ("idle", "idle", 4, True)
+
+
+def test_a_serving_worker_not_heard_yet_gets_a_heartbeat_period_from_its_switch():
+    reg = Registry(stale_after=3.0)
+    reg.on_heartbeat(hb(), 100.0)
+    reg.issued("host-1", "rollout", 1, 100.0)
+    reg.on_changed(HostModeChanged("host-1", "rollout", 1, 100.0, 100.1), 100.1)
+    reg.on_heartbeat(hb(mode="rollout", epoch=1), 102.0)
+    assert reg.check_health(102.0) == []
+    reg.on_heartbeat(hb(mode="rollout", epoch=1), 103.5)
+    assert "dead" in reg.check_health(103.5)[0]
 
 
 def test_switch_reports_move_modes_costs_and_counts_only_for_the_current_epoch():
