@@ -161,8 +161,8 @@ def main() -> None:
     md += ["**Goals** (ratios from this run)", "", "| goal | measured | target | met | by |", "|---|---|---|---|---|"]
     for name, v, target, op in g:
         ok = v >= target if op == ">=" else v < target
-        md.append(f"| {name} | {v:.3f} | {op} {target:g} | {'yes' if ok else 'NO'} | "
-                  f"{(v / target - 1) * 100:+.1f}% |")
+        md.append(f"| {name} | {v:.4f} | {op} {target:g} | {'yes' if ok else 'NO'} | "
+                  f"{(v / target - 1) * 100:+.2f}% |")
     report["goals"] = [{"goal": n, "measured": v, "target": t, "op": o} for n, v, t, o in g]
     report["seconds"] = time.perf_counter() - t_all
     (a.out / "results.json").write_text(json.dumps(report, indent=1))
