@@ -27,7 +27,7 @@ from services.trajectory.conversation import candidate_prefixes, conversation_ke
 from services.trajectory.generation import Call, Generated, GenerationFailed, generate
 from services.trajectory.record import Prompt, last_worker, record
 from services.trajectory.rendering import Renderer, RenderError
-from services.trajectory.routing import Picker, WorkerTable
+from services.trajectory.routing import LengthHistory, Picker, WorkerTable
 from services.trajectory.store import InFlight, Lookup, SessionNotFound, Store
 from services.trajectory.turns import path, token_ids
 from services.trajectory.turnstream import TurnStream
@@ -68,6 +68,7 @@ class TurnHandler:
     def __init__(self, cfg: TrajectoryConfig, store: Store, renderer: Renderer, table: WorkerTable, call: Call):
         self.cfg, self.store, self.renderer, self.table, self.call = cfg, store, renderer, table, call
         self.owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.lengths = LengthHistory()  # recent reply lengths per GRPO group, for predicted lending
 
     async def handle(self, req: ChatRequest, emit: Emit) -> ChatDone:
         rid = req.request_id
@@ -144,12 +145,14 @@ class TurnHandler:
             stream.replay(partial.token_ids)  # a dead replica may have persisted the stop string already
             await show(stream.progress(time.monotonic()))
         budget = min(req.sampling.max_tokens, max_len - len(prompt.ids))
+        group = (look.meta or {}).get("group_id") or None
+        expected = min(budget, self.lengths.expected(group) or budget)
         try:
             if partial is not None and stream.stopped:  # it had already stopped
                 gen = partial
                 gen.finish_reason = "stop"
             else:
-                gen = await generate(self.call, lambda exclude: self._pick(sticky, exclude), rid,
+                gen = await generate(self.call, lambda exclude: self._pick(sticky, exclude, expected), rid,
                                      look.session_id, prompt.ids, replace(req.sampling, max_tokens=budget), on_tokens,
                                      self.cfg.max_redispatch, resume=partial)
         except GenerationFailed as e:
@@ -162,6 +165,8 @@ class TurnHandler:
 
         # 3. the turn and the reply (record.py), saved in one transaction, then the rest of the text
         sid = look.session_id
+        if group:
+            self.lengths.record(group, len(gen.token_ids))
         turn, done = record(req, sid, turn_id, prompt, gen, stream.final_text(), self.renderer.token_texts,
                             time.time())
         await show(stream.rest(done.text))
@@ -189,9 +194,9 @@ class TurnHandler:
             raise TurnError(409, "duplicate_request", f"request {rid} is already running")
         return prompt, None, look.turn_id, look.meta.get("worker")
 
-    async def _pick(self, sticky: str | None, exclude: frozenset[str]) -> str:
+    async def _pick(self, sticky: str | None, exclude: frozenset[str], expected_tokens: float | None = None) -> str:
         """A serving worker (routing.Picker), waiting up to `worker_wait` for one."""
-        picker = Picker.start(self.table, time.time(), sticky, exclude, self.cfg.worker_wait)
+        picker = Picker.start(self.table, time.time(), sticky, exclude, self.cfg.worker_wait, expected_tokens)
         while (worker := picker.choose(time.time())) is None:
             if picker.expired(time.time()):
                 raise GenerationFailed(f"no rollout worker is serving (waited {self.cfg.worker_wait:.0f}s)", 503)

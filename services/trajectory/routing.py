@@ -1,8 +1,15 @@
 """Which rollout worker serves a request (pure).
 
 A session sticks to the worker that served its previous turn, so the worker's
-prefix cache holds the conversation; it moves to the least loaded serving worker
-when that worker is gone, not serving, or full.
+prefix cache holds the conversation, as long as that worker serves the newest weight
+version and is not full. Otherwise the choice goes, in order, to a worker that is not
+full, at the newest version, least loaded (running / capacity), with the most capacity.
+
+Predicted lending: a worker the tag scheduler lent (`WorkerStatus.lent_until`, its
+predicted reclaim time) only gets requests predicted to finish before then: the
+request's expected length (its GRPO group's recent replies, `LengthHistory`) over the
+worker's per-request decode speed (from its heartbeats' token counts). Longer ones go to
+workers that are not lent, if any serve, so a reclaim has little to migrate.
 """
 
 from __future__ import annotations
@@ -14,6 +21,30 @@ from shared.heartbeats import WorkerHeartbeats
 from shared.messages import WorkerStatus
 
 PREFER_OTHER_WORKER_S = 2.0  # after a preemption, how long to wait for a worker other than the preempter
+RATE_EWMA = 0.3  # weight of the newest heartbeat interval in a worker's token rate
+LENGTH_EWMA = 0.2  # weight of the newest reply in a group's expected reply length
+
+
+class LengthHistory:
+    """Expected reply length (tokens) per GRPO group: a running mean of the group's replies,
+    falling back to the mean over all groups. Bounded: the oldest groups are forgotten."""
+
+    def __init__(self, keep: int = 4096):
+        self.keep = keep
+        self.by_group: dict[str, float] = {}
+        self.overall: float | None = None
+
+    def record(self, group: str, tokens: int) -> None:
+        old = self.by_group.pop(group, None)
+        self.by_group[group] = tokens if old is None else LENGTH_EWMA * tokens + (1 - LENGTH_EWMA) * old
+        self.overall = tokens if self.overall is None else LENGTH_EWMA * tokens + (1 - LENGTH_EWMA) * self.overall
+        while len(self.by_group) > self.keep:
+            self.by_group.pop(next(iter(self.by_group)))
+
+    def expected(self, group: str | None) -> float | None:
+        if group and group in self.by_group:
+            return self.by_group[group]
+        return self.overall
 
 
 class WorkerTable(WorkerHeartbeats):
@@ -23,19 +54,44 @@ class WorkerTable(WorkerHeartbeats):
     def __init__(self, stale_after: float):
         super().__init__(stale_after)
         self.inflight: Counter[str] = Counter()
+        self.rates: dict[str, float] = {}  # worker id -> generated tokens/s, a running mean of heartbeats
+
+    def update(self, status: WorkerStatus) -> None:
+        prev = self.get(status.worker_id)
+        if prev is not None and status.ts > prev.ts and status.generated_tokens >= prev.generated_tokens:
+            rate = (status.generated_tokens - prev.generated_tokens) / (status.ts - prev.ts)
+            old = self.rates.get(status.worker_id)
+            self.rates[status.worker_id] = rate if old is None else RATE_EWMA * rate + (1 - RATE_EWMA) * old
+        super().update(status)
 
     def load(self, s: WorkerStatus) -> float:
         # the heartbeat's count already includes some of ours: take the larger, not the sum
         return max(s.running, self.inflight[s.worker_id]) / max(s.capacity, 1)
 
-    def choose(self, now: float, sticky: str | None = None, exclude: frozenset[str] = frozenset()) -> str | None:
+    def finishes_in_time(self, s: WorkerStatus, now: float, expected_tokens: float | None) -> bool:
+        """Would a request of `expected_tokens` end before this lent worker is reclaimed?
+        (True when the worker is not lent, or when there is nothing to predict from.)"""
+        if s.lent_until <= 0 or not expected_tokens:
+            return True
+        rate = self.rates.get(s.worker_id, 0.0)
+        if rate <= 0:
+            return True
+        per_request = rate / (max(s.running, self.inflight[s.worker_id]) + 1)
+        return now + expected_tokens / per_request <= s.lent_until
+
+    def choose(self, now: float, sticky: str | None = None, exclude: frozenset[str] = frozenset(),
+               expected_tokens: float | None = None) -> str | None:
         candidates = [s for s in self.serving(now) if s.worker_id not in exclude]
         if not candidates:
             return None
+        fits = [s for s in candidates if self.finishes_in_time(s, now, expected_tokens)]
+        candidates = fits or candidates
+        newest = max(s.version for s in candidates)
         by_id = {s.worker_id: s for s in candidates}
-        if sticky in by_id and self.load(by_id[sticky]) < 1.0:
+        if sticky in by_id and self.load(by_id[sticky]) < 1.0 and by_id[sticky].version == newest:
             return sticky
-        return min(candidates, key=lambda s: (self.load(s), s.worker_id)).worker_id
+        return min(candidates, key=lambda s: (self.load(s) >= 1.0, -s.version, self.load(s), -s.capacity,
+                                              s.worker_id)).worker_id
 
     def others(self, now: float, exclude: frozenset[str]) -> bool:
         """Is any worker outside `exclude` alive (heartbeat fresh), serving or not?"""
@@ -60,18 +116,20 @@ class Picker:
     exclude: frozenset[str]
     prefer_other_until: float
     give_up_at: float
+    expected_tokens: float | None = None  # for predicted lending (WorkerTable.finishes_in_time)
 
     @classmethod
     def start(cls, table: WorkerTable, now: float, sticky: str | None, exclude: frozenset[str],
-              worker_wait: float) -> "Picker":
+              worker_wait: float, expected_tokens: float | None = None) -> "Picker":
         prefer = bool(exclude) and table.others(now, exclude)
-        return cls(table, sticky, exclude, now + (PREFER_OTHER_WORKER_S if prefer else 0.0), now + worker_wait)
+        return cls(table, sticky, exclude, now + (PREFER_OTHER_WORKER_S if prefer else 0.0), now + worker_wait,
+                   expected_tokens)
 
     def choose(self, now: float) -> str | None:
         """A worker to dispatch to now, or None: ask again a little later (until `expired`)."""
-        w = self.table.choose(now, self.sticky, self.exclude)
+        w = self.table.choose(now, self.sticky, self.exclude, self.expected_tokens)
         if w is None and now >= self.prefer_other_until:
-            w = self.table.choose(now, self.sticky)
+            w = self.table.choose(now, self.sticky, expected_tokens=self.expected_tokens)
         return w
 
     def expired(self, now: float) -> bool:

@@ -127,7 +127,7 @@ class TrajectoryService:
     async def _call(self, worker: str, cmd: Generate) -> AsyncIterator[RolloutReply]:
         """Stream one Generate to `worker`. A worker that vanishes counts as a preemption."""
         self.table.inflight[worker] += 1
-        finished = False
+        finished = timed_out = False
         try:
             async with bus.stream_request(
                 self.nc, subjects.rollout_gen(worker), encode(cmd),
@@ -144,11 +144,13 @@ class TrajectoryService:
                             return
         except (bus.ReplyTimeout, bus.BusUnavailable) as e:
             log.warning("worker %s lost request %s (%s); re-dispatching", worker, cmd.request_id, e)
-            finished = True
+            finished, timed_out = True, isinstance(e, bus.ReplyTimeout)
             yield GenerateDone(cmd.request_id, "preempted", len(cmd.prompt_ids), -1, worker)
         finally:
             self.table.inflight[worker] -= 1
-            if not finished:  # cancelled (the agent left, a stop string, a lost lease): free the worker's slot now
+            # cancelled (the agent left, a stop string, a lost lease) or timed out (the worker may be alive
+            # but stuck, or only its heartbeats were late): free the worker's slot now
+            if not finished or timed_out:
                 ctl = encode(RolloutControl(op="abort", request_id=cmd.request_id))
                 try:
                     await self.nc.publish(subjects.rollout_ctl(worker), ctl)

@@ -55,3 +55,42 @@ def test_inflight_requests_count_towards_load():
     t.update(_status("b", running=1, cap=2))
     t.inflight["a"] += 2  # this replica sent two since a's heartbeat
     assert t.choose(100.5) == "b" and t.max_model_len(100.5, 99) == 2048 and t.max_model_len(300, 99) == 99
+
+
+def _ws(wid, version=0, running=0, cap=4, ts=100.0, tokens=0, lent_until=0.0):
+    return WorkerStatus(wid, "serving", version, running, cap, "m", 2048, ts, generated_tokens=tokens,
+                        lent_until=lent_until)
+
+
+def test_routing_prefers_the_newest_version_then_capacity():
+    t = WorkerTable(stale_after=5)
+    t.update(_ws("old", version=3))
+    t.update(_ws("new", version=4, running=2))
+    assert t.choose(101) == "new"  # newer, though busier
+    assert t.choose(101, sticky="old") == "new"  # a sticky worker one version behind yields
+    t.update(_ws("new", version=4, running=4))
+    assert t.choose(101) == "old"  # the newest is full
+    t = WorkerTable(stale_after=5)
+    t.update(_ws("small", cap=4))
+    t.update(_ws("big", cap=16))
+    assert t.choose(101) == "big"  # equally idle: the one with more room
+
+
+def test_a_lent_worker_gets_only_requests_predicted_to_end_before_its_reclaim():
+    from services.trajectory.routing import LengthHistory
+
+    t = WorkerTable(stale_after=5)
+    t.update(_ws("lent", ts=100.0, tokens=0, lent_until=110.0))
+    t.update(_ws("lent", ts=101.0, tokens=400, lent_until=110.0))  # 400 tok/s, idle: 400 tok/s per request
+    t.update(_ws("home", running=3))
+    assert t.choose(101.0, expected_tokens=1000) == "lent"  # 2.5 s < 9 s left
+    assert t.choose(101.0, expected_tokens=8000) == "home"  # 20 s: it would be vacated mid-way
+    assert t.choose(101.0) == "lent"  # nothing to predict from: least loaded
+    h = LengthHistory(keep=2)
+    assert h.expected("g1") is None
+    h.record("g1", 100)
+    h.record("g1", 200)
+    assert h.expected("g1") == 0.2 * 200 + 0.8 * 100
+    h.record("g2", 50)
+    h.record("g3", 10)
+    assert h.expected("g1") == h.overall  # forgotten (bounded), falls back to the overall mean

@@ -101,3 +101,46 @@ async def test_a_failed_abort_is_logged_once_per_cause(caplog):
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and "abort of r.0" in r.message]
     assert len(warned) == 1 and "connection closed" in warned[0].message
     assert s.table.inflight["w0"] == 0
+
+
+class SilentNC(FakeNC):
+    """A worker that takes the Generate, sends one token, then says nothing more; aborts are recorded."""
+
+    def __init__(self):
+        super().__init__()
+        self.aborts: list[bytes] = []
+
+    async def publish(self, subject, payload, reply=None):
+        if subject.startswith("sf.rollout.ctl."):
+            self.aborts.append(subject)
+            return
+        msg = types.SimpleNamespace(subject=reply, data=encode(TokenDelta("r.0", [1], [0.0], 0)), headers=None)
+        await self.cb(msg)
+
+
+async def test_a_call_that_times_out_is_also_aborted_on_its_worker():
+    """Issue 9, item 5: a worker that stopped replying may still be generating; free its slot."""
+    from shared.messages import GenerateDone, WorkerStatus
+
+    s = TrajectoryService(TrajectoryConfig(first_token_timeout=5, token_timeout=0.3), Connections())
+    s.nc = SilentNC()
+    s.table.update(WorkerStatus("w0", "serving", 0, 0, 4, "m", 2048, 1e12))  # alive for the whole test
+    got = [r async for r in s._call("w0", Generate("r.0", [1, 2], Sampling()))]
+    assert isinstance(got[0], TokenDelta)
+    assert isinstance(got[-1], GenerateDone) and got[-1].finish_reason == "preempted"
+    assert s.nc.aborts == ["sf.rollout.ctl.w0"]
+
+
+async def test_a_call_to_a_worker_whose_heartbeat_stopped_ends_within_a_poll_not_the_token_timeout():
+    import time
+
+    from shared.messages import GenerateDone, WorkerStatus
+
+    s = TrajectoryService(TrajectoryConfig(first_token_timeout=60, token_timeout=60, worker_stale_after=5),
+                          Connections())
+    s.nc = SilentNC()
+    s.table.update(WorkerStatus("w0", "serving", 0, 0, 4, "m", 2048, time.time() - 4.6))  # stale in 0.4 s
+    t0 = time.monotonic()
+    got = [r async for r in s._call("w0", Generate("r.0", [1, 2], Sampling()))]
+    assert isinstance(got[-1], GenerateDone) and got[-1].finish_reason == "preempted"
+    assert time.monotonic() - t0 < 2.0
