@@ -132,6 +132,28 @@ def test_colocated_alternates_every_host_with_held_requests(cluster):
     assert sum(iv.activity == "idle" for iv in host1.timeline) > idle_before  # host-1 waits out train phases
 
 
+def test_cordon_drains_a_host_uncordon_brings_it_back_and_the_timeline_exports(cluster, tmp_path):
+    from seamlessflow import ops
+
+    ask(cluster, "set_policy", policy="seamless")
+    wait_for(lambda: serving(cluster) == {"host-0", "host-1"}, 90, "both hosts serving")
+    ask(cluster, "cordon", host="host-1")
+    wait_for(lambda: {h.host: h for h in ask(cluster).hosts}["host-1"].mode == "idle", 30, "host-1 drained")
+    states = {w.worker_id: w.state for w in asyncio.run(ops.worker_statuses(cluster.conn))}
+    assert states["host-1-rollout"] == "sleeping" and states["host-0-rollout"] == "serving"
+    ask(cluster, "uncordon", host="host-1")
+    wait_for(lambda: "host-1" in serving(cluster), 30, "host-1 serving again")
+    with pytest.raises(SystemExit, match="unknown host"):
+        ask(cluster, "cordon", host="host-9")
+    out = tmp_path / "timeline.json"
+    summary = hostops.write_timeline(ask(cluster, "timeline"), out)
+    doc = json.loads(out.read_text())
+    assert set(doc["hosts"]) == {"host-0", "host-1"} and "host-0:" in summary
+    for h in doc["hosts"].values():
+        assert abs(sum(h["fractions"].values()) - 1.0) < 1e-6
+        assert all(t0 <= t1 for _, t0, t1 in h["intervals"])
+
+
 def test_a_killed_worker_is_detected_its_requests_resume_and_the_host_rejoins(cluster):
     ask(cluster, "set_policy", policy="seamless")
     wait_for(lambda: serving(cluster) == {"host-0", "host-1"}, 90, "both hosts serving")
