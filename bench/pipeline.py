@@ -32,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from seamlessflow.plan import POLICIES, plot_sweep, run, sized, splits  # noqa: E402
-from services.scheduler.sim_workload import CALIBRATIONS, WORKLOADS  # noqa: E402
+from seamlessflow.plan import POLICIES, plot_sweep, run, sized, splits
+from services.scheduler.sim_workload import CALIBRATIONS, WORKLOADS
 
 COLORS = {"train": "#d62728", "rollout": "#2ca02c", "switch": "#ff7f0e", "idle": "#c7c7c7"}
 
@@ -82,8 +82,9 @@ def side_by_side(hosts, split, cal, wl, steps, out: Path | None):
 
 
 def md_policies(title, res) -> str:
-    lines = [f"**{title}**", "", "| policy | trained tok/s | of limit | idle (max host) | staleness mean / max | "
-             "trainer wait | lends / reclaims | switching s | re-prefilled |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"**{title}**", "", ("| policy | trained tok/s | of limit | idle (max host) | staleness mean / max | "
+                                  "trainer wait | lends / reclaims | switching s | re-prefilled |"),
+             "|---|---|---|---|---|---|---|---|---|"]
     for p, r in res.items():
         lines.append(f"| {p} | {r['trained_tok_s']:,} | {r['limit_fraction']:.1%} | {r['idle']:.1%} "
                      f"({r['idle_host_max']:.1%}) | {r['staleness_mean']:.2f} / {r['staleness_max']} | "
@@ -103,8 +104,8 @@ def main() -> None:
     t_all = time.perf_counter()
     dh, th = CALIBRATIONS["decode-heavy"], CALIBRATIONS["train-heavy"]
     report: dict = {}
-    md: list[str] = ["SIMULATED (services/scheduler/sim.py driving services/scheduler/policy.py); "
-                     f"`.venv/bin/python bench/pipeline.py --steps {a.steps} --sweep-steps {a.sweep_steps}`", ""]
+    md: list[str] = [("SIMULATED (services/scheduler/sim.py driving services/scheduler/policy.py); "
+                      f"`.venv/bin/python bench/pipeline.py --steps {a.steps} --sweep-steps {a.sweep_steps}`"), ""]
 
     # 1 + 2: sweeps, then the three policies at seamless's best split
     for hosts in (16, 64):

@@ -24,14 +24,19 @@ from pathlib import Path
 
 from services.scheduler.sim import Cluster, simulate
 from services.scheduler.sim_result import Result
-from services.scheduler.sim_workload import CALIBRATIONS, WORKLOADS, Calibration, Workload
+from services.scheduler.sim_workload import (
+    CALIBRATIONS,
+    WORKLOADS,
+    Calibration,
+    Workload,
+)
 
 POLICIES = ("colocated", "disaggregated", "seamless")
 MAX_SIM_HOSTS = 128  # above this, hosts are simulated in identical groups
 MAX_SIM_SESSIONS = 8192  # above this, each simulated session stands for several
 
 
-def sized(wl: Workload, cal: Calibration, hosts: int, fill: float = 0.5) -> Workload:
+def sized(wl: Workload, cal: Calibration, hosts: int, fill: float = 1.0) -> Workload:
     """The workload with a batch that can keep `hosts` busy: batch ~ fill x all slots."""
     groups = max(1, round(hosts * cal.max_seqs * fill / wl.group_size))
     return replace(wl, groups_per_step=groups)
@@ -108,7 +113,7 @@ def plan(hosts: int, cal: Calibration, wl: Workload, steps: int, sweep_steps: in
     for pol in POLICIES:
         done = [0]
 
-        def on_step(k, pol=pol):
+        def on_step(k, pol=pol, done=done):
             tick(pol, k - done[0])
             done[0] = k
         r = run(pol, hosts, best, cal, wl, steps, lend_margin=margin, progress=on_step)
@@ -119,8 +124,8 @@ def plan(hosts: int, cal: Calibration, wl: Workload, steps: int, sweep_steps: in
 def table(p: Plan) -> str:
     lines = [f"SIMULATED plan: {p.hosts} hosts ({p.calibration}, workload {p.workload}); recommended split "
              f"{p.split} train / {p.hosts - p.split} rollout, lend_margin {p.lend_margin:g}; {p.seconds:.1f} s",
-             "", "| policy | trained tok/s | of physical limit | idle | max host idle | staleness mean / max | "
-             "trainer wait | lends / reclaims | re-prefilled |", "|---|---|---|---|---|---|---|---|---|"]
+             "", ("| policy | trained tok/s | of physical limit | idle | max host idle | staleness mean / max | "
+                  "trainer wait | lends / reclaims | re-prefilled |"), "|---|---|---|---|---|---|---|---|---|"]
     for r in p.results:
         lines.append(f"| {r['policy']} | {r['trained_tok_s']:,} | {r['limit_fraction']:.1%} | {r['idle']:.1%} | "
                      f"{r['idle_host_max']:.1%} | {r['staleness_mean']:.2f} / {r['staleness_max']} | "
