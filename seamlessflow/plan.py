@@ -122,9 +122,9 @@ def plan(hosts: int, cal: Calibration, wl: Workload, steps: int, sweep_steps: in
 
 
 def table(p: Plan) -> str:
-    lines = [f"SIMULATED plan: {p.hosts} hosts ({p.calibration}, workload {p.workload}); recommended split "
-             f"{p.split} train / {p.hosts - p.split} rollout, lend_margin {p.lend_margin:g}; {p.seconds:.1f} s",
-             "", ("| policy | trained tok/s | of physical limit | idle | max host idle | staleness mean / max | "
+    head = (f"SIMULATED plan: {p.hosts} hosts ({p.calibration}, workload {p.workload}); recommended split "
+            f"{p.split} train / {p.hosts - p.split} rollout, lend_margin {p.lend_margin:g}; {p.seconds:.1f} s")
+    lines = [head, "", ("| policy | trained tok/s | of physical limit | idle | max host idle | staleness mean / max | "
                   "trainer wait | lends / reclaims | re-prefilled |"), "|---|---|---|---|---|---|---|---|---|"]
     for r in p.results:
         lines.append(f"| {r['policy']} | {r['trained_tok_s']:,} | {r['limit_fraction']:.1%} | {r['idle']:.1%} | "
