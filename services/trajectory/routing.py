@@ -7,14 +7,15 @@ full, at the newest version, least loaded (running / capacity), with the most ca
 
 Predicted lending: a worker the tag scheduler lent (`WorkerStatus.lent_until`, its
 predicted reclaim time) only gets requests predicted to finish before then: the
-request's expected length (its GRPO group's recent replies, `LengthHistory`) over the
+request's expected length (the 90th percentile of its GRPO group's recent replies,
+`LengthHistory`) over the
 worker's per-request decode speed (from its heartbeats' token counts). Longer ones go to
 workers that are not lent, if any serve, so a reclaim has little to migrate.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from shared.heartbeats import WorkerHeartbeats
@@ -22,29 +23,35 @@ from shared.messages import WorkerStatus
 
 PREFER_OTHER_WORKER_S = 2.0  # after a preemption, how long to wait for a worker other than the preempter
 RATE_EWMA = 0.3  # weight of the newest heartbeat interval in a worker's token rate
-LENGTH_EWMA = 0.2  # weight of the newest reply in a group's expected reply length
 
 
 class LengthHistory:
-    """Expected reply length (tokens) per GRPO group: a running mean of the group's replies,
-    falling back to the mean over all groups. Bounded: the oldest groups are forgotten."""
+    """Expected reply length (tokens) per GRPO group, for predicted lending: the `quantile`
+    (0.9) of the group's recent replies, falling back to that of all recent replies. A high
+    quantile, not the mean: the requests a reclaim catches are the long ones. Bounded: the
+    oldest groups are forgotten."""
 
-    def __init__(self, keep: int = 4096):
-        self.keep = keep
-        self.by_group: dict[str, float] = {}
-        self.overall: float | None = None
+    def __init__(self, keep: int = 4096, per_group: int = 16, overall: int = 256, quantile: float = 0.9):
+        self.keep, self.quantile = keep, quantile
+        self.by_group: dict[str, deque[int]] = {}
+        self.per_group = per_group
+        self.recent: deque[int] = deque(maxlen=overall)
 
     def record(self, group: str, tokens: int) -> None:
-        old = self.by_group.pop(group, None)
-        self.by_group[group] = tokens if old is None else LENGTH_EWMA * tokens + (1 - LENGTH_EWMA) * old
-        self.overall = tokens if self.overall is None else LENGTH_EWMA * tokens + (1 - LENGTH_EWMA) * self.overall
+        lengths = self.by_group.pop(group, None) or deque(maxlen=self.per_group)
+        lengths.append(tokens)
+        self.by_group[group] = lengths  # re-inserted: the most recently used group is kept longest
+        self.recent.append(tokens)
         while len(self.by_group) > self.keep:
             self.by_group.pop(next(iter(self.by_group)))
 
     def expected(self, group: str | None) -> float | None:
-        if group and group in self.by_group:
-            return self.by_group[group]
-        return self.overall
+        lengths = self.by_group.get(group) if group else None
+        lengths = lengths or self.recent
+        if not lengths:
+            return None
+        ordered = sorted(lengths)
+        return float(ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))])
 
 
 class WorkerTable(WorkerHeartbeats):

@@ -86,11 +86,13 @@ def test_a_lent_worker_gets_only_requests_predicted_to_end_before_its_reclaim():
     assert t.choose(101.0, expected_tokens=1000) == "lent"  # 2.5 s < 9 s left
     assert t.choose(101.0, expected_tokens=8000) == "home"  # 20 s: it would be vacated mid-way
     assert t.choose(101.0) == "lent"  # nothing to predict from: least loaded
-    h = LengthHistory(keep=2)
+    h = LengthHistory(keep=2, per_group=4)
     assert h.expected("g1") is None
-    h.record("g1", 100)
-    h.record("g1", 200)
-    assert h.expected("g1") == 0.2 * 200 + 0.8 * 100
+    for n in (100, 400, 120, 110):
+        h.record("g1", n)
+    assert h.expected("g1") == 400  # the 90th percentile: the long reply a reclaim would catch
+    h.record("g1", 90)  # the oldest (100) leaves the group's window
+    assert h.expected("g1") == 400
     h.record("g2", 50)
     h.record("g3", 10)
-    assert h.expected("g1") == h.overall  # forgotten (bounded), falls back to the overall mean
+    assert h.expected("g1") == h.expected(None) == 400  # g1 forgotten (bounded): all recent replies
