@@ -42,6 +42,9 @@ class HostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     worker_ready_timeout: float = 300.0  # seconds a (re)started worker has to send its first heartbeat
     restart_backoff_max: float = 30.0  # a crashed worker is restarted after 0.5 s, doubling up to this
     log_dir: str = ""  # where the worker's log goes ("" = inherit the agent's stdout)
+    # benchmarks only: a command line run as the resident worker instead of `python -m services.rollout`
+    # (e.g. bench/simulated_engine.py); `--model MODEL --worker-id ID` are appended. "" = the real worker
+    worker_cmd: str = ""
 
     def tag_list(self) -> list[str]:
         return [t.strip() for t in self.tags.split(",") if t.strip()]

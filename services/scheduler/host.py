@@ -5,10 +5,11 @@
 
 What it does:
 - keeps the host's rollout worker **resident** (`python -m services.rollout`, started
-  vacated): switching modes is vacate/sleep and wake/load/resume, never a restart, since a
-  vLLM engine takes many seconds to start. A worker that exits is restarted with a doubling
-  back-off (0.5 s up to `restart_backoff_max`); the restart is logged and counted in the
-  heartbeat, and the scheduler then assigns the host afresh;
+  vacated; a benchmark may run another command line, `SF_HOST_WORKER_CMD`): switching
+  modes is vacate/sleep and wake/load/resume, never a restart, since a vLLM engine
+  takes many seconds to start. A worker that exits is restarted with a doubling back-off
+  (0.5 s up to `restart_backoff_max`); the restart is logged and counted in the heartbeat,
+  and the scheduler then assigns the host afresh;
 - applies each `HostAssignment` newer than the last one it applied, as the ordered steps
   of `policy.transition_steps` (a lend loads the current version before it resumes; a
   reclaim vacates before the trainer rank reloads), and answers `HostModeChanged` with the
@@ -28,6 +29,7 @@ import asyncio
 import ctypes
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -66,6 +68,8 @@ class HostAgent:
     def __init__(self, cfg: HostConfig, conn: Connections, worker_argv: list[str] | None = None):
         self.cfg, self.conn = cfg, conn
         self.tags = cfg.tag_list()
+        if worker_argv is None and cfg.worker_cmd and cfg.model:  # benchmarks: a simulated engine, say
+            worker_argv = [*shlex.split(cfg.worker_cmd), "--model", cfg.model, "--worker-id", cfg.worker_id]
         self.has_worker = "rollout" in self.tags and bool(cfg.model or worker_argv)
         self.worker_argv = worker_argv or [sys.executable, "-m", "services.rollout", "--model", cfg.model,
                                            "--worker-id", cfg.worker_id]
