@@ -1,7 +1,9 @@
 """The `seamlessflow` command.
 
     seamlessflow init-model DIR [--size tiny|small|medium]
-    seamlessflow up [--model PATH] [--workers N] [--data-dir var]
+    seamlessflow up [--model PATH] [--workers N] [--data-dir var] [--restart-limit 5 --restart-window 60]
+    seamlessflow status [--json]
+    seamlessflow scale rollout=3 trajectory=2
     seamlessflow demo [--data-dir var]
     seamlessflow export --out trajectories.jsonl
     seamlessflow workers list | vacate ID | resume ID
@@ -18,7 +20,6 @@ import argparse
 import asyncio
 import signal
 import sys
-import time
 from pathlib import Path
 
 
@@ -76,41 +77,74 @@ def cmd_init_model(a: argparse.Namespace) -> None:
 
 
 def cmd_up(a: argparse.Namespace) -> None:
+    """Start the stack, then supervise it (keeper.py) until Ctrl-C/SIGTERM."""
+    from seamlessflow.keeper import Keeper
     from seamlessflow.stack import Stack, StackError
+    from seamlessflow.supervisor import RestartPolicy
 
+    try:
+        policy = RestartPolicy(loop_restarts=a.restart_limit, loop_window=a.restart_window)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     stack = Stack(_stack_options(a))
     busy = stack.running_elsewhere()
     if busy:
         sys.exit(f"error: {busy}")
     print("starting NATS, Redis, trajectory manager, rollout workers and gateway ...", file=sys.stderr)
     try:
-        stack.start()
+        stack.start(wait=False)
     except StackError as e:
         sys.exit(f"error: {e}")
-    print(f"\nSeamlessFlow is up.\n  OpenAI base_url: {stack.gateway_url}\n  API key:         {stack.api_key}\n"
-          f"  admin:           {stack.admin_url} (admin key in {stack.data / 'credentials.json'})\n"
-          f"  logs:            {stack.logs}\n"
-          f"  operator cmds:   seamlessflow workers list | weights list | export (they find this stack\n"
-          f"                   through {stack.data / 'stack.json'}, or set SF_NATS_URL={stack.nats_url})\n"
-          "Ctrl-C stops everything.", flush=True)
-    stop = False
 
-    def _quit(*_):
-        nonlocal stop
-        stop = True
+    def banner() -> None:
+        down = [s.name for s in keeper.services.values() if s.state == "given up"]
+        print(f"\nSeamlessFlow is up{' WITHOUT ' + ', '.join(down) + ' (given up, see above)' if down else ''}.\n"
+              f"  OpenAI base_url: {stack.gateway_url}\n  API key:         {stack.api_key}\n"
+              f"  admin:           {stack.admin_url} (admin key in {stack.data / 'credentials.json'})\n"
+              f"  logs:            {stack.logs}\n"
+              f"  operator cmds:   seamlessflow status | scale rollout=N | workers list | weights list | export\n"
+              f"                   (they find this stack through {stack.data}, or set SF_NATS_URL={stack.nats_url})\n"
+              f"A service that exits is restarted (back-off 0.5 s doubling to 30 s; given up after "
+              f"{policy.loop_restarts} restarts in {policy.loop_window:g} s).\nCtrl-C stops everything.", flush=True)
 
-    signal.signal(signal.SIGINT, _quit)
-    signal.signal(signal.SIGTERM, _quit)
+    keeper = Keeper(stack, policy, say=lambda msg: print(msg, file=sys.stderr, flush=True), on_up=banner)
+
+    async def run() -> int:
+        quit = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, quit.set)
+        return await keeper.run(quit)
+
+    sys.exit(asyncio.run(run()))
+
+
+def cmd_status(a: argparse.Namespace) -> None:
+    import json
+
+    from seamlessflow import control
+
     try:
-        while not stop:
-            for p in stack.procs:
-                if p.popen.poll() is not None:
-                    print(f"error: {p.name} exited with code {p.popen.returncode}; see {p.log}", file=sys.stderr)
-                    stop = True
-            time.sleep(0.5)
-    finally:
-        print("stopping ...", file=sys.stderr)
-        stack.stop()
+        st = control.ask(a.data_dir, {"op": "status"})
+    except (control.NotRunning, OSError) as e:
+        sys.exit(f"error: {e}")
+    print(json.dumps(st, indent=2) if a.json else control.format_status(st))
+
+
+def cmd_scale(a: argparse.Namespace) -> None:
+    from seamlessflow import control
+    from seamlessflow.supervisor import ScaleError, parse_scale
+
+    try:
+        counts = parse_scale(a.counts)
+        # a new worker's vLLM engine may take minutes to start on a busy CPU: wait per line, not in all
+        reply = control.ask(a.data_dir, {"op": "scale", "counts": counts}, timeout=600,
+                            on_progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except (ScaleError, control.NotRunning, OSError) as e:
+        sys.exit(f"error: {e}")
+    if not reply.get("ok"):
+        sys.exit(f"error: {reply.get('error')}")
+    print(" ".join(f"{k}={v}" for k, v in reply["counts"].items()))
 
 
 def cmd_demo(a: argparse.Namespace) -> None:
@@ -230,9 +264,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_init_model)
 
-    p = sub.add_parser("up", help="run the whole stack on this machine")
+    p = sub.add_parser("up", help="run the whole stack on this machine, restarting services that exit")
     _add_stack_args(p)
+    p.add_argument("--restart-limit", type=int, default=5,
+                   help="give a service up after this many restarts within --restart-window seconds")
+    p.add_argument("--restart-window", type=float, default=60.0)
     p.set_defaults(fn=cmd_up)
+
+    p = sub.add_parser("status", help="every service of the running `up` (pid, state, uptime, restarts), "
+                       "each worker's version and load, the gateway URL")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs")
+    p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("scale", help="change the number of rollout workers / trajectory replicas of the "
+                       "running `up`, e.g. scale rollout=3 trajectory=2")
+    p.add_argument("counts", nargs="+", metavar="KIND=N")
+    p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs")
+    p.set_defaults(fn=cmd_scale)
 
     p = sub.add_parser("demo", help="start the stack, run agents through it, export their trajectories")
     _add_stack_args(p)

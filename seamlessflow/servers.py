@@ -58,11 +58,27 @@ def find_binary(name: str) -> str:
     return found
 
 
-def start_nats(port: int, data_dir: Path, log_file: Path | None = None) -> subprocess.Popen:
+def nats_argv(port: int, data_dir: Path) -> list[str]:
     data_dir.mkdir(parents=True, exist_ok=True)
+    return [find_binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(data_dir)]
+
+
+def redis_argv(port: int, data_dir: Path, durable: bool = False, password: str = "",
+               log_file: Path | None = None) -> list[str]:
+    """Redis logs to `log_file` (default DATA_DIR/redis.log), not to stdout."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    args = [find_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
+            "--save", "", "--appendonly", "yes" if durable else "no",
+            "--logfile", str(log_file or data_dir / "redis.log")]
+    if password:
+        args += ["--requirepass", password]
+    return args
+
+
+def start_nats(port: int, data_dir: Path, log_file: Path | None = None) -> subprocess.Popen:
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL
     proc = subprocess.Popen(
-        [find_binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(data_dir)],
+        nats_argv(port, data_dir),
         stdout=out,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -72,12 +88,8 @@ def start_nats(port: int, data_dir: Path, log_file: Path | None = None) -> subpr
 
 
 def start_redis(port: int, data_dir: Path, durable: bool = False, password: str = "") -> subprocess.Popen:
-    data_dir.mkdir(parents=True, exist_ok=True)
-    args = [find_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
-            "--save", "", "--appendonly", "yes" if durable else "no", "--logfile", str(data_dir / "redis.log")]
-    if password:
-        args += ["--requirepass", password]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(redis_argv(port, data_dir, durable, password), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT, start_new_session=True)
     wait_port(port, proc, "redis-server")
     return proc
 

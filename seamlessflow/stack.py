@@ -4,6 +4,10 @@ end-to-end tests and the benchmarks.
 
 Each service logs to DATA_DIR/logs/<name>.log; start() waits for each one's ready line
 with a timeout and, if one fails, stops the others and shows the tail of its log.
+`start(wait=False)` only spawns, for `seamlessflow up`, whose keeper (keeper.py) watches
+readiness and restarts; `respawn` starts a process again with the same command and
+environment; `stop` stops in tiers (supervisor.shutdown_tiers) and leaves no process of a
+service's group behind.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -18,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from seamlessflow import servers
+from seamlessflow.supervisor import shutdown_tiers
 
 ENGINE_ENV = {  # not VLLM_CPU_KVCACHE_SPACE: the rollout worker sets it from SF_ROLLOUT_KV_CACHE_GIB
     "HF_HUB_OFFLINE": "1",
@@ -107,6 +113,9 @@ class Proc:
     log: Path
     ready: str = ""  # the log line that says it is serving
     offset: int = 0  # where this run's log starts
+    argv: list[str] = field(default_factory=list)  # to start it again (respawn)
+    env: dict[str, str] | None = None
+    port: int = 0  # serving once this port listens (NATS, Redis: no ready line)
 
 
 class Stack:
@@ -156,7 +165,8 @@ class Stack:
                 return f"port {port} ({what}) is already in use; is a stack running? choose other ports with --{what.lower()}-port"
         return None
 
-    def start(self) -> None:
+    def start(self, wait: bool = True) -> None:
+        """Start every service; with `wait`, until each is ready (StackError if one is not)."""
         busy = self.running_elsewhere()
         if busy:
             raise StackError(busy)
@@ -183,15 +193,23 @@ class Stack:
                 for i in range(self.o.workers):
                     self.spawn_rollout(f"rollout-{i}")
             self._spawn_gateway()
-            for p in self.procs:
+            for p in self.procs if wait else ():
                 self._wait_ready(p)
         except BaseException:
             self.stop()
             raise
 
-    def stop(self) -> None:
-        for p in reversed(self.procs):
-            servers.stop(p.popen, timeout=15)
+    def stop(self, say=lambda msg: None, timeout: float = 30.0) -> None:
+        """Stop in tiers: the gateway, then the trajectory replicas (they drain while the workers
+        still serve), then workers, host agents, trainer and scheduler, then Redis and NATS.
+        Each tier gets SIGTERM and `timeout` seconds, then SIGKILL; whatever is left of each
+        process group is killed."""
+        by_name = {p.name: p for p in self.procs}
+        for tier in shutdown_tiers(list(by_name)):
+            live = [n for n in tier if by_name[n].popen.poll() is None]
+            if live:
+                say(f"stopping {', '.join(live)} ...")
+            self.terminate([by_name[n] for n in tier], timeout)
         self.procs.clear()
         (self.data / "stack.pid").unlink(missing_ok=True)
         (self.data / "stack.json").unlink(missing_ok=True)
@@ -261,6 +279,41 @@ class Stack:
         """Start any process with the stack's environment (for benchmarks and tests)."""
         return self._spawn(name, argv, self.env(), ready=ready)
 
+    def terminate(self, procs: list[Proc], timeout: float = 30.0) -> None:
+        """SIGTERM to each process group, wait for all (at most `timeout`), SIGKILL the rest."""
+        for p in procs:
+            _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            try:
+                p.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(p, signal.SIGKILL)
+                p.popen.wait(10)
+            self.clear_group(p)
+
+    def clear_group(self, p: Proc) -> None:
+        """Kill what is left of an exited process's group (e.g. a SIGKILLed worker's vLLM engine
+        process). Its group id stays reserved while any member lives, so this hits no stranger."""
+        _signal_group(p, signal.SIGKILL)
+
+    def respawn(self, p: Proc) -> Proc:
+        """Start an exited service again, with the same command and environment."""
+        self.clear_group(p)
+        if p in self.procs:
+            self.procs.remove(p)
+        return self._spawn(p.name, p.argv, p.env, ready=p.ready, log=p.log, port=p.port)
+
+    def is_ready(self, p: Proc) -> bool:
+        """Has this run of `p` said it serves (its ready line, or its port listening)?"""
+        if p.port:
+            return servers.port_open(p.port)
+        if not p.ready:
+            return True
+        with open(p.log, "rb") as f:
+            f.seek(p.offset)
+            return p.ready.encode() in f.read()
+
     def kill(self, name: str, sig: int = 9) -> None:
         """Send `sig` to one service (SIGKILL by default) and forget it."""
         for p in list(self.procs):
@@ -288,12 +341,19 @@ class Stack:
         self.api_key, self.admin_key = creds["api_key"], creds["admin_key"]
 
     def _spawn_infra(self) -> None:
+        infra = []
         if not self.o.external_nats:
-            nats = servers.start_nats(self.o.nats_port, self.data / "nats", self.logs / "nats.log")
-            self.procs.append(Proc("nats", nats, self.logs / "nats.log"))
+            argv = servers.nats_argv(self.o.nats_port, self.data / "nats")
+            infra.append(self._spawn("nats", argv, None, ready="", port=self.o.nats_port))
         if not self.o.external_redis:
-            redis = servers.start_redis(self.o.redis_port, self.data / "redis", durable=True)
-            self.procs.append(Proc("redis", redis, self.data / "redis" / "redis.log"))
+            argv = servers.redis_argv(self.o.redis_port, self.data / "redis", durable=True,
+                                      log_file=self.logs / "redis.log")
+            infra.append(self._spawn("redis", argv, None, ready="", port=self.o.redis_port))
+        for p in infra:
+            try:
+                servers.wait_port(p.port, p.popen, p.name)
+            except servers.ServerError as e:
+                raise StackError(f"{e}; log {p.log}:\n{_tail(p.log.read_text(errors='replace'))}") from None
 
     def _spawn_gateway(self) -> None:
         env = self.env() | {
@@ -306,12 +366,13 @@ class Stack:
         }
         self._spawn("gateway", [sys.executable, "-m", "services.gateway"], env, ready="gateway ready")
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str], ready: str) -> Proc:
-        log = self.logs / f"{name}.log"
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None, ready: str,
+               log: Path | None = None, port: int = 0) -> Proc:
+        log = log or self.logs / f"{name}.log"
         offset = log.stat().st_size if log.exists() else 0
-        out = open(log, "ab")
-        popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        proc = Proc(name, popen, log, ready, offset)
+        with open(log, "ab") as out:
+            popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = Proc(name, popen, log, ready, offset, argv, env, port)
         self.procs.append(proc)
         return proc
 
@@ -332,3 +393,20 @@ class Stack:
 
 def _tail(text: str, n: int = 25) -> str:
     return "\n".join(text.splitlines()[-n:])
+
+
+def log_tail(path: Path, n: int = 15) -> str:
+    """The last `n` lines of a log file ("" if it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+            return _tail(f.read().decode(errors="replace"), n)
+    except OSError:
+        return ""
+
+
+def _signal_group(p: Proc, sig: int) -> None:
+    try:
+        os.killpg(p.popen.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

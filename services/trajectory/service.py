@@ -79,13 +79,19 @@ class TrajectoryService:
 
             await self.nc.subscribe(subjects.ROLLOUT_STATUS, cb=self._on_status)
             await self.nc.subscribe(subjects.CHAT_CANCEL, cb=self._on_cancel)
-            await self.nc.subscribe(subjects.CHAT, queue=subjects.TRAJECTORY_QUEUE, cb=self._on_chat)
-            await self.nc.subscribe(subjects.session_op("*"), queue=subjects.TRAJECTORY_QUEUE, cb=self._on_session)
+            queue_subs = [
+                await self.nc.subscribe(subjects.CHAT, queue=subjects.TRAJECTORY_QUEUE, cb=self._on_chat),
+                await self.nc.subscribe(subjects.session_op("*"), queue=subjects.TRAJECTORY_QUEUE, cb=self._on_session),
+            ]
             log.info("trajectory manager ready (model %s, %s)", self.cfg.model, self.conn.redacted())
             if ready:
                 ready.set()
             await quit.wait()
-            # drain: let running turns finish, bounded
+            # drain: leave the queue group (new turns go to the other replicas), then let running
+            # turns finish, bounded
+            for sub in queue_subs:
+                await sub.unsubscribe()
+            log.info("draining: %d turns running", len(self.running))
             if self.running:
                 await asyncio.wait(list(self.running.values()), timeout=30)
 
