@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import statistics
 import sys
@@ -103,12 +104,16 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="default: the tiny model, built in a temp dir")
     ap.add_argument("--out", type=Path, default=Path("var/bench/scheduler_ab.json"))
     a = ap.parse_args()
+    cache = Path(__file__).resolve().parents[1] / ".cache" / "tests"  # the test suite's JIT and vLLM caches
+    for key, sub in (("TORCH_EXTENSIONS_DIR", "torch_extensions"), ("VLLM_CACHE_ROOT", "vllm"),
+                     ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+        os.environ.setdefault(key, str(cache / sub))
     tmp = Path(tempfile.mkdtemp(prefix="sf-ab-"))
     model = a.model or init_model(tmp / "model", size="tiny")
     opts = StackOptions(model=model, data_dir=tmp, gateway_port=servers.free_port(), admin_port=servers.free_port(),
                         nats_port=servers.free_port(), redis_port=servers.free_port(), max_model_len=512,
                         max_num_seqs=8, policy="seamless", hosts=["train+rollout", "rollout"], train=True,
-                        trainer_settings=TRAINER)
+                        trainer_settings=TRAINER, ready_timeout=900)
     stack = Stack(opts)
     print(f"starting the stack in {tmp} ...", file=sys.stderr)
     stack.start()
