@@ -4,7 +4,7 @@
     seamlessflow up [--model PATH] [--workers N] [--data-dir var] [--restart-limit 5 --restart-window 60]
     seamlessflow status [--json]
     seamlessflow scale rollout=3 trajectory=2
-    seamlessflow demo [--data-dir var]
+    seamlessflow demo [--task reverse|calc] [--seed 0] [--rounds 60] [--data-dir var]
     seamlessflow export --out trajectories.jsonl
     seamlessflow workers list | vacate ID | resume ID
     seamlessflow weights publish DIR | list
@@ -155,9 +155,24 @@ def cmd_demo(a: argparse.Namespace) -> None:
     for name in ("gateway_port", "admin_port", "nats_port", "redis_port"):
         if servers.port_open(getattr(a, name)):
             setattr(a, name, servers.free_port())
+    command = _demo_command(a)  # before the model path is filled in
     if a.model is None:  # the small demo model, warm-started on the demo task
-        a.model = prepare_model(a.data_dir, log=lambda m: print(m, file=sys.stderr, flush=True))
-    sys.exit(run_demo(_stack_options(a), rounds=a.rounds, groups=a.groups, group_size=a.group_size))
+        a.model = prepare_model(a.data_dir, task=a.task, seed=a.seed, log=lambda m: print(m, file=sys.stderr, flush=True))
+    sys.exit(run_demo(_stack_options(a), rounds=a.rounds, groups=a.groups, group_size=a.group_size, task=a.task,
+                      seed=a.seed, command=command))
+
+
+def _demo_command(a: argparse.Namespace) -> str:
+    """The command line that reproduces this demo run (for the report's summary.md)."""
+    import shlex
+
+    args = ["seamlessflow", "demo", "--task", a.task, "--seed", str(a.seed), "--rounds", str(a.rounds),
+            "--groups", str(a.groups), "--group-size", str(a.group_size), "--data-dir", str(a.data_dir)]
+    if a.model is not None:
+        args += ["--model", str(a.model)]
+    if a.policy:
+        args += ["--policy", a.policy, "--hosts", a.hosts]
+    return shlex.join(args)
 
 
 def cmd_export(a: argparse.Namespace) -> None:
@@ -288,6 +303,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=60, help="rounds of agents; the trainer steps once per round")
     p.add_argument("--groups", type=int, default=4, help="GRPO groups (prompts) per round")
     p.add_argument("--group-size", type=int, default=8, help="sessions per group")
+    p.add_argument("--task", choices=["reverse", "calc"], default="reverse",
+                   help="reverse: reverse the digits (one turn); calc: a calculator tool call, its result, the answer")
+    p.add_argument("--seed", type=int, default=0, help="prompts, warm start and trainer seed")
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("export", help="write finished trajectories as JSONL (reads SF_NATS_URL)")

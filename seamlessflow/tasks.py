@@ -1,12 +1,35 @@
-"""Built-in verifiable tasks for demos and learning tests (pure).
+"""Built-in verifiable tasks for demos and learning tests (pure: no model, no sockets).
 
-reverse: "reverse 4821" -> "1284". Reward = 0.5 * (fraction of positions right) + 0.5 * exact.
+reverse: "reverse 4821" -> "1284", one turn.
+calc:    "what is 37*48?" -> the agent calls the `calculator` tool through an OpenAI tool
+         call, reads the result in a second turn and answers "1776".
+
+Both score the final answer the same way: 0.5 * (fraction of positions right) + 0.5 * exact.
+The agents that run these tasks through the gateway live in seamlessflow/rl.py; the warm
+start that teaches their format lives in seamlessflow/warmstart.py.
 """
 
 from __future__ import annotations
 
+import ast
+import json
+import operator
 import random
+from dataclasses import dataclass
+from typing import Callable
 
+TASK_NAMES = ("reverse", "calc")
+
+
+def answer_reward(answer: str, target: str) -> float:
+    answer = answer.strip()
+    right = sum(a == b for a, b in zip(answer, target)) / len(target)
+    if len(answer) > len(target):
+        right *= len(target) / len(answer)
+    return 0.5 * right + 0.5 * float(answer == target)
+
+
+# -- reverse ----------------------------------------------------------------------------------------
 
 def reverse_prompt(rng: random.Random, min_len: int = 3, max_len: int = 5) -> tuple[str, str]:
     digits = "".join(rng.choices("0123456789", k=rng.randint(min_len, max_len)))
@@ -14,8 +37,94 @@ def reverse_prompt(rng: random.Random, min_len: int = 3, max_len: int = 5) -> tu
 
 
 def reverse_reward(answer: str, target: str) -> float:
-    answer = answer.strip()
-    right = sum(a == b for a, b in zip(answer, target)) / len(target)
-    if len(answer) > len(target):
-        right *= len(target) / len(answer)
-    return 0.5 * right + 0.5 * float(answer == target)
+    return answer_reward(answer, target)
+
+
+# -- calc -------------------------------------------------------------------------------------------
+
+# Key order as the gateway forwards it (services/gateway/schemas.py FunctionDef), so the warm
+# start renders the same system prompt the agents' requests do.
+CALCULATOR_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                       "required": ["expression"]},
+    },
+}
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def calc_prompt(rng: random.Random) -> tuple[str, str, str]:
+    """(question, expression, answer): two numbers 2-99 and one of + - *."""
+    a, b = rng.randint(2, 99), rng.randint(2, 99)
+    op = rng.choice("+-*")
+    expression = f"{a}{op}{b}"
+    return f"what is {expression}?", expression, calculate(expression)
+
+
+def calculate(expression: str) -> str:
+    """The calculator tool: integers with + - * and parentheses; anything else is "error"
+    (it never evaluates names, calls or attributes)."""
+
+    def ev(node: ast.AST) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = ev(node.left), ev(node.right)
+            if abs(left) > 10**9 or abs(right) > 10**9:
+                raise ValueError("too large")
+            return _OPS[type(node.op)](left, right)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -ev(node.operand)
+        raise ValueError("unsupported")
+
+    if len(expression) > 64:
+        return "error"
+    try:
+        return str(ev(ast.parse(expression.strip(), mode="eval").body))
+    except (SyntaxError, ValueError, RecursionError):
+        return "error"
+
+
+def calculator_call(arguments: str) -> str:
+    """Run the tool on an OpenAI tool call's `arguments` (a JSON string)."""
+    try:
+        args = json.loads(arguments)
+    except ValueError:
+        return "error"
+    expression = args.get("expression") if isinstance(args, dict) else None
+    return calculate(expression) if isinstance(expression, str) else "error"
+
+
+def calc_reward(answer: str, target: str) -> float:
+    return answer_reward(answer, target)
+
+
+def calc_tool_call_text(expression: str) -> str:
+    """What the model writes to call the tool: the format the chat template renders and
+    services/trajectory/toolcalls.py parses (arguments as json.dumps writes them)."""
+    return '<tool_call>{"name": "calculator", "arguments": ' + json.dumps({"expression": expression}) + "}</tool_call>"
+
+
+# -- registry ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str
+    max_tokens: int  # per turn
+    problem: Callable[[random.Random], tuple[str, str]]  # rng -> (prompt, target)
+
+
+def _calc_problem(rng: random.Random) -> tuple[str, str]:
+    question, _, answer = calc_prompt(rng)
+    return question, answer
+
+
+TASKS = {
+    "reverse": TaskSpec("reverse", 8, reverse_prompt),
+    # the tool call is ~25 tokens on the demo tokenizer; the answer at most 5 digits + end of turn
+    "calc": TaskSpec("calc", 40, _calc_problem),
+}

@@ -1,11 +1,20 @@
-"""A short supervised warm start on the built-in task, so RL starts from a policy that
+"""A short supervised warm start on a built-in task, so RL starts from a policy that
 sometimes succeeds (pure RL from random init rises very slowly: see ENV-NOTES).
 
     seamlessflow warm-start var/model var/model-sft
 
-Plain torch, a few seconds on a laptop CPU: teacher-forced cross-entropy on the answer
-tokens of chat-formatted "reverse DIGITS" prompts, stopped as soon as the *sampled*
-(temperature 1) mean reward reaches `target_reward`, so RL still has room to improve.
+Plain torch, a few seconds on a laptop CPU: teacher-forced cross-entropy on the assistant
+tokens of chat-formatted examples, stopped as soon as the *sampled* (temperature 1) mean
+reward reaches `target_reward`, so RL still has room to improve.
+
+- reverse: "reverse DIGITS" -> the digits reversed.
+- calc: the whole two-turn conversation: the question (with the `calculator` tool in the
+  system prompt), the tool call, the tool's result, the answer. Only the two assistant
+  replies are trained; this teaches the tool-call format. The sampled check runs both
+  turns, with the real tool in between.
+
+Token pieces are tokenized one by one, as the trajectory manager does (a turn's tokens are
+never re-tokenized with what follows), so what is trained is what rollout will see.
 """
 
 from __future__ import annotations
@@ -16,29 +25,93 @@ from pathlib import Path
 
 import torch
 
-from seamlessflow.tasks import reverse_prompt, reverse_reward
+from seamlessflow.tasks import CALCULATOR_TOOL, answer_reward, calc_prompt, calc_tool_call_text, calculator_call, \
+    reverse_prompt
 
 
-def _prompt_ids(tok, task: str) -> list[int]:
-    text = tok.apply_chat_template([{"role": "user", "content": task}], add_generation_prompt=True, tokenize=False)
+def _prompt_ids(tok, task: str, tools: list | None = None) -> list[int]:
+    text = tok.apply_chat_template([{"role": "user", "content": task}], tools=tools, add_generation_prompt=True,
+                                   tokenize=False)
     return tok.encode(text, add_special_tokens=False)
 
 
-@torch.no_grad()
-def sampled_reward(model, tok, rng: random.Random, n: int = 64, max_new: int = 8) -> float:
-    tasks = [reverse_prompt(rng) for _ in range(n)]
-    prompts = [_prompt_ids(tok, task) for task, _ in tasks]
-    width = max(map(len, prompts))  # left-padded batch
+def _enc(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _tool_turn_ids(tok, result: str) -> list[int]:
+    """What the template adds after the assistant's tool-call turn (its end-of-turn token
+    excluded): the tool message and the next assistant header."""
+    return _enc(tok, f"\n<|im_start|>tool\n{result}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def sft_example(tok, task: str, rng: random.Random) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of one supervised example: mask 1 on the assistant's tokens."""
+    eos = [tok.eos_token_id]
+    if task == "reverse":
+        prompt, target = reverse_prompt(rng)
+        p, a = _prompt_ids(tok, prompt), _enc(tok, target) + eos
+        return p + a, [0] * len(p) + [1] * len(a)
+    question, expression, answer = calc_prompt(rng)
+    p = _prompt_ids(tok, question, [CALCULATOR_TOOL])
+    call = _enc(tok, calc_tool_call_text(expression)) + eos
+    glue = _tool_turn_ids(tok, answer)
+    final = _enc(tok, answer) + eos
+    return p + call + glue + final, [0] * len(p) + [1] * len(call) + [0] * len(glue) + [1] * len(final)
+
+
+def _generate(model, tok, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """Sampled continuations (temperature 1) of a left-padded batch, each cut after its
+    end-of-turn token."""
+    width = max(map(len, prompts))
     ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
     attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     out = model.generate(ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                          max_new_tokens=max_new, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    answers = tok.batch_decode(out[:, width:], skip_special_tokens=True)
-    return sum(reverse_reward(a, target) for a, (_, target) in zip(answers, tasks)) / n
+    gens = []
+    for row in out[:, width:].tolist():
+        cut = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
+        gens.append([i for i in row[:cut] if i != tok.pad_token_id])
+    return gens
+
+
+def _text(tok, ids: list[int], skip_special: bool = False) -> str:
+    return tok.decode([i for i in ids if i != tok.eos_token_id], skip_special_tokens=skip_special)
+
+
+@torch.no_grad()
+def sampled_reward(model, tok, rng: random.Random, n: int = 64, max_new: int = 8, task: str = "reverse") -> float:
+    if task == "reverse":
+        tasks = [reverse_prompt(rng) for _ in range(n)]
+        gens = _generate(model, tok, [_prompt_ids(tok, t) for t, _ in tasks], max_new)
+        return sum(answer_reward(_text(tok, g, skip_special=True), target) for g, (_, target) in zip(gens, tasks)) / n
+    return _calc_sampled_reward(model, tok, rng, n)
+
+
+def _calc_sampled_reward(model, tok, rng: random.Random, n: int) -> float:
+    from services.trajectory.toolcalls import parse
+
+    problems = [calc_prompt(rng) for _ in range(n)]
+    prompts = [_prompt_ids(tok, q, [CALCULATOR_TOOL]) for q, _, _ in problems]
+    first = _generate(model, tok, prompts, 40)
+    rewards = [0.0] * n
+    second: list[tuple[int, list[int]]] = []
+    for k, gen in enumerate(first):
+        content, calls = parse(_text(tok, gen), "warm")
+        if not calls:
+            rewards[k] = answer_reward(content, problems[k][2])
+            continue
+        ended = gen if gen and gen[-1] == tok.eos_token_id else gen + [tok.eos_token_id]
+        second.append((k, prompts[k] + ended + _tool_turn_ids(tok, calculator_call(calls[0].arguments))))
+    if second:
+        for (k, _), gen in zip(second, _generate(model, tok, [p for _, p in second], 8)):
+            content, calls = parse(_text(tok, gen), "warm")
+            rewards[k] = 0.0 if calls else answer_reward(content, problems[k][2])
+    return sum(rewards) / n
 
 
 def warm_start(src: Path, out: Path, target_reward: float = 0.3, max_steps: int = 400, batch: int = 32,
-               lr: float = 1e-3, seed: int = 0, log=print) -> dict:
+               lr: float = 1e-3, seed: int = 0, task: str = "reverse", log=print) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
@@ -47,19 +120,13 @@ def warm_start(src: Path, out: Path, target_reward: float = 0.3, max_steps: int 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     eval_rng = random.Random(seed + 1)
-    reward = sampled_reward(model.eval(), tok, eval_rng)
-    log(f"warm start: step 0 sampled reward {reward:.3f}")
+    reward = sampled_reward(model.eval(), tok, eval_rng, task=task)
+    log(f"warm start ({task}): step 0 sampled reward {reward:.3f}")
     step = 0
     while reward < target_reward and step < max_steps:
         model.train()
         for _ in range(25):
-            seqs, masks = [], []
-            for _ in range(batch):
-                task, target = reverse_prompt(rng)
-                p = _prompt_ids(tok, task)
-                a = tok.encode(target, add_special_tokens=False) + [tok.eos_token_id]
-                seqs.append(p + a)
-                masks.append([0] * len(p) + [1] * len(a))
+            seqs, masks = zip(*(sft_example(tok, task, rng) for _ in range(batch)))
             width = max(map(len, seqs))
             ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in seqs])
             mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
@@ -73,8 +140,8 @@ def warm_start(src: Path, out: Path, target_reward: float = 0.3, max_steps: int 
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             step += 1
-        reward = sampled_reward(model.eval(), tok, eval_rng)
-        log(f"warm start: step {step} loss {loss.item():.3f} sampled reward {reward:.3f}")
+        reward = sampled_reward(model.eval(), tok, eval_rng, task=task)
+        log(f"warm start ({task}): step {step} loss {loss.item():.3f} sampled reward {reward:.3f}")
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,98 @@
+"""The built-in tasks: prompts, the calculator tool, rewards, and the calc agent's two turns
+against a fake chat endpoint (the code under test stays real; only the HTTP edge is faked)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import httpx
+import openai
+
+from seamlessflow.rl import calc_agent, reverse_agent
+from seamlessflow.tasks import (CALCULATOR_TOOL, TASKS, answer_reward, calc_prompt, calc_tool_call_text, calculate,
+                                calculator_call, reverse_prompt)
+from services.trajectory.toolcalls import parse
+
+
+def test_reverse_prompt_and_reward():
+    task, target = reverse_prompt(random.Random(0))
+    assert task == f"reverse {target[::-1]}"
+    assert answer_reward(target, target) == 1.0
+    assert answer_reward("", target) == 0.0
+    assert answer_reward("12", "13") == 0.25  # half the positions, not exact
+    assert answer_reward("1234", "12") == 0.25  # too long: positions scaled by length
+
+
+def test_calc_prompt_is_deterministic_and_answerable():
+    a, b = calc_prompt(random.Random(7)), calc_prompt(random.Random(7))
+    assert a == b
+    question, expression, answer = a
+    assert question == f"what is {expression}?" and answer == str(eval(expression))  # noqa: S307 - digits and one op
+    assert set(TASKS) == {"reverse", "calc"}
+
+
+def test_calculator_evaluates_arithmetic_only():
+    assert calculate("37*48") == "1776"
+    assert calculate("(2+3)*-4") == "-20"
+    assert calculate("2**10") == "error"  # no power: bounded work
+    assert calculate("__import__('os')") == "error"
+    assert calculate("1/2") == "error"
+    assert calculate("x") == "error"
+    assert calculate("1" * 100) == "error"
+    assert calculator_call('{"expression": "3-5"}') == "-2"
+    assert calculator_call("not json") == "error"
+    assert calculator_call('{"expr": "3"}') == "error"
+
+
+def test_tool_call_text_parses_back_as_one_calculator_call():
+    content, calls = parse(calc_tool_call_text("12+30"), "r1")
+    assert content == ""
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("calculator", {"expression": "12+30"})]
+
+
+def _completion(content: str | None, tool_args: str | None, versions: list[int]) -> dict:
+    msg: dict = {"role": "assistant", "content": content}
+    if tool_args is not None:
+        msg["tool_calls"] = [{"id": "call_1", "type": "function",
+                              "function": {"name": "calculator", "arguments": tool_args}}]
+    return {"id": "c", "object": "chat.completion", "created": 0, "model": "m",
+            "choices": [{"index": 0, "message": msg, "finish_reason": "tool_calls" if tool_args else "stop"}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+            "seamlessflow": {"versions": versions}}
+
+
+def _client(replies: list[dict], seen: list[dict]) -> openai.AsyncOpenAI:
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, json=replies[len(seen) - 1])
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return openai.AsyncOpenAI(base_url="http://gw/v1", api_key="k", http_client=http, max_retries=0)
+
+
+def test_calc_agent_calls_the_tool_then_answers():
+    seen: list[dict] = []
+    client = _client([_completion(None, '{"expression": "6*7"}', [3]), _completion("42", None, [4])], seen)
+    ep = asyncio.run(calc_agent(client, "what is 6*7?", "42", 40))
+    assert ep.reward == 1.0 and ep.versions == [3, 4] and ep.tokens == 6 and ep.tool_calls == 1
+    assert seen[0]["tools"] == [CALCULATOR_TOOL]
+    second = seen[1]["messages"]
+    assert [m["role"] for m in second] == ["user", "assistant", "tool"]
+    assert second[1]["tool_calls"][0]["function"]["arguments"] == '{"expression": "6*7"}'
+    assert second[2] == {"role": "tool", "tool_call_id": "call_1", "content": "42"}
+
+
+def test_calc_agent_scores_a_direct_answer_and_an_endless_tool_loop():
+    client = _client([_completion("41", None, [1])], [])
+    assert asyncio.run(calc_agent(client, "what is 6*7?", "42", 40)).reward == 0.25
+    loop = _completion(None, '{"expression": "6*7"}', [1])
+    ep = asyncio.run(calc_agent(_client([loop, loop], []), "what is 6*7?", "42", 40))
+    assert ep.reward == 0.0 and ep.tool_calls == 2
+
+
+def test_reverse_agent_one_turn():
+    seen: list[dict] = []
+    ep = asyncio.run(reverse_agent(_client([_completion("321", None, [0])], seen), "reverse 123", "321", 8))
+    assert ep.reward == 1.0 and seen[0]["max_tokens"] == 8 and "tools" not in seen[0]
