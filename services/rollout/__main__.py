@@ -10,14 +10,12 @@ Exit code 3 means the engine died (e.g. a weight reload failed halfway): restart
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
-import signal
 import sys
 
 from services.rollout.config import load_config
 from services.rollout.service import RolloutService
-from shared.config import ConfigError, connections, log_level
+from shared.config import ConfigError, connections
+from shared.lifecycle import run_until_signalled, setup_logging
 
 
 def main() -> int:
@@ -25,22 +23,14 @@ def main() -> int:
     ap.add_argument("--model", help="HF checkpoint dir (SF_ROLLOUT_MODEL)")
     ap.add_argument("--worker-id", help="this worker's id, one NATS subject token (SF_ROLLOUT_WORKER_ID)")
     args = ap.parse_args()
-    logging.basicConfig(level=log_level(), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging()
     try:
         cfg = load_config(model=args.model, worker_id=args.worker_id)
         conn = connections()
     except ConfigError as e:
         ap.error(str(e))
 
-    async def run() -> int:
-        quit = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, quit.set)
-        return await RolloutService(cfg, conn).run(quit)
-
-    return asyncio.run(run())
+    return run_until_signalled(RolloutService(cfg, conn).run)
 
 
 if __name__ == "__main__":  # vLLM starts its engine processes with spawn

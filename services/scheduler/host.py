@@ -43,7 +43,8 @@ from services.scheduler.config import HostConfig, load_host
 from services.scheduler.policy import Step, transition_steps
 from shared import bus, subjects
 from shared.codec import decode, encode
-from shared.config import Connections, connections, log_level
+from shared.config import Connections, connections
+from shared.lifecycle import run_until_signalled, setup_logging
 from shared.messages.rollout import RolloutControl, WorkerStatus
 from shared.messages.scheduler import (
     HostAssignment,
@@ -290,17 +291,10 @@ def main() -> None:
     ap.add_argument("--tags")
     ap.add_argument("--model")
     args = ap.parse_args()
-    logging.basicConfig(level=log_level(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging()
     cfg = load_host(id=args.id, tags=args.tags, model=args.model)
 
-    async def run() -> None:
-        quit = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, quit.set)
-        await HostAgent(cfg, connections()).run(quit)
-
-    asyncio.run(run())
+    run_until_signalled(HostAgent(cfg, connections()).run)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,47 @@
+"""How a service process lives: logging set up once, and a quit event that SIGINT/SIGTERM set.
+
+    def main() -> None:
+        setup_logging()
+        cfg = load_config()
+        sys.exit(run_until_signalled(lambda quit: MyService(cfg, connections()).run(quit)))
+
+The service's `run(quit)` drains and returns when `quit` is set; what it returns (an exit
+code, or None) is what `run_until_signalled` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from shared.config import log_level
+
+T = TypeVar("T")
+
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+def setup_logging() -> None:
+    """SF_LOG_LEVEL (default INFO) for the root logger, one line per record."""
+    logging.basicConfig(level=log_level(), format=LOG_FORMAT)
+
+
+def quit_on_signals() -> asyncio.Event:
+    """An event that SIGINT and SIGTERM set (call inside the running loop)."""
+    quit = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, quit.set)
+    return quit
+
+
+def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[T]]) -> T:
+    """Run `serve(quit)` in a new event loop; SIGINT/SIGTERM set `quit`."""
+
+    async def main() -> T:
+        return await serve(quit_on_signals())
+
+    return asyncio.run(main())
