@@ -13,6 +13,23 @@ apt_install() {
   DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "$@" >/dev/null
 }
 
+# 0. Chromium (Debian's `chromium`) for the status-page browser test, only when asked:
+#    `bash scripts/bootstrap.sh browser` (what tests/integration/test_gateway_ui.py runs; only this
+#    step) or SF_BROWSER=1 with the full setup. Where apt is unavailable it says so and the test
+#    skips, naming the reason. Never a browser download of a test tool's own.
+browser() {
+  command -v chromium >/dev/null 2>&1 && return 0
+  if ! command -v apt-get >/dev/null 2>&1 || { [ "$(id -u)" != 0 ] && ! command -v sudo >/dev/null 2>&1; }; then
+    say "chromium is missing and apt-get (as root or with sudo) is unavailable: the status-page browser test will skip"
+    return 0
+  fi
+  say "installing chromium (apt) for the status-page browser test"
+  apt_install chromium || { as_root apt-get update -qq && apt_install chromium; } \
+    || say "apt-get install chromium failed: the status-page browser test will skip"
+}
+if [ "${1:-}" = browser ]; then browser; exit 0; fi
+[ "${SF_BROWSER:-0}" = 1 ] && browser
+
 # 1. redis-server from the OS packages; its system service is not needed (we start our own).
 if ! command -v redis-server >/dev/null 2>&1; then
   say "installing redis-server (apt)"

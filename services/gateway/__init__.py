@@ -5,6 +5,8 @@
 Modules, from the wire inwards:
     app.py            the agent app's routes and `build_apps` (both apps, one Gateway)
     admin.py          the admin app: keys, /metrics, health; one auth middleware for all routes
+    ui.py             the status page (/ui): cookie sign-in, static/ assets, the JSON it polls
+    board.py          the status page's history: worker/trainer timelines, rates, rewards (pure)
     chat.py           /v1/chat/completions and /v1/completions: one turn, streaming or not
     sessions.py       /v1/sessions: create (mints the session key), reward, finish, get
     edge.py           body limits, bearer auth, disconnect watching

@@ -1,9 +1,10 @@
 """The admin app (port 8001): key management, rollout workers (list, vacate, resume),
-Prometheus metrics, health.
+Prometheus metrics, health, and the status page (/ui, see ui.py).
 
 Every route but /healthz needs `Authorization: Bearer <SF_GATEWAY_ADMIN_KEY>`; agent
 keys never work here. With no admin key configured, the admin API refuses
-everything (401) but /healthz. Authentication is one middleware, so routes added
+everything (401) but /healthz. The status page signs a browser in with a cookie, which
+opens /ui/api/* (GET) and nothing else. Authentication is one middleware, so routes added
 later (e.g. /admin/workers) are protected without doing anything:
 
     agent, admin = build_apps(cfg, conn, admin_routes=[Route("/admin/workers", workers)])
@@ -24,6 +25,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from services.gateway import ui
 from services.gateway.edge import JSON, read_body, same_secret
 from services.gateway.errors import EXCEPTION_HANDLERS, ApiError
 from services.gateway.schemas import KeyCreate, decode
@@ -31,7 +33,7 @@ from services.gateway.service import Gateway
 from services.gateway.store import key_id
 from shared.bus import BusUnavailable, ReplyTimeout
 
-OPEN_PATHS = frozenset({"/healthz"})
+OPEN_PATHS = frozenset({"/healthz"}) | ui.OPEN_PATHS  # the page answers a login form itself
 
 
 class AdminAuthMiddleware:
@@ -50,6 +52,9 @@ class AdminAuthMiddleware:
     def _refuse(self, request: Request) -> ApiError | None:
         if not self.admin_key:
             return ApiError(401, "the admin API is disabled: set SF_GATEWAY_ADMIN_KEY", "admin_disabled")
+        if (request.method == "GET" and request.url.path.startswith(ui.COOKIE_PREFIX)
+                and ui.cookie_ok(request, self.admin_key)):
+            return None
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not same_secret(given.strip(), self.admin_key):
             return ApiError(401, "this endpoint needs the admin key", "invalid_api_key")
@@ -122,6 +127,7 @@ ROUTES: list[BaseRoute] = [
     Route("/admin/workers/{worker_id}/{op}", steer_worker, methods=["POST"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/healthz", healthz, methods=["GET"]),
+    *ui.ROUTES,
 ]
 
 

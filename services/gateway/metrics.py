@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+TURN_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
 class Metrics:
@@ -33,6 +34,18 @@ class Metrics:
         self.tokens = Counter("sf_gateway_tokens_total", "Tokens in answered turns", ["type"], registry=r)
         self.cancels = Counter("sf_gateway_cancels_total", "Turns the gateway cancelled upstream",
                                ["reason"], registry=r)  # disconnect | timeout | shutdown | error
+        self.turns = Counter("sf_gateway_turns_total", "Agent turns answered with HTTP 200 (chat and completions)",
+                             registry=r)
+        self.sessions = Counter("sf_gateway_sessions_total", "Sessions created and finished through this gateway",
+                                ["event"], registry=r)  # created | finished
+        self.rewards = Histogram("sf_gateway_session_reward", "Rewards agents reported (reward and finish)",
+                                 buckets=(-1, -0.5, 0, 0.25, 0.5, 0.75, 1, 2, 5), registry=r)
+        for event in ("created", "finished"):
+            self.sessions.labels(event)
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """One sample's current value (0 if never set), e.g. for the status page's rates."""
+        return self.registry.get_sample_value(name, labels or {}) or 0.0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -66,4 +79,6 @@ class MetricsMiddleware:
             m.in_flight.dec()
             route = getattr(scope.get("route"), "path", None) or "unmatched"
             m.requests.labels(scope["method"], route, str(status)).inc()
+            if status == 200 and route in TURN_ROUTES:
+                m.turns.inc()
             m.latency.labels(scope["method"], route).observe(time.perf_counter() - start)

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 import msgspec
 from nats.aio.client import Client as NATS
 
+from services.gateway.board import Board
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import Metrics
 from services.gateway.store import KeyStore
@@ -29,7 +30,7 @@ from shared.heartbeats import WorkerHeartbeats
 from shared.logonce import OncePerCause
 from shared.messages.chat import ChatCancel, ChatDelta, ChatReply, ChatRequest
 from shared.messages.rollout import RolloutControl, WorkerStatus
-from shared.messages.scheduler import SchedulerControl, SchedulerReply
+from shared.messages.scheduler import SchedulerControl, SchedulerReply, TrainerStatus
 from shared.messages.session import SessionReply, SessionRequest
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class Gateway:
         self._lock = asyncio.Lock()
         self.started = int(time.time())
         self.workers = WorkerHeartbeats(cfg.worker_stale_after)  # latest heartbeat per rollout worker
+        self.board = Board()  # the status page's history (/ui)
 
     # 1. lifecycle ------------------------------------------------------------------------------
 
@@ -91,6 +93,7 @@ class Gateway:
             try:
                 self._nc = await connect(self.conn, name="sf-gateway")
                 await self._nc.subscribe(subjects.ROLLOUT_STATUS, cb=self._on_worker_status)
+                await self._nc.subscribe(subjects.TRAINER_STATUS, cb=self._on_trainer_status)
                 log.info("connected to NATS at %s", self.conn.redacted()["nats_url"])
                 return
             except BusUnavailable as e:
@@ -189,6 +192,30 @@ class Gateway:
             _warn("bad_worker_status", "bad worker status on %s ignored: %s", msg.subject, e)
             return
         self.workers.update(status)
+        now = time.time()
+        self.board.worker(status, now)
+        self.sample_counters(now)
+
+    async def _on_trainer_status(self, msg) -> None:
+        try:
+            status = decode(msg.data, TrainerStatus)
+        except msgspec.DecodeError as e:
+            _warn("bad_trainer_status", "bad trainer status on %s ignored: %s", msg.subject, e)
+            return
+        self.board.trainer_status(status, time.time())
+
+    def sample_counters(self, now: float) -> None:
+        """Feed the status page's turns/s and tokens/s (called on heartbeats and page polls)."""
+        self.board.counters(now, self.metrics.value("sf_gateway_turns_total"),
+                            self.metrics.value("sf_gateway_tokens_total", {"type": "completion"}))
+
+    def session_event(self, event: str, reward: float | None = None) -> None:
+        """sessions.py reports created/finished sessions and rewards (metrics and the status page)."""
+        if event:
+            self.metrics.sessions.labels(event).inc()
+        if reward is not None:
+            self.metrics.rewards.observe(reward)
+            self.board.reward(reward, time.time())
 
     def worker_table(self) -> list[WorkerStatus]:
         """Workers heard from within `worker_stale_after`, by id."""
@@ -198,6 +225,14 @@ class Gateway:
         """The tag scheduler's hosts; raises BusUnavailable if no scheduler runs."""
         data = await request(self.nc, subjects.SCHED_CTL, encode(SchedulerControl(op="status")), timeout)
         return decode(data, SchedulerReply)
+
+    async def scheduler_timeline(self, timeout: float = 2.0) -> SchedulerReply | None:
+        """The hosts with their activity intervals, or None when no scheduler answers (plain workers)."""
+        try:
+            data = await request(self.nc, subjects.SCHED_CTL, encode(SchedulerControl(op="timeline")), timeout)
+            return decode(data, SchedulerReply)
+        except (BusUnavailable, ReplyTimeout, msgspec.DecodeError):
+            return None
 
     async def control_worker(self, worker_id: str, op: str, timeout: float = 30.0) -> WorkerStatus:
         """vacate / resume one worker; raises BusUnavailable if no such worker listens."""

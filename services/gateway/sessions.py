@@ -59,6 +59,7 @@ async def create(request: Request) -> Response:
     if not reply.session_id:
         raise ApiError(502, "the trajectory manager created a session without an id", "upstream_error")
     api_key = await gw.keys.add_session_key(reply.session_id)
+    gw.session_event("created")
     # The manager's extras (e.g. policy_version) pass through; the key is shown this once.
     return JSON({**reply.body, "id": reply.session_id, "object": "session", "api_key": api_key,
                  "group_id": reply.body.get("group_id") or body.group_id or ""})
@@ -82,6 +83,7 @@ async def _settle(request: Request, op: str, body_type: type, status: str) -> Re
     body = decode(await read_body(request, gw.cfg.max_body_bytes), body_type)
     value = _finite(body.reward)
     reply = _check(await gw.session(SessionRequest(op=op, session_id=session_id, reward=value)), session_id)
+    gw.session_event("finished" if op == "finish" else "", value)
     return JSON({"id": session_id, "status": status, "reward": value, **reply.body})
 
 
