@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.rollout.config import load_config  # noqa: E402
-from services.rollout.engine import Delta, EngineDead, EngineError  # noqa: E402
+from services.rollout.engine import Delta, EngineAsleep, EngineDead, EngineError  # noqa: E402
 from services.rollout.service import RolloutService  # noqa: E402
 from shared.config import ConfigError, connections  # noqa: E402
 from shared.messages.rollout import Sampling  # noqa: E402
@@ -52,6 +52,7 @@ class SimulatedEngine:
         self.version = 0
         self.dead = ""
         self.vacated = False
+        self.sleeping = False  # asleep: no step runs (keep mode freezes requests in place)
         self.updating = False
         self.last_update: dict[str, float] = {}
         self._running: dict[str, asyncio.Queue] = {}  # request id -> its deltas
@@ -109,7 +110,7 @@ class SimulatedEngine:
                 self._aborted.discard(rid)
                 if (q := self._running.get(rid)) is not None:
                     q.put_nowait(Delta([], [], self.version, "preempted"))
-            if self.vacated:
+            if self.vacated or self.sleeping:
                 await asyncio.sleep(0.005)
                 continue
             # admit waiting requests up to capacity; a newly admitted one spends this step on prefill
@@ -149,10 +150,23 @@ class SimulatedEngine:
             await asyncio.sleep(0.005)
 
     async def resume(self) -> None:
+        self.sleeping = False  # as the real engine: a resume of a sleeping engine wakes it first
         self.vacated = False
         self._wake.set()
 
+    async def sleep(self, keep: bool = False) -> None:
+        """As services/rollout/engine.py: without `keep`, vacate first; with it, requests freeze."""
+        if not keep and not self.vacated:
+            await self.pause_abort_all()
+        self.sleeping = True
+
+    async def wake(self) -> None:  # a vacated engine stays vacated until `resume`
+        self.sleeping = False
+        self._wake.set()
+
     async def load_weights(self, path, version: int) -> None:  # nothing to load: a version bump
+        if self.sleeping:
+            raise EngineAsleep(f"not loading version {version} into a sleeping engine; wake it first")
         self.version = version
 
 
@@ -163,10 +177,13 @@ def main() -> int:
     ap.add_argument("--capacity", type=int, default=16, help="max running requests (max_num_seqs)")
     ap.add_argument("--step-ms", type=float, default=STEP_MS)
     ap.add_argument("--per-seq-ms", type=float, default=PER_SEQ_MS)
+    ap.add_argument("--follow-weights", action="store_true",
+                    help="load each published version (a version bump, instant), as a real worker follows them")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        cfg = load_config(model=a.model, worker_id=a.worker_id, max_num_seqs=a.capacity, follow_weights=False)
+        cfg = load_config(model=a.model, worker_id=a.worker_id, max_num_seqs=a.capacity,
+                          follow_weights=a.follow_weights)
         conn = connections()
     except ConfigError as e:
         ap.error(str(e))

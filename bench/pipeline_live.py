@@ -1,0 +1,255 @@
+"""Simulator fidelity: the same small workload on a live stack and in the simulator, side by side.
+
+    .venv/bin/python bench/pipeline_live.py [--hosts 4] [--steps 20] [--warmup 4] [--policy seamless]
+
+Everything that computes is SIMULATED; everything that coordinates is real.
+- Live: the real scheduler, host agents, NATS, Redis, trajectory manager and gateway. Each
+  host agent's resident worker is the real RolloutService around bench/simulated_engine.py's
+  stand-in engine (SF_HOST_WORKER_CMD); the trainer is the real TrainerService and Runner
+  around bench/sim_trainer.py's engine, which sleeps per token. host-0 is {train, rollout},
+  the others {rollout}. Agents (this process) keep sessions open as fast as the trajectory
+  manager's staleness admission allows (SF_TRAJECTORY_MAX_STALENESS): one turn of
+  --tokens tokens each, sessions filling GRPO groups in order.
+- Simulated: services/scheduler/sim.py with Cluster.uniform(hosts, 1) and
+  CALIBRATIONS["live-mini"] set to the engine's step costs, with switch costs (lend,
+  reclaim: the host agents' measured p50), weight sync (the trainer's measured publish) and
+  the train cost per token (the trainer's measured compute per token) taken from the live
+  run; WORKLOADS["live-mini"] with the live prompt length; dt = the live scheduler tick.
+
+Compared over the same steps (warmup+1 .. steps; the simulator is run to `warmup` and to
+`steps` with one seed, and the difference taken): trained tokens/s (prompt + generated
+tokens of the trained samples, per second) and the overall idle fraction (the scheduler's
+timeline, services/scheduler/registry.py `fractions`; policy.activity in both). Also the
+live run's wall-clock overrun: its time for the same steps over the simulator's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from scheduler_ab import switches  # noqa: E402
+
+from seamlessflow import hosts as hostops  # noqa: E402
+from seamlessflow import servers  # noqa: E402
+from seamlessflow.modelgen import init_model  # noqa: E402
+from seamlessflow.stack import Stack, StackOptions  # noqa: E402
+from services.scheduler.registry import fractions  # noqa: E402
+from services.scheduler.sim import Cluster, Simulator, Options  # noqa: E402
+from services.scheduler.sim_result import ACTS  # noqa: E402
+from services.scheduler.sim_workload import CALIBRATIONS, WORKLOADS  # noqa: E402
+from shared.config import connections  # noqa: E402
+from shared.messages.scheduler import Interval  # noqa: E402
+
+WL = WORKLOADS["live-mini"]
+
+
+class SimTrainerStack(Stack):
+    """The stack with bench/sim_trainer.py in place of `python -m services.trainer`."""
+
+    s_per_token = 1 / 17_123
+
+    def spawn_trainer(self, name: str = "trainer", model: Path | None = None, **settings: object):
+        env = self.env() | {f"SF_TRAINER_{k.upper()}": str(v) for k, v in settings.items()}
+        env.setdefault("SF_TRAINER_METRICS_PORT", "0")
+        env.setdefault("SF_TRAINER_AUDIT_LOG", str(self.data / "trainer" / "trained.jsonl"))
+        return self._spawn(name, [sys.executable, str(ROOT / "bench" / "sim_trainer.py"), "--model", str(self.o.model),
+                                  "--checkpoint-dir", str(self.data / "trainer" / "checkpoints"),
+                                  "--weights-dir", str(self.weights_dir), "--s-per-token", str(self.s_per_token),
+                                  "--log", str(self.data / "trainer" / "sim_steps.jsonl")], env, ready="trainer ready")
+
+
+class Agents:
+    """`slots` agents, each: open a session (waiting while admission says 429), one turn, finish.
+    Session creation is serialised, so at most one agent probes a closed admission at a time."""
+
+    def __init__(self, base_url: str, api_key: str, tokens: int, group_size: int, slots: int):
+        self.base_url, self.api_key, self.tokens, self.group_size, self.slots = base_url, api_key, tokens, group_size, slots
+        self.opened = 0
+        self.prompt_tokens: list[int] = []
+        self.failures: list[str] = []
+        self._create = asyncio.Lock()
+        self.rng = random.Random(0)
+
+    async def _open(self, http: httpx.AsyncClient) -> dict:
+        async with self._create:
+            gid = f"g{self.opened // self.group_size}"
+            while True:
+                r = await http.post("/sessions", json={"group_id": gid})
+                if r.status_code not in (429, 503):  # admission paused, or the trainer not seen yet
+                    r.raise_for_status()
+                    self.opened += 1
+                    return r.json()
+                await asyncio.sleep(0.02)
+
+    async def _agent(self, http: httpx.AsyncClient, stop) -> None:
+        while not stop():
+            s = await self._open(http)
+            body = {"model": "seamlessflow-tiny", "max_tokens": self.tokens, "temperature": 1.0,
+                    "messages": [{"role": "user", "content": f"count {self.rng.randint(0, 999)}"}]}
+            r = await http.post("/chat/completions", json=body, headers={"Authorization": f"Bearer {s['api_key']}"})
+            if r.status_code != 200:
+                self.failures.append(f"{r.status_code}: {r.text[:200]}")
+            else:
+                self.prompt_tokens.append(r.json()["usage"]["prompt_tokens"])
+            f = await http.post(f"/sessions/{s['id']}/finish", json={"reward": self.rng.random()})
+            f.raise_for_status()
+
+    async def run(self, stop, timeout: float) -> None:
+        async with httpx.AsyncClient(base_url=self.base_url, headers={"Authorization": f"Bearer {self.api_key}"},
+                                     timeout=120) as http:
+            tasks = [asyncio.create_task(self._agent(http, stop)) for _ in range(self.slots)]
+            done, pending = await asyncio.wait(tasks, timeout=timeout)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for t in done:
+                if t.exception():
+                    self.failures.append(repr(t.exception()))
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def live(a, tmp: Path) -> dict:
+    model = init_model(tmp / "model", size="tiny")
+    engine = f"{sys.executable} {ROOT / 'bench' / 'simulated_engine.py'} --capacity {a.capacity} " \
+             f"--step-ms {a.step_ms} --per-seq-ms {a.per_seq_ms} --follow-weights"
+    trainer = {"group_size": WL.group_size, "groups_per_step": WL.groups_per_step, "publish_every": 1,
+               "checkpoint_every": 5, "keep_versions": 3, "gate_timeout": 60}
+    opts = StackOptions(model=model, data_dir=tmp, gateway_port=servers.free_port(), admin_port=servers.free_port(),
+                        nats_port=servers.free_port(), redis_port=servers.free_port(), max_model_len=512,
+                        max_num_seqs=a.capacity, policy=a.policy, hosts=["train+rollout"] + ["rollout"] * (a.hosts - 1),
+                        train=True, trainer_settings=trainer,
+                        extra_env={"SF_HOST_WORKER_CMD": engine, "SF_SCHEDULER_TICK": str(a.tick),
+                                   "SF_TRAJECTORY_MAX_STALENESS": str(WL.max_staleness)})
+    SimTrainerStack.s_per_token = a.s_per_token
+    stack = SimTrainerStack(opts)
+    print(f"starting the live stack in {tmp} (SIMULATED engines and trainer) ...", file=sys.stderr)
+    stack.start()
+    conn = connections({"SF_NATS_URL": stack.nats_url, "SF_REDIS_URL": stack.redis_url})
+    audit, simlog = tmp / "trainer" / "trained.jsonl", tmp / "trainer" / "sim_steps.jsonl"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # every host placed, worker up, switch applied
+            hs = asyncio.run(hostops.ask(conn, "status")).hosts
+            if len(hs) == a.hosts and all(h.mode == h.target and h.healthy and h.mode != "idle" for h in hs):
+                break
+            time.sleep(0.3)
+        agents = Agents(stack.gateway_url, stack.api_key, a.tokens, WL.group_size, a.slots)
+        n_steps = lambda: sum(1 for r in _jsonl(audit) if r["event"] == "step")  # noqa: E731
+        t_start = time.time()
+        asyncio.run(agents.run(lambda: n_steps() >= a.steps, a.timeout))
+        reply = asyncio.run(hostops.ask(conn, "timeline"))
+    finally:
+        stack.stop()
+    steps = [r for r in _jsonl(audit) if r["event"] == "step"]
+    sims = {r["step"]: r for r in _jsonl(simlog)}
+    if len(steps) < a.steps:
+        raise SystemExit(f"live run trained {len(steps)} of {a.steps} steps within {a.timeout:.0f}s; "
+                         f"failures: {agents.failures[:3]}")
+    t_k, t_n = steps[a.warmup - 1]["ts"] if a.warmup else t_start, steps[a.steps - 1]["ts"]
+    window = [sims[s["step"]] for s in steps[a.warmup:a.steps]]
+    tokens = sum(r["tokens_all"] for r in window)
+    spent = dict.fromkeys(ACTS, 0.0)
+    for h in reply.hosts:
+        f = fractions([Interval(iv.activity, iv.t_start, iv.t_end) for iv in h.timeline], t_k, t_n)
+        for k, v in f.items():
+            spent[k] += v / len(reply.hosts)
+    sw = switches(stack, t_k, t_n)
+    publish = [s["ts"] - sims[s["step"]]["ts"] for s in steps[a.warmup:a.steps]]
+    samples = sum(r["samples"] for r in window)
+    return {
+        "wall_s": t_n - t_start, "window_s": t_n - t_k, "trained_tokens_per_s": tokens / (t_n - t_k),
+        "idle": spent["idle"], "fractions": spent,
+        "lend_s": statistics.median(sw["lend"]) if sw["lend"] else None, "lends": len(sw["lend"]),
+        "reclaim_s": statistics.median(sw["reclaim"]) if sw["reclaim"] else None, "reclaims": len(sw["reclaim"]),
+        "publish_s": statistics.mean(publish),
+        "train_s_per_token": sum(r["compute_s"] for r in window) / tokens,
+        "prompt_tokens": (tokens - sum(r["tokens_loss"] for r in window)) / samples,
+        "gen_tokens": sum(r["tokens_loss"] for r in window) / samples,
+        "failures": len(agents.failures), "agent_prompt_tokens": statistics.mean(agents.prompt_tokens or [0]),
+    }
+
+
+def simulated(a, m: dict) -> dict:
+    cal = replace(CALIBRATIONS["live-mini"], decode_a_s=a.step_ms / 1000, decode_b_s=a.per_seq_ms / 1000,
+                  max_seqs=a.capacity, lend_s=m["lend_s"] or CALIBRATIONS["live-mini"].lend_s,
+                  reclaim_s=m["reclaim_s"] or CALIBRATIONS["live-mini"].reclaim_s, weight_sync_s=m["publish_s"],
+                  train_s_per_token=m["train_s_per_token"],
+                  prefill_s_per_token=a.step_ms / 1000 / max(m["prompt_tokens"], 1))  # a prefill costs one step
+    prompt = round(m["prompt_tokens"])
+    wl = replace(WL, prompt_tokens=prompt, length_median=round(m["gen_tokens"]), length_cap=round(m["gen_tokens"]))
+    runs = {}
+    for n in (a.warmup, a.steps):
+        sim = Simulator(Cluster.uniform(a.hosts, 1), cal, wl, a.policy, Options(steps=n, dt=a.tick, seed=0))
+        runs[n] = sim.run()
+    r0, r1 = runs[a.warmup], runs[a.steps]
+    tok = r1.trained_tokens_per_s * r1.wall_s - (r0.trained_tokens_per_s * r0.wall_s if a.warmup else 0)
+    ht = r1.host_time - (r0.host_time if a.warmup else 0)
+    window = r1.wall_s - (r0.wall_s if a.warmup else 0)
+    return {"wall_s": r1.wall_s, "window_s": window, "trained_tokens_per_s": tok / window,
+            "idle": float(ht[:, ACTS.index("idle")].sum() / ht.sum()),
+            "fractions": {k: float(ht[:, i].sum() / ht.sum()) for i, k in enumerate(ACTS)},
+            "lends": r1.lends - r0.lends, "reclaims": r1.reclaims - r0.reclaims,
+            "calibration": {k: getattr(cal, k) for k in ("decode_a_s", "decode_b_s", "max_seqs", "prefill_s_per_token",
+                                                         "train_s_per_token", "weight_sync_s", "lend_s", "reclaim_s")},
+            "workload": {"prompt_tokens": prompt, "tokens": wl.length_median, "group_size": wl.group_size,
+                         "groups_per_step": wl.groups_per_step, "max_staleness": wl.max_staleness}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hosts", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=4, help="steps left out of the comparison (start-up)")
+    ap.add_argument("--policy", default="seamless", choices=["colocated", "disaggregated", "seamless"])
+    ap.add_argument("--capacity", type=int, default=64)
+    ap.add_argument("--step-ms", type=float, default=2.0, help="simulated engine: fixed ms per step")
+    ap.add_argument("--per-seq-ms", type=float, default=0.25, help="simulated engine: ms per running request")
+    ap.add_argument("--s-per-token", type=float, default=1 / 17_123, help="simulated trainer: seconds per token")
+    ap.add_argument("--tokens", type=int, default=int(WL.length_median), help="tokens per reply")
+    ap.add_argument("--tick", type=float, default=0.05, help="scheduler tick (live) = simulator dt")
+    ap.add_argument("--slots", type=int, default=0, help="concurrent agents (default: admission capacity + 8)")
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--out", type=Path, default=Path("var/bench/pipeline_live.json"))
+    a = ap.parse_args()
+    a.slots = a.slots or (WL.max_staleness + 1) * WL.batch_samples + 8
+    tmp = Path(tempfile.mkdtemp(prefix="sf-live-"))
+    m = live(a, tmp)
+    s = simulated(a, m)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "live": m, "sim": s}, indent=1))
+    print(f"\nSIMULATED engines and trainer, {a.hosts} hosts, {a.policy}, steps {a.warmup + 1}-{a.steps} "
+          f"(engine {a.step_ms} ms + {a.per_seq_ms} ms/request, capacity {a.capacity}); measured live: "
+          f"lend p50 {m['lend_s']}, reclaim p50 {m['reclaim_s']}, publish {m['publish_s']:.3f} s, "
+          f"train {1 / m['train_s_per_token']:.0f} tok/s, prompt {m['prompt_tokens']:.1f} tok")
+    print("\n| | live | simulator | sim / live |\n|---|---|---|---|")
+    for key, fmt in (("trained_tokens_per_s", "{:.0f}"), ("idle", "{:.1%}"), ("window_s", "{:.2f}"),
+                     ("wall_s", "{:.2f}")):
+        ratio = s[key] / m[key] if m[key] else float("nan")
+        print(f"| {key} | {fmt.format(m[key])} | {fmt.format(s[key])} | {ratio:.3f} |")
+    for act in ("train", "rollout", "switch"):
+        print(f"| {act} fraction | {m['fractions'][act]:.1%} | {s['fractions'][act]:.1%} | |")
+    print(f"| lends / reclaims | {m['lends']} / {m['reclaims']} | {s['lends']} / {s['reclaims']} | |")
+    print(f"\nlive wall-clock overrun: {m['window_s'] / s['window_s'] - 1:+.1%} over the compared steps, "
+          f"{m['wall_s'] / s['wall_s'] - 1:+.1%} from the start; failed turns {m['failures']}; wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
