@@ -160,6 +160,9 @@ class SchedulerService:
         w = self.weights
         msg = HostAssignment(d.host, d.mode, d.epoch, d.reason, w.version if w else -1, w.path if w else "",
                              d.hold, now, d.lent_until)
+        # recorded before publishing: a fast host answers HostModeChanged before the publish's ack
+        # arrives, and a report for an epoch not yet recorded would be dropped as an old one
+        self.reg.issued(d.host, d.mode, d.epoch, now)
         for attempt in range(1, ASSIGN_RETRIES + 1):
             try:
                 await bus.publish_durable(self.js, subjects.sched_assign(d.host), msg, f"assign-{d.host}-{d.epoch}")
@@ -171,7 +174,6 @@ class SchedulerService:
             self.reg.hosts[d.host].healthy = False
             log.error("host %s: assignment %d could not be published; marked unhealthy", d.host, d.epoch)
             return
-        self.reg.issued(d.host, d.mode, d.epoch, now)
         log.info("assign %s -> %s (epoch %d%s): %s", d.host, d.mode, d.epoch, ", hold" if d.hold else "", d.reason)
 
     async def _answer(self, g: _Gate, granted: bool, reason: str, now: float) -> None:
