@@ -87,6 +87,7 @@ def cmd_up(a: argparse.Namespace) -> None:
     except ValueError as e:
         sys.exit(f"error: {e}")
     stack = Stack(_stack_options(a))
+    stack.o.ready_timeout = a.ready_timeout
     busy = stack.running_elsewhere()
     if busy:
         sys.exit(f"error: {busy}")
@@ -284,6 +285,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--restart-limit", type=int, default=5,
                    help="give a service up after this many restarts within --restart-window seconds")
     p.add_argument("--restart-window", type=float, default=60.0)
+    p.add_argument("--ready-timeout", type=float, default=240.0,
+                   help="seconds a service may take to get ready (a vLLM engine on a busy CPU takes minutes)")
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("status", help="every service of the running `up` (pid, state, uptime, restarts), "

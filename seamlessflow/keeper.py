@@ -64,6 +64,7 @@ class Keeper:
         self.fatal = ""  # why the stack must stop
         self.announced = False
         self._handlers: set[asyncio.Task] = set()
+        self._overdue: set[int] = set()  # pids killed for not getting ready in time
 
     async def run(self, quit: asyncio.Event) -> int:
         """Supervise until `quit` (or an essential service is given up); then stop in order.
@@ -96,6 +97,8 @@ class Keeper:
                 self.say(f"error: {self.fatal}")
             self.say("stopping the stack in order: gateway, trajectory replicas, workers, Redis and NATS")
             for s in self.services.values():
+                if s.state == "starting" and (p := self._proc(s.name)) is not None:
+                    self.stack.clear_group(p)  # nothing in flight to drain: vLLM may not heed SIGTERM yet
                 s.state = "stopping" if s.state in ("starting", "running") else s.state
             self.stack.stop(say=self.say)
             self.say("stopped; no service process is left")
@@ -115,7 +118,8 @@ class Keeper:
                 if s.restarts:
                     self.say(f"{s.name} is back (pid {s.pid}, restart {s.restarts}, "
                              f"ready {now - s.started:.1f}s after its start)")
-            elif s.state == "starting" and now - s.started > self.stack.o.ready_timeout:
+            elif s.state == "starting" and now - s.started > self.stack.o.ready_timeout and s.pid not in self._overdue:
+                self._overdue.add(s.pid)
                 self.say(f"{s.name} not ready after {self.stack.o.ready_timeout:.0f}s: killing it")
                 self.stack.clear_group(p)  # SIGKILL to its group: the next tick sees the exit
         for s in self.services.values():
@@ -200,7 +204,7 @@ class Keeper:
     def status(self) -> dict:
         now, wall = time.monotonic(), time.time()
         workers = [{"worker_id": w.worker_id, "state": w.state, "version": w.version, "running": w.running,
-                    "capacity": w.capacity, "load": round(w.running / max(1, w.capacity), 3), "host": w.host,
+                    "capacity": w.capacity, "load": round(w.running / max(1, w.capacity), 3), "host": w.host, "tokens": w.generated_tokens,
                     "age": round(self.workers.age(w.worker_id, wall) or 0.0, 1)}
                    for w in self.workers.fresh(wall)]
         return {"ok": True, "pid": os.getpid(), "data_dir": str(self.stack.data), "policy": self.stack.o.policy,
