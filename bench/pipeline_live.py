@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
 import json
+import os
 import random
 import statistics
 import sys
@@ -74,27 +76,43 @@ class SimTrainerStack(Stack):
 
 
 class Agents:
-    """`slots` agents, each: open a session (waiting while admission says 429), one turn, finish.
-    Session creation is serialised, so at most one agent probes a closed admission at a time."""
+    """`slots` agents, each: open a session, one turn, finish. Sessions open concurrently while
+    admission admits; once it answers 429 (or 503), one agent at a time probes it every 20 ms
+    and the others queue behind it. Group ids are handed out in order, so sessions fill GRPO
+    groups in order as in the simulator."""
 
     def __init__(self, base_url: str, api_key: str, tokens: int, group_size: int, slots: int):
         self.base_url, self.api_key, self.tokens, self.group_size, self.slots = base_url, api_key, tokens, group_size, slots
-        self.opened = 0
         self.prompt_tokens: list[int] = []
         self.failures: list[str] = []
-        self._create = asyncio.Lock()
+        self.closed = False
+        self._probe = asyncio.Lock()
+        self._free: list[int] = []  # session indexes handed back by a refusal
+        self._next = 0
         self.rng = random.Random(0)
 
+    async def _try(self, http: httpx.AsyncClient) -> dict | None:
+        idx = heapq.heappop(self._free) if self._free else self._next
+        self._next = max(self._next, idx + 1)
+        r = await http.post("/sessions", json={"group_id": f"g{idx // self.group_size}"})
+        if r.status_code in (429, 503):  # admission paused, or the trainer not seen yet
+            heapq.heappush(self._free, idx)
+            return None
+        r.raise_for_status()
+        return r.json()
+
     async def _open(self, http: httpx.AsyncClient) -> dict:
-        async with self._create:
-            gid = f"g{self.opened // self.group_size}"
-            while True:
-                r = await http.post("/sessions", json={"group_id": gid})
-                if r.status_code not in (429, 503):  # admission paused, or the trainer not seen yet
-                    r.raise_for_status()
-                    self.opened += 1
-                    return r.json()
-                await asyncio.sleep(0.02)
+        while True:
+            if self.closed:
+                async with self._probe:
+                    while self.closed:
+                        if (s := await self._try(http)) is not None:
+                            self.closed = False
+                            return s
+                        await asyncio.sleep(0.02)
+            if (s := await self._try(http)) is not None:
+                return s
+            self.closed = True
 
     async def _agent(self, http: httpx.AsyncClient, stop) -> None:
         while not stop():
@@ -120,6 +138,15 @@ class Agents:
             for t in done:
                 if t.exception():
                     self.failures.append(repr(t.exception()))
+
+
+def _cpu_s(pid: int) -> float:
+    """utime + stime of a process and its waited-for children (/proc), in seconds; 0 once it is gone."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(x) for x in f[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -153,8 +180,13 @@ def live(a, tmp: Path) -> dict:
             time.sleep(0.3)
         agents = Agents(stack.gateway_url, stack.api_key, a.tokens, WL.group_size, a.slots)
         n_steps = lambda: sum(1 for r in _jsonl(audit) if r["event"] == "step")  # noqa: E731
-        t_start = time.time()
+        pids = {p.name: p.popen.pid for p in stack.procs} | {"bench agents": os.getpid()}
+        cpu0, t_start = {k: _cpu_s(v) for k, v in pids.items()}, time.time()
+        load0 = os.getloadavg()[0]
         asyncio.run(agents.run(lambda: n_steps() >= a.steps, a.timeout))
+        t_end = time.time()
+        cpu = {k: round((_cpu_s(v) - cpu0[k]) / (t_end - t_start), 3) for k, v in pids.items()}
+        load = (load0 + os.getloadavg()[0]) / 2
         reply = asyncio.run(hostops.ask(conn, "timeline"))
     finally:
         stack.stop()
@@ -184,6 +216,8 @@ def live(a, tmp: Path) -> dict:
         "prompt_tokens": (tokens - sum(r["tokens_loss"] for r in window)) / samples,
         "gen_tokens": sum(r["tokens_loss"] for r in window) / samples,
         "failures": len(agents.failures), "agent_prompt_tokens": statistics.mean(agents.prompt_tokens or [0]),
+        "turns": len(agents.prompt_tokens), "turns_per_s": len(agents.prompt_tokens) / (t_end - t_start),
+        "cpu_core_share": cpu, "machine_load": round(load, 1), "cores": os.cpu_count(),
     }
 
 
@@ -197,7 +231,8 @@ def simulated(a, m: dict) -> dict:
     wl = replace(WL, prompt_tokens=prompt, length_median=round(m["gen_tokens"]), length_cap=round(m["gen_tokens"]))
     runs = {}
     for n in (a.warmup, a.steps):
-        sim = Simulator(Cluster.uniform(a.hosts, 1), cal, wl, a.policy, Options(steps=n, dt=a.tick, seed=0))
+        opt = Options(steps=n, dt=a.tick, seed=0, backlog=a.backlog)
+        sim = Simulator(Cluster.uniform(a.hosts, 1), cal, wl, a.policy, opt)
         runs[n] = sim.run()
     r0, r1 = runs[a.warmup], runs[a.steps]
     tok = r1.trained_tokens_per_s * r1.wall_s - (r0.trained_tokens_per_s * r0.wall_s if a.warmup else 0)
@@ -227,6 +262,8 @@ def main() -> None:
     ap.add_argument("--tick", type=float, default=0.05, help="scheduler tick (live) = simulator dt")
     ap.add_argument("--slots", type=int, default=0, help="concurrent agents (default: admission capacity + 8)")
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--backlog", default="undelivered", choices=["undelivered", "untrained"],
+                    help="simulator's admission backlog: as the live trajectory manager counts it, or the older model")
     ap.add_argument("--out", type=Path, default=Path("var/bench/pipeline_live.json"))
     a = ap.parse_args()
     a.slots = a.slots or (WL.max_staleness + 1) * WL.batch_samples + 8
@@ -247,6 +284,9 @@ def main() -> None:
     for act in ("train", "rollout", "switch"):
         print(f"| {act} fraction | {m['fractions'][act]:.1%} | {s['fractions'][act]:.1%} | |")
     print(f"| lends / reclaims | {m['lends']} / {m['reclaims']} | {s['lends']} / {s['reclaims']} | |")
+    busy = sorted(m["cpu_core_share"].items(), key=lambda kv: -kv[1])
+    print("\nlive CPU (share of one core) over the run: " + ", ".join(f"{k} {v:.2f}" for k, v in busy)
+          + f"; {m['turns_per_s']:.1f} turns/s; machine load average {m['machine_load']} on {m['cores']} cores")
     print(f"\nlive wall-clock overrun: {m['window_s'] / s['window_s'] - 1:+.1%} over the compared steps, "
           f"{m['wall_s'] / s['wall_s'] - 1:+.1%} from the start; failed turns {m['failures']}; wrote {a.out}")
 

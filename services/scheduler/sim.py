@@ -89,6 +89,11 @@ class Options:
     timeline: bool = False  # record every host's activity intervals (for Gantt charts)
     max_time_s: float = math.inf
     progress: object = None  # callable(steps_done) or None
+    # what admission counts as the backlog: "untrained" (completed, not trained yet), or
+    # "undelivered", as the live trajectory manager reads it (its trainer consumer's pending
+    # count): the trainer fetches until 2 x groups_per_step complete groups wait in its intake,
+    # and fetched samples, the batch in training included, are no longer counted
+    backlog: str = "untrained"
 
 
 def host_id(i: int) -> str:
@@ -244,7 +249,8 @@ class Simulator:
         """Open as many sessions as `Admission.admit` allows, one simulated session (w real
         ones) at a time; admit() is monotone in the open count, so bisect instead of looping."""
         wl, w = self.wl, self.w
-        backlog = Backlog(self.untrained, self.B)
+        pending = self.untrained if self.opt.backlog == "untrained" else max(0, self.available - 2 * self.B)
+        backlog = Backlog(pending, self.B)
         if not self.free_slots or not self.adm.admit(self.open, backlog):
             return
         lo, hi = 0, len(self.free_slots)  # admit() holds before each of the first n sessions
