@@ -50,6 +50,10 @@ trajectory MODEL:
 rollout MODEL:
     {{py}} -m services.rollout --model {{MODEL}}
 
+# validate the compose files against the Compose Specification schema (tests/unit/test_compose_schema.py runs it too)
+compose-check:
+    .venv/bin/check-jsonschema --builtin-schema vendor.compose-spec deploy/compose/docker-compose.yml deploy/compose/compose.gpu.yaml
+
 # write finished trajectories as JSONL
 export OUT="trajectories.jsonl":
     {{py}} -m seamlessflow export --out {{OUT}}

@@ -120,7 +120,7 @@ def _deps(svc: dict) -> dict[str, str]:
 
 class LocalCompose:
     def __init__(self, file: Path, variables: dict[str, str], tmp: Path, scale: dict[str, int] | None = None,
-                 base_env: dict[str, str] | None = None, ready_timeout: float = 300.0) -> None:
+                 base_env: dict[str, str] | None = None, ready_timeout: float = 420.0) -> None:
         self.file, self.tmp, self.scale = file, tmp, scale or {}
         self.spec = load(file, variables)
         self.services: dict = self.spec["services"]
