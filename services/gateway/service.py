@@ -180,8 +180,21 @@ class Gateway:
             log.warning("could not publish ChatCancel for %s: %s", request_id, e)
 
     async def session(self, req: SessionRequest) -> SessionReply:
-        data = await request(self.nc, subjects.session_op(req.op), encode(req), self.cfg.session_timeout)
-        return decode(data, SessionReply)
+        """One session op. A replica that dies holding it never answers, so a timed-out op is sent
+        again, at most `resend_attempts` times: get, reward and finish are idempotent; a repeated
+        create may leave one unused session open, which admission stops counting after its
+        timeout."""
+        payload = encode(req)
+        for attempt in range(self.cfg.resend_attempts + 1):
+            try:
+                data = await request(self.nc, subjects.session_op(req.op), payload, self.cfg.session_timeout)
+                return decode(data, SessionReply)
+            except ReplyTimeout:
+                if attempt == self.cfg.resend_attempts:
+                    raise
+                log.warning("session %s %s: no reply for %.1fs, re-sending (%d/%d)", req.op, req.session_id or "(new)",
+                            self.cfg.session_timeout, attempt + 1, self.cfg.resend_attempts)
+        raise AssertionError("unreachable")
 
     # 3. rollout workers (admin) ----------------------------------------------------------------
 
@@ -205,7 +218,10 @@ class Gateway:
         self.board.trainer_status(status, time.time())
 
     def sample_counters(self, now: float) -> None:
-        """Feed the status page's turns/s and tokens/s (called on heartbeats and page polls)."""
+        """Feed the status page's turns/s and tokens/s (called on heartbeats and page polls, at most
+        once a second: reading a sample collects the whole registry)."""
+        if self.board.turns.samples and now - self.board.turns.samples[-1][0] < 1.0:
+            return
         self.board.counters(now, self.metrics.value("sf_gateway_turns_total"),
                             self.metrics.value("sf_gateway_tokens_total", {"type": "completion"}))
 
