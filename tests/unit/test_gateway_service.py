@@ -40,3 +40,39 @@ async def test_a_bad_worker_heartbeat_is_logged_once_and_a_good_one_is_kept(capl
     await gw._on_worker_status(types.SimpleNamespace(subject="sf.rollout.status", data=encode(good)))
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and "bad worker status" in r.message]
     assert len(warned) == 1 and [s.worker_id for s in gw.worker_table()] == ["w0"]
+
+
+async def test_a_session_op_a_dead_replica_held_is_sent_again(monkeypatch):
+    # issue 14: a replica SIGKILLed while it held a session op never answers; the agent must not see it
+    import types
+
+    from services.gateway import service as gw_service
+    from services.gateway.config import GatewayConfig
+    from shared.bus import ReplyTimeout
+    from shared.config import Connections
+    from shared.messages.session import SessionReply, SessionRequest
+
+    sent = []
+
+    async def request(nc, subject, payload, timeout):
+        sent.append(subject)
+        if len(sent) == 1:
+            raise ReplyTimeout("no reply")
+        return encode(SessionReply(200, "s1"))
+
+    monkeypatch.setattr(gw_service, "request", request)
+    gw = gw_service.Gateway(GatewayConfig(resend_attempts=2), Connections())
+    gw._nc = types.SimpleNamespace(is_connected=True)  # the edge faked here is `request`
+    reply = await gw.session(SessionRequest(op="finish", session_id="s1", reward=1.0))
+    assert reply.status == 200 and sent == ["sf.session.finish"] * 2
+
+    sent.clear()
+
+    async def silent(nc, subject, payload, timeout):
+        sent.append(subject)
+        raise ReplyTimeout("no reply")
+
+    monkeypatch.setattr(gw_service, "request", silent)
+    with pytest.raises(ReplyTimeout):
+        await gw.session(SessionRequest(op="get", session_id="s1"))
+    assert len(sent) == 3  # the first try and two re-sends, then the error
