@@ -149,6 +149,11 @@ class Agents:
         except BaseException as e:  # an HTTP error outside the SDK (sessions API) is a failure too
             self.crash = e
 
+    def healthy(self) -> bool:
+        """For wait conditions: fail at once, not at the timeout, when an agent has failed."""
+        assert self.crash is None and not self.agents.failures, (self.crash, self.agents.failures[:3])
+        return True
+
     def stop(self) -> GroupAgents:
         self.done.set()
         self.thread.join(300)
@@ -218,10 +223,11 @@ def test_killed_replica_and_worker_come_back_and_no_request_fails(stack):
     wait_for(lambda: stack.service("rollout-1").get("pid") not in (None, 0, old), 10, "rollout-1 restarted")
     worker_restarted = time.monotonic() - t0
     wait_for(lambda: not (set(_group(old)) & set(group)), 10, "the killed worker's engine process gone")
-    wait_for(lambda: stack.service("rollout-1").get("state") == "running", 300, "rollout-1 serving again")
+    wait_for(lambda: agents.healthy() and stack.service("rollout-1").get("state") == "running", 600,
+             "rollout-1 serving again")
     ok = agents.agents.ok
-    wait_for(lambda: stack.worker("rollout-1").get("state") == "serving" and agents.agents.ok >= ok + 4, 120,
-             "more turns after the restart")
+    wait_for(lambda: agents.healthy() and stack.worker("rollout-1").get("state") == "serving"
+             and agents.agents.ok >= ok + 4, 180, "more turns after the restart")
     agents.stop()
     assert "trajectory-0 exited with code -9 (SIGKILL); restart 1 in 0.5s (log: " in stack.output()
     assert "rollout-1 exited with code -9 (SIGKILL); restart 1 in 0.5s (log: " in stack.output()
@@ -249,7 +255,7 @@ def test_scale_down_vacates_a_worker_and_its_requests_migrate(stack):
     assert "rollout-1 vacated (" in res.stderr and "rollout-1 stopped" in res.stderr, res.stderr
     assert [s["name"] for s in stack.status()["services"] if s["name"].startswith("rollout")] == ["rollout-0"]
     ok = agents.agents.ok
-    wait_for(lambda: agents.agents.ok >= ok + 2, 120, "turns after the scale down")
+    wait_for(lambda: agents.healthy() and agents.agents.ok >= ok + 2, 180, "turns after the scale down")
     done = agents.stop()
     # a request that was on rollout-1 went on, with its partial tokens, on rollout-0
     migrated = [t for tr in done.trajectories() for t in tr["turns"]
