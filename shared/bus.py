@@ -21,6 +21,7 @@ from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 from nats.js.errors import NotFoundError
 
+from shared.backpressure import is_stream_full
 from shared.codec import encode
 from shared.config import Connections
 from shared.logonce import OncePerCause
@@ -76,11 +77,22 @@ async def ensure_streams(js: JetStreamContext, streams: Iterable[StreamConfig]) 
             await js.add_stream(cfg)
 
 
+class StreamFull(RuntimeError):
+    """The stream is at its limits and refuses new messages (DiscardPolicy.NEW): retry later."""
+
+
 async def publish_durable(
     js: JetStreamContext, subject: str, msg: Any, msg_id: str, timeout: float = 5.0
 ) -> None:
-    """Publish to JetStream, de-duplicated by `msg_id` within the stream's window."""
-    await js.publish(subject, encode(msg), timeout=timeout, headers={"Nats-Msg-Id": msg_id})
+    """Publish to JetStream (a Struct, or bytes already encoded), de-duplicated by `msg_id` within the
+    stream's window. Raises StreamFull when the stream refuses it for its limits."""
+    data = msg if isinstance(msg, bytes) else encode(msg)
+    try:
+        await js.publish(subject, data, timeout=timeout, headers={"Nats-Msg-Id": msg_id})
+    except Exception as e:
+        if is_stream_full(e):
+            raise StreamFull(f"{subject}: {getattr(e, 'description', e)}") from None
+        raise
 
 
 async def last_value(js: JetStreamContext, stream: str, subject: str) -> bytes | None:

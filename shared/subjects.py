@@ -31,6 +31,8 @@ from nats.js.api import (
     StreamConfig,
 )
 
+from shared.backpressure import TrajectoryLimits, limits_from_env
+
 CHAT = "sf.chat"
 SESSION = "sf.session"  # + ".create" | ".get" | ".reward" | ".finish"
 TRAJECTORY_QUEUE = "trajectory"
@@ -89,32 +91,49 @@ def sched_assign(host: str) -> str:
     return f"{SCHED_ASSIGN_PREFIX}.{host}"
 
 
-STREAMS: tuple[StreamConfig, ...] = (
-    StreamConfig(
-        name=TRAJECTORIES_STREAM,
-        subjects=[TRAJ_COMPLETED],
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE,
-        duplicate_window=120.0,
-        max_bytes=2 * 1024**3,
-        discard=DiscardPolicy.OLD,
-    ),
-    StreamConfig(
-        name=WEIGHTS_STREAM,
-        subjects=[WEIGHTS_PUBLISHED],
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE,
-        max_msgs_per_subject=1,  # last value: a late worker reads the current version
-        duplicate_window=120.0,
-    ),
-    StreamConfig(
-        name=HOSTS_STREAM,
-        subjects=[f"{SCHED_ASSIGN_PREFIX}.*"],
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE,
-        max_msgs_per_subject=1,  # last value: a restarted host agent reads its current assignment
-        duplicate_window=120.0,
-    ),
-)
+def streams(limits: TrajectoryLimits | None = None) -> tuple[StreamConfig, ...]:
+    """Every stream, with TRAJECTORIES' limits from `limits` (default: SF_TRAJECTORIES_* now)."""
+    limits = limits or limits_from_env()
+    return (
+        StreamConfig(
+            name=TRAJECTORIES_STREAM,
+            subjects=[TRAJ_COMPLETED],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            duplicate_window=120.0,
+            max_bytes=limits.max_bytes,
+            max_msgs=limits.max_msgs,
+            # a full stream refuses the publish and the trajectory manager retries and pushes back;
+            # never DiscardPolicy.OLD, which deletes the oldest trajectories, trained or not
+            # (shared/backpressure.py trims only trained ones)
+            discard=DiscardPolicy.NEW,
+        ),
+        StreamConfig(
+            name=WEIGHTS_STREAM,
+            subjects=[WEIGHTS_PUBLISHED],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_msgs_per_subject=1,  # last value: a late worker reads the current version
+            duplicate_window=120.0,
+        ),
+        StreamConfig(
+            name=HOSTS_STREAM,
+            subjects=[f"{SCHED_ASSIGN_PREFIX}.*"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_msgs_per_subject=1,  # last value: a restarted host agent reads its current assignment
+            duplicate_window=120.0,
+        ),
+    )
+
+
+def __getattr__(name: str):
+    # `subjects.STREAMS` is read at each access, not at import: every service and test declares the
+    # streams with the SF_TRAJECTORIES_* limits of the moment (ensure_streams updates in place, so two
+    # processes with different limits would undo each other's; a stack gives all the same environment)
+    if name == "STREAMS":
+        return streams()
+    raise AttributeError(name)
+
 
 CHAT_CANCEL = "sf.chat.cancel"  # gateway -> every trajectory replica: the agent went away

@@ -28,9 +28,13 @@ def _check(reply: SessionReply, session_id: str = "") -> SessionReply:
     if reply.status == 200:
         return reply
     default = f"session {session_id} not found" if reply.status == 404 else "session request failed"
-    headers = {"retry-after": ADMISSION_RETRY_AFTER} if reply.status == 429 else None
-    raise ApiError(reply.status, reply.message or default, _CODES.get(reply.status, "trajectory_error"),
-                   headers=headers)
+    headers = None
+    if reply.retry_after > 0:  # back-pressure (429), a finish still being published (503)
+        headers = {"retry-after": str(math.ceil(reply.retry_after))}
+    elif reply.status == 429:
+        headers = {"retry-after": ADMISSION_RETRY_AFTER}
+    raise ApiError(reply.status, reply.message or default,
+                   reply.code or _CODES.get(reply.status, "trajectory_error"), headers=headers)
 
 
 def _not_found(session_id: str) -> ApiError:

@@ -181,7 +181,7 @@ class TurnHandler:
             prompt, partial, turn_id = await self._resume(rid)
             return prompt, partial, turn_id, None
         assert look.meta is not None
-        if look.meta["status"] == "finished":
+        if look.meta["status"] != "open":  # finishing (its trajectory is being published) or finished
             raise TurnError(409, "session_finished", f"session {look.session_id} is finished; start a new one")
         prompt = await self._prompt(look.session_id, req)
         if len(prompt.ids) >= max_len:

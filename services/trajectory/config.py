@@ -22,3 +22,7 @@ class TrajectoryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # the trainer's durable consumer: its backlog counts as untrained, and its metadata says how many
     # sessions the trainer consumes per policy version (admission control)
     trainer_consumer: str = subjects.TRAINER_DURABLE
+    # a finish retries publishing this long while the stream is full, then answers 503 + Retry-After
+    # (the publication goes on in the background); below the gateway's session timeout
+    publish_wait: float = 5.0
+    fill_poll: float = 1.0  # seconds between readings of the stream's fill, trims and sweeps of pending finishes

@@ -6,6 +6,10 @@ Subscriptions (queue group "trajectory" where replicas share work):
     sf.chat.cancel   -> cancel the named request if this replica runs it (every replica)
     sf.rollout.status-> the worker table used for routing (every replica)
     sf.weights.published -> the policy version (shared/weightfollow.py: pushed, and polled)
+    sf.traj.completed    <- TrajectoryCompleted of finished sessions (finishing.py retries while full)
+    TRAJECTORIES stream  every `fill_poll` s: its fill and the trainer consumer's lag (back-pressure on
+                         session creation, a warning per high-water crossing), the trim of trained
+                         trajectories, and the sweep of pending publications (shared/backpressure.py)
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ from nats.aio.msg import Msg
 
 from services.trajectory.chat import LeaseLost, TurnError, TurnHandler
 from services.trajectory.config import TrajectoryConfig
+from services.trajectory.finishing import Publisher
 from services.trajectory.rendering import Renderer
 from services.trajectory.routing import WorkerTable
 from services.trajectory.sessions import SessionOps
 from services.trajectory.store import Store
-from shared import bus, subjects
+from shared import backpressure, bus, subjects
 from shared.admission import Admission, Backlog, BacklogUnknown
+from shared.backpressure import Fill, HighWater
 from shared.codec import decode, encode
 from shared.config import Connections
 from shared.deltas import merge_deltas
@@ -58,6 +64,9 @@ class TrajectoryService:
         self.table = WorkerTable(cfg.worker_stale_after)
         self.running: dict[str, asyncio.Task] = {}
         self.policy_version = -1  # newest WeightsPublished; -1 until one is seen
+        self.limits = backpressure.limits_from_env()
+        self.fill: Fill | None = None  # the newest reading of the TRAJECTORIES stream
+        self.high_water = HighWater(self.limits.high_water)
 
     async def run(self, quit: asyncio.Event, ready: asyncio.Event | None = None) -> None:
         async with AsyncExitStack() as stack:
@@ -70,12 +79,17 @@ class TrajectoryService:
             stack.push_async_callback(self.store.close)
             self.js = js
             self.turns = TurnHandler(self.cfg, self.store, renderer, self.table, self._call)
+            self.publisher = Publisher(self.store, self._publish_trajectory, self.turns.owner)
             self.sessions = SessionOps(
-                self.store, js, Admission(self.cfg.max_staleness),
+                self.store, self.publisher, Admission(self.cfg.max_staleness),
                 self.cfg.open_session_timeout, lambda: self.policy_version, self._backlog,
+                pressure=self._pressure, publish_wait=self.cfg.publish_wait,
             )
             watcher = asyncio.create_task(WeightFollower(self.nc, self._on_weights, WEIGHTS_POLL).run())
             stack.callback(watcher.cancel)
+            await self._watch_stream()  # a first reading before sessions are admitted
+            keeper = asyncio.create_task(self._stream_loop(quit))
+            stack.callback(keeper.cancel)
 
             await self.nc.subscribe(subjects.ROLLOUT_STATUS, cb=self._on_status)
             await self.nc.subscribe(subjects.CHAT_CANCEL, cb=self._on_cancel)
@@ -121,6 +135,60 @@ class TrajectoryService:
             _warn("backlog:no-batch-size", "admission refuses sessions: %s", why)
             raise BacklogUnknown(why)
         return Backlog(int(info.num_pending or 0), per_version)
+
+    # -- the trajectory stream: back-pressure, trim, pending publications ---------------------------
+
+    async def _publish_trajectory(self, event: bytes, msg_id: str) -> None:
+        await bus.publish_durable(self.js, subjects.TRAJ_COMPLETED, event, msg_id=msg_id)
+
+    def _pressure(self) -> SessionReply | None:
+        """Refuse new sessions while the stream is at its high-water mark (429), or unread lately (503)."""
+        fill, limits = self.fill, self.limits
+        if fill is None or time.monotonic() - fill.read_at > max(5.0, 5 * self.cfg.fill_poll):
+            return SessionReply(503, message="the trajectory stream's fill level is unknown (NATS trouble?)",
+                                retry_after=5.0, code="backpressure_unknown")
+        if fill.above(limits.high_water):
+            trainer = f"the trainer lags {fill.lag} messages" if fill.lag >= 0 else "no trainer consumer exists"
+            return SessionReply(
+                429, message=f"back-pressure: the trajectory stream is {fill.fraction:.0%} full (high-water mark "
+                f"{limits.high_water:.0%}) and {trainer}; retry after it catches up", retry_after=5.0,
+                code="backpressure")
+        return None
+
+    async def _watch_stream(self) -> None:
+        """1. read the fill; 2. log a high-water crossing; 3. trim trained trajectories; 4. publish pending
+        ones (oldest first). Each step is best effort: the next pass retries."""
+        try:
+            fill = await backpressure.read_fill(self.js, subjects.TRAJECTORIES_STREAM, self.cfg.trainer_consumer,
+                                                time.monotonic())
+        except Exception as e:
+            _warn(f"fill:{type(e).__name__}", "cannot read the %s stream: %s: %s", subjects.TRAJECTORIES_STREAM,
+                  type(e).__name__, e)
+            return
+        self.fill = fill
+        match self.high_water.update(fill.fraction):
+            case "crossed":
+                log.warning("the %s stream is %.0f%% full (high-water mark %.0f%%): new sessions are refused "
+                            "(429) until the trainer catches up; trainer consumer lag %d, %d bytes, %d messages",
+                            subjects.TRAJECTORIES_STREAM, 100 * fill.fraction, 100 * self.limits.high_water,
+                            fill.lag, fill.bytes, fill.msgs)
+            case "cleared":
+                log.info("the %s stream is %.0f%% full, below its high-water mark: sessions are admitted again",
+                         subjects.TRAJECTORIES_STREAM, 100 * fill.fraction)
+        try:
+            upto = await backpressure.trim(self.js, subjects.TRAJECTORIES_STREAM, fill, self.limits.trim_above)
+            if upto:
+                log.info("trimmed trained trajectories below stream seq %d (the trainer acked up to %d)", upto,
+                         fill.ack_floor)
+            if await self.store.count_finishing():
+                await self.publisher.sweep()
+        except Exception as e:  # NATS or Redis trouble: the next pass retries
+            _warn(f"sweep:{type(e).__name__}", "stream upkeep failed: %s: %s", type(e).__name__, e)
+
+    async def _stream_loop(self, quit: asyncio.Event) -> None:
+        while not quit.is_set():
+            await asyncio.sleep(self.cfg.fill_poll)
+            await self._watch_stream()
 
     # -- rollout workers -------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
-"""Session lifecycle: create (with staleness admission), get, reward, finish (publishes
-TrajectoryCompleted with its staleness)."""
+"""Session lifecycle: create (with stream back-pressure and staleness admission), get, reward,
+finish (stores the TrajectoryCompleted, then publishes it: finishing.py)."""
 
 from __future__ import annotations
 
@@ -7,29 +7,35 @@ import time
 from collections.abc import Awaitable, Callable
 
 import msgspec
-from nats.js import JetStreamContext
-
 from services.trajectory import turns as turn_tree
+from services.trajectory.finishing import Publisher
 from services.trajectory.store import SessionFinished, SessionNotFound, Store
-from shared import bus, subjects
 from shared.admission import Admission, Backlog, BacklogUnknown, staleness
+from shared.codec import decode, encode
 from shared.messages import SessionReply, SessionRequest, TrajectoryCompleted
+
+
+PENDING_RETRY_AFTER = 5.0  # seconds an agent waits before asking again about a pending finish
 
 
 class SessionOps:
     def __init__(
         self,
         store: Store,
-        js: JetStreamContext,
+        publisher: Publisher,
         admission: Admission,
         open_window: float,
         policy_version: Callable[[], int],
         backlog: Callable[[], Awaitable[Backlog]],
+        pressure: Callable[[], SessionReply | None] = lambda: None,
+        publish_wait: float = 5.0,
     ):
-        self.store, self.js, self.admission = store, js, admission
+        self.store, self.publisher, self.admission = store, publisher, admission
         self.open_window = open_window
         self.policy_version = policy_version
         self.backlog = backlog
+        self.pressure = pressure  # the stream's back-pressure: a refusal (429/503) while it is too full
+        self.publish_wait = publish_wait
 
     async def handle(self, req: SessionRequest) -> SessionReply:
         try:
@@ -52,6 +58,8 @@ class SessionOps:
         return SessionReply(400, message=f"unknown op {req.op}")
 
     async def create(self, req: SessionRequest) -> SessionReply:
+        if (refused := self.pressure()) is not None:  # with or without staleness admission
+            return refused
         if self.admission.enabled:
             try:
                 backlog = await self.backlog()
@@ -92,9 +100,35 @@ class SessionOps:
         }
 
     async def finish(self, sid: str, reward: float | None) -> SessionReply:
+        """open -> finishing (the event stored in Redis) -> published -> finished. Answers once the
+        trajectory is durable in the stream, or 503 + Retry-After while it waits for room; a retry is
+        idempotent (the stored event, the same de-dup id)."""
         meta = await self.store.session(sid)
         if meta["status"] == "finished":
             return SessionReply(200, sid, "already finished", body={"reward": meta["reward"]})
+        if meta["status"] == "finishing":
+            status, raw = "finishing", await self.store.finishing_event(sid) or b""
+        else:
+            reply_or_event = await self._event(sid, meta, reward)
+            if isinstance(reply_or_event, SessionReply):
+                return reply_or_event
+            status, raw = await self.store.begin_finish(sid, reply_or_event.reward, encode(reply_or_event))
+        if status == "missing":
+            raise SessionNotFound(sid)
+        if status == "finished" or not raw:  # finished by another replica meanwhile
+            meta = await self.store.session(sid)
+            return SessionReply(200, sid, "already finished", body={"reward": meta["reward"]})
+        event = decode(raw, TrajectoryCompleted)
+        if not await self.publisher.publish(sid, raw, self.publish_wait):
+            return SessionReply(
+                503, sid, f"session {sid} is finishing: its trajectory is stored and waits for room in the "
+                "trajectory stream (the trainer is behind); it will be published without further action. "
+                "Retry finish to confirm.", retry_after=PENDING_RETRY_AFTER, code="trajectory_pending")
+        return SessionReply(200, sid, body={"reward": event.reward, "samples": len(event.samples),
+                                            "staleness": event.staleness})
+
+    async def _event(self, sid: str, meta: dict, reward: float | None) -> TrajectoryCompleted | SessionReply:
+        """The TrajectoryCompleted of an open session, or why it cannot finish."""
         reward = reward if reward is not None else meta["reward"]
         if reward is None:
             return SessionReply(400, sid, "no reward: pass one to finish or POST it to /reward first")
@@ -113,8 +147,4 @@ class SessionOps:
             policy_version=version,
             staleness=max(staleness(version, s.versions) for s in samples),
         )
-        # durable first, then mark finished: a retry re-publishes under the same id (de-duplicated)
-        await bus.publish_durable(self.js, subjects.TRAJ_COMPLETED, event, msg_id=f"traj-{sid}")
-        await self.store.mark_finished(sid, float(reward))
-        return SessionReply(200, sid, body={"reward": float(reward), "samples": len(samples),
-                                            "staleness": event.staleness})
+        return event

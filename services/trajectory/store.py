@@ -11,6 +11,14 @@ Keys (all expire `session_ttl` seconds after the session's last write):
     sf:req:{rid}:deltas list  msgpack [worker, starts_dispatch, version, token_ids, logprobs], in order
     sf:req:{rid}:owner  string the replica serving it; expires unless refreshed (lease)
     sf:done:{rid}       string msgpack ChatDone of a finished request, so a retry gets the same answer
+    sf:s:{sid}:event    string msgpack TrajectoryCompleted of a `finishing` session; never expires
+                               while the publication is pending, deleted once it is durable
+    sf:finishing        zset  finishing session ids by the time finishing began: pending publications
+    sf:fin:{sid}:owner  string the replica publishing it; expires unless refreshed (lease)
+
+A session is open -> finishing (its TrajectoryCompleted is stored here, then published to
+JetStream, retried while the stream is full) -> finished (durable in the stream). A replica that
+dies while publishing leaves the session in sf:finishing; any replica takes it once the lease lapses.
 
 A turn is written in one MULTI/EXEC with its index entry, so a failed turn leaves
 no trace and earlier turns stay intact. A running request's tokens are appended to
@@ -99,6 +107,36 @@ _RENEW_IF_OWNER = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
 """
+
+
+# open -> finishing: store the event and queue the publication; a retried finish gets the stored event
+_BEGIN_FINISH = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st then return {'missing', ''} end
+if st == 'open' then
+  redis.call('HSET', KEYS[1], 'status', 'finishing', 'reward', ARGV[1], 'finishing_at', ARGV[3])
+  redis.call('SET', KEYS[2], ARGV[2])
+  redis.call('ZADD', KEYS[3], ARGV[3], ARGV[4])
+  return {'finishing', ARGV[2]}
+end
+if st == 'finishing' then return {'finishing', redis.call('GET', KEYS[2]) or ''} end
+return {st, ''}
+"""
+
+# take a lapsed lease, or renew one's own
+_CLAIM = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+_RELEASE_IF_OWNER = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+FINISHING = "sf:finishing"
 
 
 class Store:
@@ -245,7 +283,7 @@ class Store:
 
     async def set_reward(self, sid: str, reward: float) -> None:
         meta = await self.session(sid)
-        if meta["status"] == "finished":
+        if meta["status"] != "open":
             raise SessionFinished(sid)
         await self.r.hset(_k(sid), "reward", repr(float(reward)))
 
@@ -260,3 +298,42 @@ class Store:
             return False
         await self.r.zrem(OPEN, sid)
         return True
+
+    # -- finishing: the publication of a session's TrajectoryCompleted ------------------------------
+
+    async def begin_finish(self, sid: str, reward: float, event: bytes) -> tuple[str, bytes]:
+        """open -> finishing with `event` stored and queued. Returns the status after the call and the
+        event to publish: ("finishing", the stored event, which a retried finish reuses), ("finished",
+        b"") or ("missing", b"")."""
+        now = time.time()
+        st, raw = await self.r.eval(_BEGIN_FINISH, 3, _k(sid), _k(sid, "event"), FINISHING,
+                                    repr(float(reward)), event, now, sid)
+        return st.decode(), raw or b""
+
+    async def finishing_event(self, sid: str) -> bytes | None:
+        return await self.r.get(_k(sid, "event"))
+
+    async def claim_finish(self, sid: str, owner: str, lease_ms: int) -> bool:
+        """Take (or renew) the lease on publishing `sid`; False while another live replica holds it."""
+        return bool(await self.r.eval(_CLAIM, 1, f"sf:fin:{sid}:owner", owner, lease_ms))
+
+    async def release_finish(self, sid: str, owner: str) -> None:
+        await self.r.eval(_RELEASE_IF_OWNER, 1, f"sf:fin:{sid}:owner", owner)
+
+    async def finish_published(self, sid: str) -> None:
+        """finishing -> finished: the event is durable in the stream."""
+        async with self.r.pipeline(transaction=True) as p:
+            p.hset(_k(sid), mapping={"status": "finished", "finished_at": time.time()})
+            p.zrem(OPEN, sid)
+            p.zrem(FINISHING, sid)
+            p.delete(_k(sid, "event"), f"sf:fin:{sid}:owner")
+            for part in ("", "turns", "idx", "seq"):
+                p.expire(_k(sid, part), self.ttl)
+            await p.execute()
+
+    async def pending_finishes(self, limit: int) -> list[str]:
+        """The oldest finishing sessions, first come first published."""
+        return [m.decode() for m in await self.r.zrange(FINISHING, 0, limit - 1)]
+
+    async def count_finishing(self) -> int:
+        return int(await self.r.zcard(FINISHING))

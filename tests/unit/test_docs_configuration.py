@@ -13,13 +13,14 @@ from services.rollout.config import RolloutConfig
 from services.scheduler.config import HostConfig, SchedulerConfig
 from services.trainer.config import TrainerConfig
 from services.trajectory.config import TrajectoryConfig
+from shared.backpressure import TrajectoryLimits
 from shared.config import Connections
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "configuration.md"
 CLASSES = [(Connections, "SF_"), (GatewayConfig, "SF_GATEWAY_"), (TrajectoryConfig, "SF_TRAJECTORY_"),
            (RolloutConfig, "SF_ROLLOUT_"), (TrainerConfig, "SF_TRAINER_"), (SchedulerConfig, "SF_SCHEDULER_"),
-           (HostConfig, "SF_HOST_")]
+           (HostConfig, "SF_HOST_"), (TrajectoryLimits, "SF_TRAJECTORIES_")]
 # Read outside a config class; each must still be read somewhere in these files.
 PROCESS_WIDE = {"SF_LOG_LEVEL": "shared/config.py", "SF_WEIGHTS_DIR": "services/trainer/config.py",
                 "SF_DATA_DIR": "justfile", "SF_PROFILE": "scripts/bootstrap.sh", "SF_BROWSER": "scripts/bootstrap.sh",
