@@ -91,3 +91,18 @@ def test_trainer_metrics_from_the_trainers_own_exposition():
     assert got["reward_mean"] == 0.5 and got["loss"] == pytest.approx(0.1) and got["version"] == 2
     assert got["staleness_mean"] == pytest.approx(0.25) and got["staleness_max"] == 1
     assert got["staleness_tokens"]["1"] == 1
+
+
+def test_scheduler_hosts_become_timeline_rows():
+    from services.gateway.ui import _hosts
+    from shared.messages.scheduler import HostInfo, Interval, SchedulerReply
+
+    info = HostInfo(host="host-0", tags=["train", "rollout", "cpu"], capacity=1.0, mode="rollout", target="rollout",
+                    epoch=3, healthy=True, cordoned=False, last_seen=10.0, worker_id="host-0-rollout",
+                    activity="rollout", timeline=[Interval("train", 0.0, 4.0), Interval("switch", 4.0, 5.0)])
+    got = _hosts(SchedulerReply(True, "seamless", [info], counts={"lends": 1}))
+    assert got["policy"] == "seamless" and got["counts"] == {"lends": 1}
+    (h,) = got["hosts"]
+    assert h["host"] == "host-0" and h["worker_id"] == "host-0-rollout"
+    assert h["timeline"] == [["train", 0.0, 4.0], ["switch", 4.0, 5.0]]
+    assert _hosts(None) is None and _hosts(SchedulerReply(False, error="x")) is None
