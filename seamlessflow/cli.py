@@ -123,13 +123,15 @@ def cmd_up(a: argparse.Namespace) -> None:
 def cmd_status(a: argparse.Namespace) -> None:
     import json
 
-    from seamlessflow import control
+    from seamlessflow import control, ops
 
     try:
         st = control.ask(a.data_dir, {"op": "status"})
     except (control.NotRunning, OSError) as e:
         sys.exit(f"error: {e}")
-    print(json.dumps(st, indent=2) if a.json else control.format_status(st))
+    st["trajectories"] = asyncio.run(ops.stream_status(_connections(a)))  # over NATS, unlike the rest
+    text = f"{control.format_status(st)}\n{ops.format_stream(st['trajectories'])}"
+    print(json.dumps(st, indent=2) if a.json else text)
 
 
 def cmd_scale(a: argparse.Namespace) -> None:
@@ -290,7 +292,8 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("status", help="every service of the running `up` (pid, state, uptime, restarts), "
-                       "each worker's version and load, the gateway URL")
+                       "each worker's version and load, the gateway URL, the trajectory stream's fill and "
+                       "the trainer's lag")
     p.add_argument("--json", action="store_true")
     p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs")
     p.set_defaults(fn=cmd_status)

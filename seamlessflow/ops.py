@@ -1,4 +1,5 @@
-"""Operator commands over NATS: list and steer rollout workers, publish and list weight versions.
+"""Operator commands over NATS: list and steer rollout workers, publish and list weight versions,
+the trajectory stream's fill and the trainer's lag (part of `seamlessflow status`).
 
     seamlessflow workers list
     seamlessflow workers vacate rollout-0      # abort in-flight work (it resumes elsewhere), take no more
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from shared import bus, subjects, weightstore
+from shared import backpressure, bus, subjects, weightstore
 from shared.codec import decode, encode
 from shared.config import Connections
 from shared.messages import RolloutControl, WeightsPublished, WorkerStatus
@@ -102,3 +103,33 @@ def format_weights(store: Path, current: WeightsPublished | None, statuses: list
         mark = "*" if current and current.version == v else ""
         rows.append(f"{v:>7}  {mark:<7}  {','.join(serving.get(v, [])) or '-':<30} {path}")
     return "\n".join(rows)
+
+
+async def stream_status(conn: Connections, consumer: str = subjects.TRAINER_DURABLE, timeout: float = 3.0) -> dict:
+    """The TRAJECTORIES stream's fill against its high-water mark and the trainer consumer's lag, as JSON;
+    {"error": ...} when NATS cannot say (status must answer while NATS is down)."""
+    try:
+        nc = await asyncio.wait_for(bus.connect(conn, name="sf-ops", connect_timeout=timeout), timeout)
+    except Exception as e:
+        return {"error": f"NATS: {e}"}
+    try:
+        fill = await asyncio.wait_for(backpressure.read_fill(
+            nc.jetstream(), subjects.TRAJECTORIES_STREAM, consumer, time.monotonic()), timeout)
+    except Exception as e:
+        return {"error": f"{subjects.TRAJECTORIES_STREAM}: {type(e).__name__}: {e}"}
+    finally:
+        await bus.wait_closed(nc, timeout)
+    mark = backpressure.limits_from_env().high_water
+    return {"fill": round(fill.fraction, 4), "high_water": mark, "above_high_water": fill.above(mark),
+            "bytes": fill.bytes, "max_bytes": fill.max_bytes, "messages": fill.msgs, "max_messages": fill.max_msgs,
+            "trainer_lag": fill.lag, "trainer_pending": fill.pending, "trainer_ack_pending": fill.ack_pending}
+
+
+def format_stream(st: dict) -> str:
+    if "error" in st:
+        return f"trajectories: unknown ({st['error']})"
+    state = "ABOVE the high-water mark: new sessions get 429" if st["above_high_water"] else "below the high-water mark"
+    lag = (f"trainer lag {st['trainer_lag']} ({st['trainer_pending']} undelivered, {st['trainer_ack_pending']} "
+           "awaiting a checkpoint)" if st["trainer_lag"] >= 0 else "no trainer consumer")
+    return (f"trajectories: {st['fill']:.0%} full ({st['messages']} msgs, {st['bytes'] / 2**20:.1f} of "
+            f"{st['max_bytes'] / 2**20:.1f} MiB), {state} ({st['high_water']:.0%}); {lag}")

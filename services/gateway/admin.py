@@ -111,6 +111,7 @@ async def list_hosts(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
+    await gw.read_stream_fill()  # the TRAJECTORIES fill and the trainer's lag, fresh at each scrape
     return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
 
 

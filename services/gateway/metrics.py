@@ -42,6 +42,22 @@ class Metrics:
                                  buckets=(-1, -0.5, 0, 0.25, 0.5, 0.75, 1, 2, 5), registry=r)
         for event in ("created", "finished"):
             self.sessions.labels(event)
+        # the TRAJECTORIES stream (read at each scrape): back-pressure closes admission at its high-water mark
+        self.stream_fill_ratio = Gauge("sf_trajectories_fill_ratio",
+                                       "TRAJECTORIES stream fill: the fuller of bytes and messages over its limit",
+                                       registry=r)
+        self.stream_bytes = Gauge("sf_trajectories_bytes", "Bytes in the TRAJECTORIES stream", registry=r)
+        self.stream_messages = Gauge("sf_trajectories_messages", "Messages in the TRAJECTORIES stream", registry=r)
+        self.trainer_lag = Gauge("sf_trainer_consumer_lag", "Trajectories the trainer has not acknowledged "
+                                 "(undelivered + held until a checkpoint); -1 without a trainer consumer",
+                                 ["part"], registry=r)  # pending | ack_pending | total
+
+    def stream_fill(self, fill) -> None:
+        self.stream_fill_ratio.set(fill.fraction)
+        self.stream_bytes.set(fill.bytes)
+        self.stream_messages.set(fill.msgs)
+        for part, value in (("pending", fill.pending), ("ack_pending", fill.ack_pending), ("total", fill.lag)):
+            self.trainer_lag.labels(part).set(value)
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """One sample's current value (0 if never set), e.g. for the status page's rates."""

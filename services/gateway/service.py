@@ -22,7 +22,7 @@ from services.gateway.board import Board
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import Metrics
 from services.gateway.store import KeyStore
-from shared import subjects
+from shared import backpressure, subjects
 from shared.bus import BusUnavailable, ReplyTimeout, connect, request, stream_request, wait_closed
 from shared.codec import decode, encode
 from shared.config import Connections
@@ -232,6 +232,19 @@ class Gateway:
         if reward is not None:
             self.metrics.rewards.observe(reward)
             self.board.reward(reward, time.time())
+
+    async def read_stream_fill(self, timeout: float = 2.0) -> None:
+        """Set the stream gauges from one reading of TRAJECTORIES and the trainer consumer (best effort:
+        a failed reading leaves the last values and says so once per cause)."""
+        try:
+            fill = await asyncio.wait_for(backpressure.read_fill(
+                self.nc.jetstream(), subjects.TRAJECTORIES_STREAM, subjects.TRAINER_DURABLE, time.monotonic()),
+                timeout)
+        except Exception as e:
+            _warn(f"fill:{type(e).__name__}", "cannot read the %s stream for /metrics: %s",
+                  subjects.TRAJECTORIES_STREAM, e)
+            return
+        self.metrics.stream_fill(fill)
 
     def worker_table(self) -> list[WorkerStatus]:
         """Workers heard from within `worker_stale_after`, by id."""

@@ -63,6 +63,7 @@ class TrajectoryService:
         self.cfg, self.conn = cfg, conn
         self.table = WorkerTable(cfg.worker_stale_after)
         self.running: dict[str, asyncio.Task] = {}
+        self.session_ops: set[asyncio.Task] = set()
         self.policy_version = -1  # newest WeightsPublished; -1 until one is seen
         self.limits = backpressure.limits_from_env()
         self.fill: Fill | None = None  # the newest reading of the TRAJECTORIES stream
@@ -105,9 +106,9 @@ class TrajectoryService:
             # turns finish, bounded
             for sub in queue_subs:
                 await sub.unsubscribe()
-            log.info("draining: %d turns running", len(self.running))
-            if self.running:
-                await asyncio.wait(list(self.running.values()), timeout=30)
+            log.info("draining: %d turns and %d session ops running", len(self.running), len(self.session_ops))
+            if self.running or self.session_ops:
+                await asyncio.wait([*self.running.values(), *self.session_ops], timeout=30)
 
     # -- policy version and trainer backlog ------------------------------------------------------
 
@@ -279,6 +280,13 @@ class TrajectoryService:
     # -- sessions --------------------------------------------------------------------------------
 
     async def _on_session(self, msg: Msg) -> None:
+        # a task each: a finish may wait `publish_wait` s for room in the stream, and must not hold up
+        # the session ops queued behind it (subscription callbacks run one at a time)
+        task = asyncio.create_task(self._session(msg))
+        self.session_ops.add(task)
+        task.add_done_callback(self.session_ops.discard)
+
+    async def _session(self, msg: Msg) -> None:
         try:
             req = decode(msg.data, SessionRequest)
             reply = await self.sessions.handle(req)
