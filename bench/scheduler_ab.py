@@ -68,11 +68,11 @@ def measure(stack: Stack, conn, policy: str, seconds: float, seed: int) -> dict:
     asyncio.run(hostops.ask(conn, "set_policy", policy=policy))
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
-        if all(h.mode == h.target and h.healthy for h in asyncio.run(hostops.ask(conn)).hosts):
+        if all(h.mode == h.target and h.healthy for h in asyncio.run(hostops.ask(conn, "status")).hosts):
             break
         time.sleep(0.5)
     agents = GroupAgents(stack.gateway_url, stack.api_key, group_size=4, lanes=4, seed=seed)
-    before = asyncio.run(hostops.ask(conn))
+    before = asyncio.run(hostops.ask(conn, "status"))
     n0, t0 = len(steps(stack)), time.time()
     asyncio.run(agents.run(lambda: time.time() - t0 >= seconds, seconds + 120))
     t1 = time.time()
