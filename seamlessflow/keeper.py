@@ -20,6 +20,7 @@ subject (vacate); what to do when is supervisor.py's.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -158,6 +159,9 @@ class Keeper:
     # -- the workers' heartbeats, and their control subject ---------------------------------------
 
     async def _watch_workers(self, quit: asyncio.Event) -> None:
+        # this connection only follows heartbeats and sends vacates (whose failures are raised):
+        # its reconnect chatter while NATS restarts, or on a starved CPU, is not for up's console
+        logging.getLogger(bus.__name__).setLevel(logging.ERROR)
         conn = connections(dict(os.environ) | {"SF_NATS_URL": self.stack.nats_url,
                                                "SF_REDIS_URL": self.stack.redis_url})
         while self.nc is None and not quit.is_set():
