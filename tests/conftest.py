@@ -31,6 +31,24 @@ for key, value in {
     os.environ.setdefault(key, value)
 
 
+STALE_BUILD_LOCK_S = 600  # a DeepSpeed op build takes well under a minute here
+
+
+def _clear_stale_build_locks(root: Path, now: float) -> list[Path]:
+    """A process killed while DeepSpeed JIT-builds an op (a crash test's trainer, say) leaves the
+    build's `lock` file behind, and every later build waits on it forever. Locks older than any
+    real build are removed at the start of a test session."""
+    removed = []
+    for lock in root.glob("*/lock"):
+        try:
+            if now - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
+                lock.unlink()
+                removed.append(lock)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 def _model_key() -> str:
     src = (ROOT / "seamlessflow" / "modelgen.py").read_bytes()
     return hashlib.sha256(src).hexdigest()[:12]
@@ -47,6 +65,12 @@ def _built_model(size: str) -> Path:
         init_model(tmp, size=size)
         tmp.rename(path)
     return path
+
+
+def pytest_sessionstart(session) -> None:
+    import time
+
+    _clear_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]), time.time())
 
 
 @pytest.fixture(scope="session")
