@@ -302,3 +302,19 @@ def test_logprobs_in_the_api_are_the_recorded_behaviour_logprobs(stack, hf, stre
     shown = [k for k, i in enumerate(ids) if i not in (tok.eos_token_id, tok.pad_token_id)]
     assert [c.logprob for c in content] == pytest.approx([lps[k] for k in shown], abs=1e-6)
     assert "".join(c.token for c in content) == text and len(content) == len(shown)
+
+
+def test_demo_calc_rounds_through_the_stack(stack):
+    """The demo's calc agents (openai SDK with `tools`) run rounds through the real stack: every
+    session is scored, its tokens and policy versions come back. (The tiny model here is not
+    warm-started, so it rarely calls the tool; the tool turn itself is test_tools_turn_with_the_sdk.)"""
+    import asyncio
+
+    from seamlessflow.rl import run_rounds
+
+    lines: list = []
+    result = asyncio.run(run_rounds(stack, rounds=2, groups=1, group_size=2, task="calc", max_tokens=12,
+                                    on_round=lines.append))
+    assert [rd.index for rd in lines] == [0, 1] and all(len(rd.rewards) == 2 for rd in result.rounds)
+    assert all(0.0 <= r <= 1.0 for rd in result.rounds for r in rd.rewards)
+    assert all(rd.tokens > 0 and rd.versions == [0] and rd.t_end >= rd.seconds > 0 for rd in result.rounds)
