@@ -247,12 +247,15 @@ class HostAgent:
                 Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
                 out = open(Path(self.cfg.log_dir) / f"{self.cfg.worker_id}.log", "ab")
             self.worker_started = time.time()
+            # its own process group: vLLM's engine processes outlive a SIGKILLed worker, and are
+            # killed with the group once the worker is gone
             self.proc = await asyncio.create_subprocess_exec(*self.worker_argv, env=env, stdout=out, stderr=out,
-                                                             preexec_fn=_die_with_parent)
+                                                             preexec_fn=_die_with_parent, start_new_session=True)
             if out:
                 out.close()
             started = time.monotonic()
             rc = await self.proc.wait()
+            _kill_group(self.proc.pid)
             if quit.is_set():
                 return
             self.restarts += 1
@@ -275,6 +278,15 @@ class HostAgent:
         except TimeoutError:
             p.kill()
             await p.wait()
+        _kill_group(p.pid)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL whatever is left of a worker's process group (vLLM engine processes)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _die_with_parent() -> None:

@@ -25,3 +25,38 @@ def test_worker_cmd_replaces_the_worker_for_benchmarks():
 def test_no_model_no_worker_even_with_worker_cmd():
     a = _agent(worker_cmd="python bench/simulated_engine.py")
     assert not a.has_worker
+
+
+async def test_a_worker_that_exits_takes_its_leftover_processes_with_it(tmp_path):
+    """vLLM's engine processes outlive a SIGKILLed worker; the agent kills the worker's group."""
+    import asyncio
+    from pathlib import Path
+
+    from services.scheduler.config import HostConfig
+    from services.scheduler.host import HostAgent
+    from shared.config import Connections
+
+    pidfile = tmp_path / "grandchild"
+    argv = ["bash", "-c", f"sleep 300 & echo $! > {pidfile}; sleep 0.2; exit 1"]
+    agent = HostAgent(HostConfig(id="h", tags="rollout", model="m", restart_backoff_max=0.5), Connections(),
+                      worker_argv=argv)
+    quit = asyncio.Event()
+    task = asyncio.create_task(agent._supervise(quit))
+    try:
+        for _ in range(100):
+            if agent.restarts >= 1:
+                break
+            await asyncio.sleep(0.05)
+        assert agent.restarts >= 1
+        grandchild = int(pidfile.read_text())
+        await asyncio.sleep(0.1)
+        try:  # gone, or a zombie nobody has reaped yet (its parent, the worker, is gone)
+            state = (Path(f"/proc/{grandchild}/status").read_text().split("State:")[1].split()[0])
+        except FileNotFoundError:
+            state = "gone"
+        assert state in ("gone", "Z"), f"the worker's leftover process survived it (state {state})"
+    finally:
+        quit.set()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await agent._stop_worker()
