@@ -66,9 +66,10 @@ def switches(stack: Stack, t0: float, t1: float) -> dict[str, list[float]]:
 
 def measure(stack: Stack, conn, policy: str, seconds: float, seed: int) -> dict:
     asyncio.run(hostops.ask(conn, "set_policy", policy=policy))
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 600  # the first policy waits for both vLLM workers to start
     while time.monotonic() < deadline:
-        if all(h.mode == h.target and h.healthy for h in asyncio.run(hostops.ask(conn, "status")).hosts):
+        # settled and placed: a host whose worker is still starting is idle and not yet placed
+        if all(h.mode == h.target != "idle" and h.healthy for h in asyncio.run(hostops.ask(conn, "status")).hosts):
             break
         time.sleep(0.5)
     agents = GroupAgents(stack.gateway_url, stack.api_key, group_size=4, lanes=4, seed=seed)
