@@ -230,7 +230,7 @@ def cmd_workers(a: argparse.Namespace) -> None:
 
 def cmd_weights(a: argparse.Namespace) -> None:
     from seamlessflow import ops
-    from shared.weightstore import BadCheckpoint
+    from shared.weightstore import CheckpointError
 
     store = _weights_dir(a)
     if a.action == "publish":
@@ -238,7 +238,7 @@ def cmd_weights(a: argparse.Namespace) -> None:
             sys.exit("error: weights publish needs a checkpoint DIR")
         try:
             event = asyncio.run(ops.publish(_connections(a), store, a.dir))
-        except BadCheckpoint as e:
+        except CheckpointError as e:
             sys.exit(f"error: {e}")
         print(event.version)
         return

@@ -23,13 +23,12 @@ from shared.codec import decode
 from shared.checkpoint import CheckpointError, check_checkpoint
 from shared.messages import WeightsPublished
 
-__all__ = ["BadCheckpoint", "CheckpointError", "check_checkpoint", "write_version", "versions_on_disk",
+__all__ = ["CheckpointError", "check_checkpoint", "write_version", "versions_on_disk",
            "version_dir", "current", "announce", "publish_dir", "collect_garbage"]
 
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 
 
-BadCheckpoint = CheckpointError  # kept for callers of the old name
 
 
 def version_dir(root: Path, version: int) -> Path:

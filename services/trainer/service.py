@@ -34,6 +34,7 @@ import asyncio
 import logging
 import time
 from contextlib import AsyncExitStack
+from typing import Literal
 from pathlib import Path
 
 import msgspec
@@ -56,6 +57,8 @@ from shared.messages.scheduler import TrainerControl, TrainerState, TrainerStatu
 from shared.messages.trajectory import TrajectoryCompleted
 
 log = logging.getLogger(__name__)
+
+Settle = Literal["ack", "nak", "term", "in_progress"]  # what a delivery can be answered with
 
 TRAJ_STREAM = subjects.TRAJECTORIES_STREAM
 RANK_KEEPALIVE = 60.0  # seconds idle before ranks > 0 get a no-op (their broadcast wait must not time out)
@@ -414,16 +417,21 @@ class TrainerService:
 
     # -- acks --------------------------------------------------------------------------------------
 
-    async def _settle(self, msg: Msg, how: str) -> None:
+    async def _settle(self, msg: Msg, how: Settle) -> None:
         """ack (waiting for the server), nak, term or in_progress; a failure is logged, never raised.
 
         A lost ack is safe: the message comes back, and the ledger acks it as already trained.
         """
         try:
-            if how == "ack":
-                await msg.ack_sync(timeout=5.0)
-            else:
-                await getattr(msg, how)()
+            match how:
+                case "ack":
+                    await msg.ack_sync(timeout=5.0)
+                case "nak":
+                    await msg.nak()
+                case "term":
+                    await msg.term()
+                case "in_progress":
+                    await msg.in_progress()
         except Exception as e:
             log.warning("%s of stream seq %s failed: %s", how, _seq(msg), e)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.weightstore import BadCheckpoint, check_checkpoint, collect_garbage, versions_on_disk, write_version
+from shared.weightstore import CheckpointError, check_checkpoint, collect_garbage, versions_on_disk, write_version
 
 
 def test_write_check_and_gc(tiny_model, tmp_path):
@@ -20,16 +20,16 @@ def test_write_check_and_gc(tiny_model, tmp_path):
 
 
 def test_bad_checkpoints_are_refused_before_any_load(tiny_model, tmp_path):
-    with pytest.raises(BadCheckpoint, match="config.json"):
+    with pytest.raises(CheckpointError, match="config.json"):
         check_checkpoint(tmp_path)
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "config.json").write_text((tiny_model / "config.json").read_text())
-    with pytest.raises(BadCheckpoint, match="no \\*.safetensors"):
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         check_checkpoint(bad)
     (bad / "model.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(BadCheckpoint, match="header"):
+    with pytest.raises(CheckpointError, match="header"):
         check_checkpoint(bad)
-    with pytest.raises(BadCheckpoint):
+    with pytest.raises(CheckpointError):
         write_version(tmp_path / "store", 1, bad)
     assert versions_on_disk(tmp_path / "store") == []
