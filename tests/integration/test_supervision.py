@@ -135,8 +135,8 @@ def wait_for(cond, timeout: float, what: str, every: float = 0.3):
 class Agents:
     """GroupAgents (openai SDK) in flight on a thread of their own until stop()."""
 
-    def __init__(self, up: Up, seed: int, min_tokens: int = 16, max_tokens: int = 64):
-        self.agents = GroupAgents(up.gateway_url, up.api_key, group_size=2, lanes=2, seed=seed,
+    def __init__(self, up: Up, seed: int, min_tokens: int = 16, max_tokens: int = 64, lanes: int = 2):
+        self.agents = GroupAgents(up.gateway_url, up.api_key, group_size=2, lanes=lanes, seed=seed,
                                   min_tokens=min_tokens, max_tokens=max_tokens)
         self.done = threading.Event()
         self.crash: BaseException | None = None
@@ -248,11 +248,16 @@ def test_killed_replica_and_worker_come_back_and_no_request_fails(stack):
 
 
 def test_scale_down_vacates_a_worker_and_its_requests_migrate(stack):
-    agents = Agents(stack, seed=3, min_tokens=96, max_tokens=160)
-    wait_for(lambda: stack.worker("rollout-1").get("running", 0) > 0, 120, "requests on rollout-1")
-    res = stack.cli("scale", "rollout=1")
-    assert res.returncode == 0 and res.stdout.strip() == "rollout=1", res.stderr
-    assert "rollout-1 vacated (" in res.stderr and "rollout-1 stopped" in res.stderr, res.stderr
+    agents = Agents(stack, seed=3, min_tokens=128, max_tokens=256, lanes=3)
+    wait_for(lambda: agents.healthy() and stack.worker("rollout-1").get("running", 0) > 0, 180,
+             "requests on rollout-1")
+    # asked in-process, as `seamlessflow scale rollout=1` asks (the CLI's start-up would let them finish)
+    said: list[str] = []
+    reply = control.ask(stack.data, {"op": "scale", "counts": {"rollout": 1}}, timeout=120, on_progress=said.append)
+    assert reply == {"ok": True, "counts": {"rollout": 1}}, (reply, said)
+    vacated = next(m for m in said if m.startswith("rollout-1 vacated ("))
+    assert int(vacated.split("(")[1].split()[0]) > 0, said  # it had requests, and they migrate
+    assert said[-1] == "rollout-1 stopped", said
     assert [s["name"] for s in stack.status()["services"] if s["name"].startswith("rollout")] == ["rollout-0"]
     ok = agents.agents.ok
     wait_for(lambda: agents.healthy() and agents.agents.ok >= ok + 2, 180, "turns after the scale down")
