@@ -300,9 +300,12 @@ class Stack:
     def respawn(self, p: Proc) -> Proc:
         """Start an exited service again, with the same command and environment."""
         self.clear_group(p)
+        at = self.procs.index(p) if p in self.procs else len(self.procs)
         if p in self.procs:
             self.procs.remove(p)
-        return self._spawn(p.name, p.argv, p.env, ready=p.ready, log=p.log, port=p.port)
+        new = self._spawn(p.name, p.argv, p.env, ready=p.ready, log=p.log, port=p.port)
+        self.procs.insert(at, self.procs.pop())  # its old place: start order is stop order within a tier
+        return new
 
     def is_ready(self, p: Proc) -> bool:
         """Has this run of `p` said it serves (its ready line, or its port listening)?"""
