@@ -108,7 +108,10 @@ class TurnHandler:
             await asyncio.sleep(KEEPALIVE_INTERVAL)
             await emit(ChatDelta(rid, "", 0))
             try:
-                held = await self.store.renew_lease(rid, self.owner, LEASE_MS)
+                # a lease that lapsed while this replica was slow (a stalled event loop on a loaded
+                # host) but that nobody took is taken back: only another holder means it is lost
+                held = (await self.store.renew_lease(rid, self.owner, LEASE_MS)
+                        or await self.store.claim_request(rid, self.owner, LEASE_MS))
                 why = "another replica holds it"
                 renewed = time.monotonic() if held else renewed
             except Exception as e:  # a Redis hiccup: fine while the lease has not lapsed

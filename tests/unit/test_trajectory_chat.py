@@ -195,6 +195,22 @@ async def test_a_replica_that_loses_its_lease_stops_and_leaves_the_request_to_th
     assert store.saved == [] and "r3" in store.requests and store.owners["r3"] == "replica-b"
 
 
+async def test_a_lease_that_lapsed_but_nobody_took_is_taken_back_and_the_turn_goes_on(renderer, monkeypatch):
+    """Seen live on a loaded box: the event loop stalled past the 3 s lease, the key expired, and
+    the replica abandoned a turn no other replica had taken (the agent waited for a re-send)."""
+    monkeypatch.setattr(chat, "KEEPALIVE_INTERVAL", 0.05)
+    store = FakeStore()
+    sid = await store.create_session()
+    h = TurnHandler(TrajectoryConfig(worker_wait=2), store, renderer, table(),
+                    worker(renderer, "a long answer " * 20, delay=0.005))
+    task = asyncio.create_task(run(h, request("r5", sid)))
+    while not store.deltas.get("r5"):
+        await asyncio.sleep(0.01)
+    del store.owners["r5"]  # the lease expired; no other replica claimed it
+    done, _ = await asyncio.wait_for(task, 30)
+    assert done.text.startswith("a long answer") and store.saved  # finished here, not abandoned
+
+
 async def test_renewal_errors_count_as_lost_once_the_lease_would_have_lapsed(renderer, monkeypatch):
     monkeypatch.setattr(chat, "KEEPALIVE_INTERVAL", 0.05)
     monkeypatch.setattr(chat, "LEASE_MS", 200)
