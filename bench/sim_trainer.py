@@ -20,11 +20,9 @@ the cost CALIBRATIONS["live-mini"] uses.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -35,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from services.trainer.batching import MicroBatch  # noqa: E402
 from services.trainer.config import TrainerConfig, load_config  # noqa: E402
 from shared.config import ConfigError, connections  # noqa: E402
+from shared.lifecycle import run_until_signalled  # noqa: E402
 
 S_PER_TOKEN = 1 / 17_123
 
@@ -118,14 +117,7 @@ def main() -> int:
     runner = Runner(SleepEngine(cfg, a.s_per_token, a.log), cfg.checkpoint_dir)  # type: ignore[arg-type]
     vocab = AutoConfig.from_pretrained(cfg.model_dir).vocab_size
 
-    async def run() -> int:
-        quit = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, quit.set)
-        return await TrainerService(cfg, conn, runner, None, vocab).run(quit)
-
-    return asyncio.run(run())
+    return run_until_signalled(TrainerService(cfg, conn, runner, None, vocab).run)
 
 
 if __name__ == "__main__":

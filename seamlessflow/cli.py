@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 from pathlib import Path
 
@@ -81,6 +80,7 @@ def cmd_up(a: argparse.Namespace) -> None:
     from seamlessflow.keeper import Keeper
     from seamlessflow.stack import Stack, StackError
     from seamlessflow.supervisor import RestartPolicy
+    from shared.lifecycle import run_until_signalled
 
     try:
         policy = RestartPolicy(loop_restarts=a.restart_limit, loop_window=a.restart_window)
@@ -110,14 +110,7 @@ def cmd_up(a: argparse.Namespace) -> None:
 
     keeper = Keeper(stack, policy, say=lambda msg: print(msg, file=sys.stderr, flush=True), on_up=banner)
 
-    async def run() -> int:
-        quit = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, quit.set)
-        return await keeper.run(quit)
-
-    sys.exit(asyncio.run(run()))
+    sys.exit(run_until_signalled(keeper.run))
 
 
 def cmd_status(a: argparse.Namespace) -> None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 
 import uvicorn
 
 from services.gateway.app import build_apps
 from services.gateway.config import load_config
 from shared.config import connections, log_level
+from shared.lifecycle import quit_on_signals
 
 log = logging.getLogger("services.gateway")
 
@@ -34,10 +34,7 @@ async def main() -> int:
     servers = [_Server(uvicorn.Config(app, host=cfg.host, port=port, log_level="info", access_log=False,
                                       timeout_graceful_shutdown=30, timeout_keep_alive=cfg.keepalive_timeout))
                for app, port in ((agent, cfg.port), (admin, cfg.admin_port))]
-    quit = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, quit.set)
+    quit = quit_on_signals()
 
     tasks = [asyncio.create_task(s.serve()) for s in servers]
     while not all(s.started for s in servers):

@@ -13,7 +13,6 @@ checkpoint makes the restart train every trajectory exactly once).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import signal
@@ -36,6 +35,7 @@ def main() -> int:
 
     from services.trainer.config import load_config
     from shared.config import ConfigError, connections
+    from shared.lifecycle import run_until_signalled
 
     try:
         cfg = load_config(model_dir=args.model, checkpoint_dir=args.checkpoint_dir, weights_dir=args.weights_dir,
@@ -70,16 +70,9 @@ def main() -> int:
 
     vocab = AutoConfig.from_pretrained(cfg.model_dir).vocab_size
 
-    async def run() -> int:
-        quit = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, quit.set)
-        return await TrainerService(cfg, conn, runner, resume, vocab).run(quit)
-
     rc = 1
     try:
-        rc = asyncio.run(run())
+        rc = run_until_signalled(TrainerService(cfg, conn, runner, resume, vocab).run)
     except Exception:
         log.exception("trainer failed")
     finally:
