@@ -21,6 +21,14 @@ def _fake_worker(script):
     return call, sent
 
 
+
+async def _only_worker_w(exclude):
+    return "w"
+
+
+async def _keep_every_token(delta, worker, first):
+    return None  # no stop string: keep the whole delta
+
 async def test_generation_redispatches_prompt_plus_partial_after_preemption():
     call, sent = _fake_worker({
         0: [TokenDelta("r.0", [10, 11], [-1.0, -1.1], 0), GenerateDone("r.0", "preempted", 3, 0)],
@@ -50,11 +58,7 @@ async def test_generation_redispatches_prompt_plus_partial_after_preemption():
 async def test_generation_gives_up_after_bounded_redispatches():
     call, _ = _fake_worker({i: [GenerateDone("r", "preempted", 1, 0)] for i in range(10)})
 
-    async def pick(exclude):
-        return "w"
-
-    async def on_tokens(delta, worker, first):
-        pass
+    pick, on_tokens = _only_worker_w, _keep_every_token
 
     with pytest.raises(GenerationFailed, match="preempted"):
         await generate(call, pick, "r", "s", [1], Sampling(max_tokens=4), on_tokens, 3, backoff=0.0)
@@ -70,11 +74,7 @@ async def test_generation_gives_up_after_bounded_redispatches():
 async def test_generation_error_maps_to_status_by_the_workers_code(done, status):
     call, _ = _fake_worker({0: [done]})
 
-    async def pick(exclude):
-        return "w"
-
-    async def on_tokens(delta, worker, first):
-        pass
+    pick, on_tokens = _only_worker_w, _keep_every_token
 
     with pytest.raises(GenerationFailed) as e:
         await generate(call, pick, "r", "s", [1], Sampling(max_tokens=4), on_tokens, 3, backoff=0.0)
@@ -112,11 +112,7 @@ async def test_scheduled_preemptions_count_neither_toward_the_limit_nor_the_back
               [TokenDelta("r.4", [6], [-0.6], 0), GenerateDone("r.4", "length", 2, 0, "w")]]
     call, sent = _fake_worker(script)
 
-    async def pick(exclude):
-        return "w"
-
-    async def on_tokens(delta, worker, first):
-        pass
+    pick, on_tokens = _only_worker_w, _keep_every_token
 
     t0 = time.monotonic()
     out = await generate(call, pick, "r", "s", [1], Sampling(max_tokens=2), on_tokens, 1, backoff=0.5)
@@ -131,11 +127,7 @@ async def test_scheduled_preemptions_are_still_bounded(monkeypatch):
     call, sent = _fake_worker({i: [GenerateDone(f"r.{i}", "preempted", 1, 0, "w", scheduled=True)]
                                for i in range(10)})
 
-    async def pick(exclude):
-        return "w"
-
-    async def on_tokens(delta, worker, first):
-        pass
+    pick, on_tokens = _only_worker_w, _keep_every_token
 
     with pytest.raises(GenerationFailed, match="moved by the scheduler 6 times"):
         await generate(call, pick, "r", "s", [1], Sampling(max_tokens=4), on_tokens, 3, backoff=0.0)
@@ -152,11 +144,7 @@ async def test_repeated_preemptions_back_off_before_redispatching():
         [[TokenDelta("r.4", [6], [-0.6], 0), GenerateDone("r.4", "length", 2, 0, "w")]]
     call, sent = _fake_worker(script)
 
-    async def pick(exclude):
-        return "w"  # the only worker
-
-    async def on_tokens(delta, worker, first):
-        pass
+    pick, on_tokens = _only_worker_w, _keep_every_token  # "w" is the only worker
 
     t0 = time.monotonic()
     out = await generate(call, pick, "r", "s", [1], Sampling(max_tokens=2), on_tokens, 8, backoff=0.05)
