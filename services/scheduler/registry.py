@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.scheduler import policy
+from shared.heartbeats import Heartbeats
 from shared.messages.scheduler import (
     Activity,
     HostHeartbeat,
@@ -72,7 +73,8 @@ class Registry:
     switch_timeout: float = 60.0
     hosts: dict[str, HostRecord] = field(default_factory=dict)
     timelines: dict[str, deque[Interval]] = field(default_factory=dict)
-    workers: dict[str, tuple[float, int, str]] = field(default_factory=dict)  # worker id -> (ts, running, state)
+    # worker id -> requests running, aged by receive time (the scheduler applies its own staleness)
+    workers: Heartbeats[int] = field(default_factory=Heartbeats)
     trainer: TrainerStatus | None = None
     trainer_seen: float = 0.0
     gate_pending: bool = False
@@ -115,8 +117,8 @@ class Registry:
         rec.epoch = max(rec.epoch, hb.epoch)
         rec.healthy = True
 
-    def on_worker(self, worker_id: str, ts: float, running: int, state: str, now: float) -> None:
-        self.workers[worker_id] = (now, running, state)
+    def on_worker(self, worker_id: str, running: int, now: float) -> None:
+        self.workers.beat(worker_id, running, now)
 
     def on_changed(self, ev: HostModeChanged, now: float) -> str | None:
         rec = self.hosts.get(ev.host)
@@ -163,7 +165,7 @@ class Registry:
                 continue
             if not self._fresh(rec, now):
                 rec.healthy = False
-                age = now - max(rec.last_seen, self.workers.get(rec.worker_id, (0.0,))[0])
+                age = max(now - rec.last_seen, self._serving_worker_age(rec, now))
                 notes.append(f"host {rec.host} dead: no heartbeat from it or its worker for {age:.1f}s")
             elif rec.target != rec.mode and now - rec.issued_at > self.switch_timeout:
                 rec.healthy = False
@@ -173,13 +175,14 @@ class Registry:
         return notes
 
     def _fresh(self, rec: HostRecord, now: float) -> bool:
-        if now - rec.last_seen > self.stale_after:
-            return False
-        if rec.mode == "rollout" and rec.target == "rollout" and rec.worker_id:
-            seen = self.workers.get(rec.worker_id)
-            last = seen[0] if seen is not None else rec.since  # a worker not heard yet: counted from the switch
-            return now - last <= self.stale_after
-        return True
+        return max(now - rec.last_seen, self._serving_worker_age(rec, now)) <= self.stale_after
+
+    def _serving_worker_age(self, rec: HostRecord, now: float) -> float:
+        """Seconds since a serving host's worker was heard (0 for a host that is not serving)."""
+        if not (rec.mode == "rollout" and rec.target == "rollout" and rec.worker_id):
+            return 0.0
+        age = self.workers.age(rec.worker_id, now)
+        return now - rec.since if age is None else age  # a worker not heard yet: counted from the switch
 
     def trainer_view(self, now: float) -> policy.Trainer:
         st = self.trainer
@@ -211,7 +214,7 @@ class Registry:
         closed = []
         trainer_state = self.trainer_view(now).state
         for rec in self.hosts.values():
-            running = self.workers.get(rec.worker_id, (0.0, 0, ""))[1]
+            running = self.workers.get(rec.worker_id) or 0
             act = policy.activity(rec.mode, rec.target, trainer_state, running)
             if not rec.healthy:
                 act = "idle"

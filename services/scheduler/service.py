@@ -205,7 +205,7 @@ class SchedulerService:
     async def _on_worker(self, msg: Msg) -> None:
         st = _decode(msg, WorkerStatus)
         if st is not None:
-            self.reg.on_worker(st.worker_id, st.ts, st.running, st.state, time.time())
+            self.reg.on_worker(st.worker_id, st.running, time.time())
 
     async def _on_trainer(self, msg: Msg) -> None:
         st = _decode(msg, TrainerStatus)

@@ -29,7 +29,7 @@ def test_a_serving_host_dies_with_its_worker():
     reg.on_heartbeat(hb(), 100.0)
     reg.issued("host-1", "rollout", 1, 100.0)
     reg.on_changed(HostModeChanged("host-1", "rollout", 1, 100.0, 100.5), 100.5)
-    reg.on_worker("host-1-rollout", 100.5, 2, "serving", 100.5)
+    reg.on_worker("host-1-rollout", 2, 100.5)
     reg.on_heartbeat(hb(mode="rollout", epoch=1), 104.0)  # the agent is alive ...
     (note,) = reg.check_health(104.0)  # ... but its worker went silent 3.5 s ago
     assert "dead" in note
@@ -40,13 +40,13 @@ def test_a_host_whose_worker_exits_is_dead_until_the_restarted_worker_is_up():
     reg.on_heartbeat(hb(), 100.0)
     reg.issued("host-1", "rollout", 4, 100.0)
     reg.on_changed(HostModeChanged("host-1", "rollout", 4, 100.0, 100.2), 100.2)
-    reg.on_worker("host-1-rollout", 100.5, 1, "serving", 100.5)
+    reg.on_worker("host-1-rollout", 1, 100.5)
     starting = HostHeartbeat("host-1", ["rollout"], 1.0, "idle", 4, 0.0, "host-1-rollout", restarts=1, ready=False)
     notes = reg.on_heartbeat(starting, 101.0)
     assert any("host-1 dead: its worker exited" in n for n in notes)
     assert not reg.hosts["host-1"].healthy
     assert reg.on_heartbeat(starting, 110.0) == []  # still starting: still dead
-    reg.on_worker("host-1-rollout", 111.0, 0, "vacated", 111.0)
+    reg.on_worker("host-1-rollout", 0, 111.0)
     notes = reg.on_heartbeat(hb(mode="idle", epoch=4, restarts=1), 111.5)
     assert any("is back" in n for n in notes)
     rec = reg.hosts["host-1"]

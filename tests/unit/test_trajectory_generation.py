@@ -21,7 +21,6 @@ def _fake_worker(script):
     return call, sent
 
 
-
 async def _only_worker_w(exclude):
     return "w"
 
