@@ -131,6 +131,9 @@ class Stack:
         self.procs: list[Proc] = []
         self.api_key = ""
         self.admin_key = ""
+        # the trainer's Prometheus port, which the gateway's status page scrapes: one per stack
+        # (a fixed 9401 would let two stacks on one machine read each other's trainer)
+        self.trainer_metrics_port = 0
 
     # -- public -----------------------------------------------------------------------------------
 
@@ -178,6 +181,7 @@ class Stack:
         self.logs.mkdir(parents=True, exist_ok=True)
         (self.data / "stack.pid").write_text(str(os.getpid()))
         self._credentials()
+        self.trainer_metrics_port = servers.free_port()
         specs = host_specs(self.o.hosts, list(os.sched_getaffinity(0))) if self.o.policy else []
         (self.data / "stack.json").write_text(json.dumps({
             "nats_url": self.nats_url, "redis_url": self.redis_url, "gateway_url": self.gateway_url,
@@ -251,7 +255,7 @@ class Stack:
     def spawn_trainer(self, name: str = "trainer", model: Path | None = None, **settings: object) -> Proc:
         """The DeepSpeed trainer; `settings` become SF_TRAINER_<NAME> variables."""
         env = self.env() | {f"SF_TRAINER_{k.upper()}": str(v) for k, v in settings.items()}
-        env.setdefault("SF_TRAINER_METRICS_PORT", "0")
+        env.setdefault("SF_TRAINER_METRICS_PORT", str(self.trainer_metrics_port))
         env.setdefault("SF_TRAINER_TENSORBOARD_DIR", str(self.data / "trainer" / "tb"))
         env.setdefault("SF_TRAINER_AUDIT_LOG", str(self.data / "trainer" / "trained.jsonl"))
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -375,6 +379,7 @@ class Stack:
             "SF_GATEWAY_ADMIN_KEY": self.admin_key,
             "SF_GATEWAY_MAX_CONTEXT": str(self.o.max_model_len),
         }
+        env.setdefault("SF_GATEWAY_TRAINER_METRICS_URL", f"http://127.0.0.1:{self.trainer_metrics_port}/metrics")
         self._spawn("gateway", [sys.executable, "-m", "services.gateway"], env, ready="gateway ready")
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None, ready: str,

@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 
+import httpx
 import pytest
 import torch
 
@@ -53,6 +55,13 @@ def test_mean_reward_rises(tmp_path, warm_model, nats_url, redis_url):
         stack.wait_ready(stack.spawn_trainer(group_size=GROUP_SIZE, groups_per_step=GROUPS, **TRAINER_SETTINGS))
         result = asyncio.run(run_rounds(stack, ROUNDS, GROUPS, GROUP_SIZE, seed=1))
         last_version = versions_on_disk(stack.weights_dir)[-1]
+        # the status page reads this stack's trainer (its own metrics port, scraped by the gateway)
+        page = httpx.get(f"{stack.admin_url}/ui/api/status", headers={"authorization": f"Bearer {stack.admin_key}"},
+                         timeout=30).json()
+        if not page["trainer_metrics"]:  # scraped at most every few seconds: once more after that
+            time.sleep(6)
+            page = httpx.get(f"{stack.admin_url}/ui/api/status",
+                             headers={"authorization": f"Bearer {stack.admin_key}"}, timeout=30).json()
         before, after = policy_reward(warm_model), policy_reward(version_dir(stack.weights_dir, last_version))
     finally:
         stack.stop()
@@ -61,6 +70,7 @@ def test_mean_reward_rises(tmp_path, warm_model, nats_url, redis_url):
     print(json.dumps({"loop_first": first, "loop_last": last, "policy_before": before, "policy_after": after,
                       "last_version": last_version, "seconds": sum(r.seconds for r in result.rounds),
                       "per_round": [round(r.mean, 3) for r in result.rounds]}))
+    assert page["trainer_metrics"].get("reward_mean") is not None, page.get("trainer_metrics_error")
     assert result.rounds[-1].versions and max(result.rounds[-1].versions) >= ROUNDS // 2, "weights were not updated"
     assert last - first >= MARGIN, f"loop mean reward {first:.3f} -> {last:.3f}: less than +{MARGIN}"
     assert after - before >= MARGIN, f"policy sampled reward {before:.3f} -> {after:.3f}: less than +{MARGIN}"
