@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from services.gateway import admin, chat, openapi, sessions
+from services.gateway import admin, chat, openapi, responses, sessions
 from services.gateway.config import GatewayConfig
 from services.gateway.edge import JSON, authenticate
 from services.gateway.errors import EXCEPTION_HANDLERS, ApiError
@@ -50,6 +50,8 @@ async def openapi_json(request: Request) -> Response:
 ROUTES: list[BaseRoute] = [
     Route("/v1/chat/completions", chat.chat_completions, methods=["POST"]),
     Route("/v1/completions", chat.completions, methods=["POST"]),
+    Route("/v1/responses", responses.create, methods=["POST"]),
+    Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model:path}", get_model, methods=["GET"]),
     Route("/v1/sessions", sessions.create, methods=["POST"]),

@@ -9,7 +9,8 @@
     5. whenever the agent disconnects before the end: publish ChatCancel(request_id)
 
 The gateway keeps no turn state beyond the open connection: partial rollout, retries
-across workers and weight-version changes all happen behind sf.chat.
+across workers and weight-version changes all happen behind sf.chat. `Turn`, `collect` and
+`stream` serve /v1/responses too (responses.py), with its own event format.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Literal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Literal, Protocol
 
 import anyio
 from starlette.requests import Request
@@ -38,6 +39,19 @@ from shared.messages.chat import ChatDelta, ChatDone, ChatFailed, ChatReply, Cha
 log = logging.getLogger(__name__)
 
 Reason = Literal["disconnect", "timeout", "shutdown", "error"]  # why a turn was cancelled upstream
+Kind = Literal["chat", "completion", "response"]  # the API a turn came in by (a metrics label)
+_ID_PREFIX = {"chat": "chatcmpl-", "completion": "cmpl-", "response": "resp_"}
+OnDone = Callable[[ChatDone], Awaitable[None]]
+
+
+class EventFormat(Protocol):
+    """What a stream needs of its wire format: fmt.ChunkStream (chat, completions) and
+    responses_format.EventStream (responses)."""
+
+    def start(self) -> bytes: ...
+    def delta(self, text: str, offset: int | None = None) -> bytes: ...
+    def done(self, done: ChatDone) -> list[bytes]: ...
+    def error(self, body: dict) -> bytes: ...
 
 
 def failed(reply: ChatFailed) -> ApiError:
@@ -45,16 +59,16 @@ def failed(reply: ChatFailed) -> ApiError:
     return ApiError(status, reply.message, reply.code or None)
 
 
-class _Turn:
+class Turn:
     """One request's bookkeeping: ids, timing and the first-token metric."""
 
-    def __init__(self, gw: Gateway, kind: Literal["chat", "completion"], chat: ChatRequest) -> None:
+    def __init__(self, gw: Gateway, kind: Kind, chat: ChatRequest) -> None:
         self.gw = gw
         self.kind = kind
         self.chat = chat
         self.start = time.perf_counter()
         self.created = int(time.time())
-        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + chat.request_id
+        self.id = _ID_PREFIX[kind] + chat.request_id
         self._first = False
 
     def saw(self, reply: ChatReply) -> None:
@@ -91,18 +105,23 @@ async def _serve(request: Request, kind: Literal["chat", "completion"]) -> Respo
     else:
         req = decode(body, CompletionRequest)
         chat = translate.completion_request(req, request_id, key.session_id, cfg)
-    turn = _Turn(gw, kind, chat)
+    turn = Turn(gw, kind, chat)
     headers = {"x-request-id": request_id}
     try:
         if req.stream:
-            return await _stream(request, turn, translate.wants_usage(req), headers)
-        return await _complete(request, turn, headers)
+            chunks = fmt.ChunkStream(kind, turn.id, turn.created, chat.model, translate.wants_usage(req),
+                                     chat.session_id)
+            return await stream(request, turn, chunks, headers)
+        done = await collect(request, turn)
     except ClientGone:
         return Response(status_code=499)  # nobody is listening; uvicorn drops it
+    build = fmt.chat_completion if kind == "chat" else fmt.text_completion
+    return JSON(build(turn.id, turn.created, chat.model, done, chat.session_id), headers=headers)
 
 
-async def _complete(request: Request, turn: _Turn, headers: dict[str, str]) -> Response:
-    async def collect() -> ChatDone:
+async def collect(request: Request, turn: Turn) -> ChatDone:
+    """A non-streamed turn: its ChatDone, or the ApiError its ChatFailed maps to."""
+    async def wait() -> ChatDone:
         async with contextlib.aclosing(turn.gw.chat(turn.chat)) as replies:
             async for reply in replies:
                 turn.saw(reply)
@@ -115,15 +134,15 @@ async def _complete(request: Request, turn: _Turn, headers: dict[str, str]) -> R
 
     # 3.-5. A timeout cancels too: the turn may still be running behind a stalled reply.
     try:
-        done = await unless_disconnected(request, collect(), turn.cancel)
+        return await unless_disconnected(request, wait(), turn.cancel)
     except ReplyTimeout:
         await turn.cancel("timeout")
         raise
-    build = fmt.chat_completion if turn.kind == "chat" else fmt.text_completion
-    return JSON(build(turn.id, turn.created, turn.chat.model, done, turn.chat.session_id), headers=headers)
 
 
-async def _stream(request: Request, turn: _Turn, include_usage: bool, headers: dict[str, str]) -> Response:
+async def stream(request: Request, turn: Turn, chunks: EventFormat, headers: dict[str, str],
+                 on_done: OnDone | None = None) -> Response:
+    """A streamed turn as SSE in `chunks`' format; `on_done` runs before the last events go out."""
     live = _Live(turn)
     try:
         replies = await live.stack.enter_async_context(contextlib.aclosing(turn.gw.chat(turn.chat)))
@@ -140,14 +159,13 @@ async def _stream(request: Request, turn: _Turn, include_usage: bool, headers: d
         live.finished = True
         await live.close()
         raise failed(first)
-    chunks = fmt.ChunkStream(turn.kind, turn.id, turn.created, turn.chat.model, include_usage, turn.chat.session_id)
-    return _SSE(_events(live, chunks, first, replies), live, headers)
+    return _SSE(_events(live, chunks, first, replies, on_done), live, headers)
 
 
 class _Live:
     """An open streamed turn: closed exactly once, cancelling it upstream unless it finished."""
 
-    def __init__(self, turn: _Turn) -> None:
+    def __init__(self, turn: Turn) -> None:
         self.turn = turn
         self.stack = contextlib.AsyncExitStack()
         self.finished = False
@@ -164,8 +182,8 @@ class _Live:
             await self.stack.aclose()
 
 
-async def _events(live: _Live, chunks: fmt.ChunkStream, first: ChatReply,
-                  replies: AsyncIterator[ChatReply]) -> AsyncIterator[bytes]:
+async def _events(live: _Live, chunks: EventFormat, first: ChatReply, replies: AsyncIterator[ChatReply],
+                  on_done: OnDone | None) -> AsyncIterator[bytes]:
     reason: Reason = "disconnect"
     try:
         if start := chunks.start():
@@ -178,6 +196,8 @@ async def _events(live: _Live, chunks: fmt.ChunkStream, first: ChatReply,
                         yield event
                 case ChatDone():
                     live.finished = True
+                    if on_done is not None:
+                        await on_done(reply)
                     for event in chunks.done(reply):
                         yield event
                     return

@@ -14,7 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
-TURN_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+TURN_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 
 
 class Metrics:
@@ -34,7 +34,7 @@ class Metrics:
         self.tokens = Counter("sf_gateway_tokens_total", "Tokens in answered turns", ["type"], registry=r)
         self.cancels = Counter("sf_gateway_cancels_total", "Turns the gateway cancelled upstream",
                                ["reason"], registry=r)  # disconnect | timeout | shutdown | error
-        self.turns = Counter("sf_gateway_turns_total", "Agent turns answered with HTTP 200 (chat and completions)",
+        self.turns = Counter("sf_gateway_turns_total", "Agent turns answered with HTTP 200 (chat, completions, responses)",
                              registry=r)
         self.sessions = Counter("sf_gateway_sessions_total", "Sessions created and finished through this gateway",
                                 ["event"], registry=r)  # created | finished

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from services.gateway import schemas
+from services.gateway.responses_schemas import ResponseCreateRequest
 from services.gateway.config import GatewayConfig
 
 REF = "#/components/schemas/{name}"
@@ -37,7 +38,7 @@ def _answers(ok: str, *errors: int, stream: bool = False) -> dict[str, Any]:
     if stream:
         out["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
     reasons = {400: "invalid request", 401: "missing or wrong API key", 403: "needs a user key",
-               404: "unknown model or session", 409: "session conflict", 413: "body too large",
+               404: "unknown model, session or response", 409: "session conflict", 413: "body too large",
                503: "NATS, Redis or the trajectory manager unavailable", 504: "no answer in time"}
     for status in errors:
         out[str(status)] = {"description": reasons[status],
@@ -46,10 +47,11 @@ def _answers(ok: str, *errors: int, stream: bool = False) -> dict[str, Any]:
 
 
 def document(cfg: GatewayConfig) -> dict[str, Any]:
-    _, components = msgspec.json.schema_components(schemas.AGENT_BODIES + (ErrorResponse,), ref_template=REF)
+    _, components = msgspec.json.schema_components(schemas.AGENT_BODIES + (ResponseCreateRequest, ErrorResponse), ref_template=REF)
     turn = (400, 401, 404, 413, 503, 504)
     session = (400, 401, 404, 409, 413, 503, 504)
     sid = [{"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    rid = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
     return {
         "openapi": "3.1.0",
         "info": {"title": "SeamlessFlow gateway", "version": "1",
@@ -66,6 +68,13 @@ def document(cfg: GatewayConfig) -> dict[str, Any]:
             "/v1/completions": {"post": {
                 "operationId": "createCompletion", "requestBody": _body("CompletionRequest"),
                 "responses": _answers("text_completion, or its chunk events", *turn, stream=True)}},
+            "/v1/responses": {"post": {
+                "operationId": "createResponse", "requestBody": _body("ResponseCreateRequest"),
+                "responses": _answers("response, or the Responses event stream (response.created ... "
+                                      "response.completed)", *turn, stream=True)}},
+            "/v1/responses/{response_id}": {"get": {
+                "operationId": "getResponse", "parameters": rid,
+                "responses": _answers("a stored response", 401, 404, 503)}},
             "/v1/models": {"get": {"operationId": "listModels", "responses": _answers("the served model", 401)}},
             "/v1/sessions": {"post": {
                 "operationId": "createSession", "requestBody": _body("SessionCreate", required=False),

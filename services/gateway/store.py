@@ -1,8 +1,10 @@
-"""API keys in Redis: the only gateway module that touches Redis.
+"""API keys and stored responses in Redis: the only gateway module that touches Redis.
 
 A key is never stored, only its SHA-256: `sf:key:<sha256 hex>` -> JSON
 {"kind": "user"|"session", "session_id": ..., "created": ..., "name": ...}.
 Static user keys from the config are hashed in memory and need no Redis.
+A stored Responses-API response is `sf:resp:<response id>` -> msgpack `StoredResponse`,
+expiring with session keys (responses.py).
 Logs name a key by `key_id` (a short hash prefix), never by the key itself.
 
 Every call has a socket timeout and at most one retry, so a Redis outage turns
@@ -17,7 +19,7 @@ import hashlib
 import logging
 import secrets
 import time
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import redis.asyncio as aioredis
@@ -129,3 +131,34 @@ class KeyStore:
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+RESPONSE_PREFIX = "sf:resp:"
+
+
+class StoredResponse(msgspec.Struct):
+    """A response kept for previous_response_id and GET /v1/responses/{id}."""
+
+    session_id: str  # the session its turn was recorded in: only that session's key may use it
+    turn_id: int
+    conversation: list[dict[str, Any]]  # chat messages after `instructions`: its inputs so far and its reply
+    response: dict[str, Any]  # the Response object, as the agent got it
+
+
+_stored = msgspec.msgpack.Decoder(StoredResponse)
+
+
+class ResponseStore:
+    """Stored responses, on the key store's Redis client (same timeouts, same 503 on an outage)."""
+
+    def __init__(self, keys: KeyStore, ttl: int) -> None:
+        self.keys = keys
+        self.ttl = ttl
+
+    async def put(self, response_id: str, record: StoredResponse) -> None:
+        await self.keys._call("response store", self.keys.redis.set(
+            RESPONSE_PREFIX + response_id, msgspec.msgpack.encode(record), ex=self.ttl or None))
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        raw = await self.keys._call("response lookup", self.keys.redis.get(RESPONSE_PREFIX + response_id))
+        return None if raw is None else _stored.decode(raw)
