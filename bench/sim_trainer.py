@@ -10,8 +10,11 @@ store, announced on sf.weights.published, garbage-collected) and the audit log. 
 `TrainEngine`. `train_step` sleeps `s_per_token` x every non-pad token of the batch (prompt
 and generated, as services/scheduler/sim.py charges a trained token); `save_hf` hard-links
 the starting checkpoint's files into the version directory (the weights never change);
-checkpoints are a JSON file of the client state. Each step appends {step, ts, compute_s,
-tokens_all, tokens_loss, samples} to --log, so a benchmark can read the trained tokens.
+checkpoints are a JSON file of the client state (written to a temp file, then renamed), and a
+restart resumes from it as the real trainer resumes from its DeepSpeed checkpoint: the fault
+suite (tests/faults) kills this trainer and checks that every trajectory trains exactly once.
+Each step appends {step, ts, compute_s, tokens_all, tokens_loss, samples} to --log, so a
+benchmark can read the trained tokens.
 
 Default cost: the tiny model's measured DeepSpeed ZeRO-0 step, 17,123 tok/s (BENCHMARKS.md),
 the cost CALIBRATIONS["live-mini"] uses.
@@ -78,12 +81,21 @@ class SleepEngine:
 
     def save_checkpoint(self, root: str | Path, client_state: dict) -> str:
         tag = f"step-{self.steps:08d}"
-        Path(root).mkdir(parents=True, exist_ok=True)
-        (Path(root) / "client_state.json").write_text(json.dumps(client_state))
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / "client_state.json.tmp"  # a kill mid-write leaves the previous checkpoint whole
+        tmp.write_text(json.dumps({"steps": self.steps, "client_state": client_state}))
+        os.replace(tmp, root / "client_state.json")
         return tag
 
     def load_checkpoint(self, root: str | Path) -> dict | None:
-        return None  # each benchmark run starts fresh
+        """The client state of the last checkpoint under `root` (None: start fresh)."""
+        path = Path(root) / "client_state.json"
+        if not path.exists():
+            return None
+        saved = json.loads(path.read_text())
+        self.steps = int(saved["steps"])
+        return saved["client_state"]
 
     def offload(self) -> dict[str, float]:
         self.offloaded = True
@@ -114,10 +126,14 @@ def main() -> int:
     from services.trainer.service import TrainerService
 
     log.warning("SIMULATED trainer (no model trains): %.3g s per token", a.s_per_token)
-    runner = Runner(SleepEngine(cfg, a.s_per_token, a.log), cfg.checkpoint_dir)  # type: ignore[arg-type]
+    engine = SleepEngine(cfg, a.s_per_token, a.log)
+    resume = engine.load_checkpoint(cfg.checkpoint_dir)
+    if resume is not None:
+        log.info("resumed from %s at step %s (version %s)", cfg.checkpoint_dir, resume.get("step"), resume.get("version"))
+    runner = Runner(engine, cfg.checkpoint_dir)  # type: ignore[arg-type]
     vocab = AutoConfig.from_pretrained(cfg.model_dir).vocab_size
 
-    return run_until_signalled(TrainerService(cfg, conn, runner, None, vocab).run)
+    return run_until_signalled(TrainerService(cfg, conn, runner, resume, vocab).run)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from contextlib import AsyncExitStack, aclosing
 
@@ -57,6 +58,7 @@ class RolloutService:
         self.conn = conn
         self.engine = engine or Engine(cfg)
         self.model = served_name(cfg)
+        self.instance = secrets.token_hex(6)  # WorkerStatus.instance: this process, not its worker id
         self.nc: NATS | None = None
         self.tasks: dict[str, asyncio.Task] = {}  # request_id -> its generate task
         self.generated_tokens = 0
@@ -137,6 +139,7 @@ class RolloutService:
             host=self.cfg.host,
             generated_tokens=self.generated_tokens,
             lent_until=self.lent_until,
+            instance=self.instance,
         )
 
     async def _publish_status(self) -> None:

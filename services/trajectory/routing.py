@@ -71,6 +71,17 @@ class WorkerTable(WorkerHeartbeats):
             self.rates[status.worker_id] = rate if old is None else RATE_EWMA * rate + (1 - RATE_EWMA) * old
         super().update(status)
 
+    def instance(self, worker: str) -> str:
+        """The process id (WorkerStatus.instance) `worker` last reported; "" if unknown."""
+        s = self.get(worker)
+        return s.instance if s is not None else ""
+
+    def same_process(self, worker: str, instance: str, now: float) -> bool:
+        """Is `worker` alive and still the process `instance`? A worker restarted under the same id
+        beats as fresh as ever, but the streams its predecessor served are gone."""
+        s = self.get(worker)
+        return self.is_alive(worker, now) and (not instance or s is None or s.instance == instance)
+
     def load(self, s: WorkerStatus) -> float:
         # the heartbeat's count already includes some of ours: take the larger, not the sum
         return max(s.running, self.inflight[s.worker_id]) / max(s.capacity, 1)

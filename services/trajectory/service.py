@@ -71,7 +71,7 @@ class TrajectoryService:
 
     async def run(self, quit: asyncio.Event, ready: asyncio.Event | None = None) -> None:
         async with AsyncExitStack() as stack:
-            renderer = await asyncio.to_thread(Renderer.from_pretrained, self.cfg.model)
+            renderer = await asyncio.to_thread(Renderer.from_pretrained, self.cfg.model, self.cfg.full_render_check)
             self.nc = await bus.connect(self.conn, name="sf-trajectory")
             stack.push_async_callback(bus.wait_closed, self.nc)
             js = self.nc.jetstream()
@@ -203,11 +203,13 @@ class TrajectoryService:
         """Stream one Generate to `worker`. A worker that vanishes counts as a preemption."""
         self.table.inflight[worker] += 1
         finished = timed_out = False
+        instance = self.table.instance(worker)
         try:
             async with bus.stream_request(
                 self.nc, subjects.rollout_gen(worker), encode(cmd),
                 self.cfg.first_token_timeout, self.cfg.token_timeout,
-                alive=lambda: self.table.is_alive(worker, time.time()),  # a dead worker: by heartbeat age
+                # a dead worker: by heartbeat age, or by a new process under its id (a supervisor restarted it)
+                alive=lambda: self.table.same_process(worker, instance, time.time()),
             ) as replies:
                 async for data in replies:
                     # a turn that fell behind its worker takes what has arrived in one go

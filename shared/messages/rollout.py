@@ -92,6 +92,9 @@ class WorkerStatus(msgspec.Struct, tag=True, omit_defaults=True):
     host: str = ""
     generated_tokens: int = 0
     lent_until: float = 0.0  # wall clock: when the scheduler expects to reclaim this worker (0 = not lent)
+    # a random id of this worker process: a worker restarted under the same worker_id has a new one, so a
+    # stream its dead predecessor was serving is noticed at once (its heartbeats look fresh otherwise)
+    instance: str = ""
 
 
 RolloutOp = Literal["abort", "vacate", "resume", "load", "sleep", "wake"]

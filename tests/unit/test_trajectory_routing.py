@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from services.trajectory.routing import PREFER_OTHER_WORKER_S, Picker, WorkerTable
 from shared.messages import WorkerStatus
 
@@ -96,3 +98,15 @@ def test_a_lent_worker_gets_only_requests_predicted_to_end_before_its_reclaim():
     h.record("g2", 50)
     h.record("g3", 10)
     assert h.expected("g1") == h.expected(None) == 400  # g1 forgotten (bounded): all recent replies
+
+
+def test_a_worker_restarted_under_the_same_id_is_another_process():
+    # found by tests/faults: a supervisor restarts a SIGKILLed worker with the same id within a second,
+    # its fresh heartbeats kept the dead process's streams "alive" until the 60 s token timeout
+    t = WorkerTable(stale_after=5.0)
+    t.update(msgspec.structs.replace(_status("w0", ts=100.0), instance="a"))
+    assert t.instance("w0") == "a" and t.same_process("w0", "a", 101.0)
+    t.update(msgspec.structs.replace(_status("w0", ts=102.0), instance="b"))  # restarted: a new process
+    assert not t.same_process("w0", "a", 102.5) and t.same_process("w0", "b", 102.5)
+    assert not t.same_process("w0", "b", 108.0)  # and a stale heartbeat is still a dead worker
+    assert t.same_process("w0", "", 102.5) and t.instance("w9") == ""  # unknown: by heartbeat age only

@@ -1,0 +1,184 @@
+"""The fault suite's stack: the real services, each a process, with SIMULATED engines.
+
+Real: nats-server (JetStream file store) and redis-server (AOF on), owned by this stack so
+that a case may kill and restart them; the gateway; two trajectory replicas. SIMULATED,
+because vLLM and DeepSpeed are not what these cases test (and start in seconds instead of
+minutes): the rollout workers are the real RolloutService around bench/simulated_engine.py's
+calibrated stand-in, the trainer is the real TrainerService (consumer, ledger, audit log,
+checkpoints, weight publishing) around bench/sim_trainer.py's engine that trains nothing.
+
+`seamlessflow/stack.py` does the launching (spawn, respawn, tiered stop, process groups);
+this module only chooses the commands and adds the fault helpers: kill, restart, pause, and
+the `Fault` window each injection records for the invariant checker (invariants.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from seamlessflow import servers
+from seamlessflow.stack import Proc, Stack, StackOptions
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# One GRPO "group" per session and one group per step: every finished session is trained
+# without waiting for its group mates (a session a fault ended early would leave its group
+# incomplete until the 900 s group timeout). A version every 2 steps; a checkpoint every 2.
+TRAINER = {"group_size": 1, "groups_per_step": 1, "publish_every": 2, "checkpoint_every": 2,
+           "keep_versions": 2, "fetch_timeout": 0.5, "metrics_port": 0, "tensorboard_dir": ""}
+# A slow simulated engine (20 ms per step, ~1 token per 20 ms): a turn generates for a while,
+# so a fault lands mid-generation, and the workers leave the CPU to the control plane.
+ENGINE = ["--capacity", "16", "--step-ms", "20", "--per-seq-ms", "0.5", "--follow-weights"]
+
+
+@dataclass
+class Fault:
+    """One injected fault: from its injection (t0) to the moment the system was whole again
+    (t1: the process restarted and ready). Wall-clock seconds, as the agents' calls record."""
+
+    name: str
+    t0: float
+    t1: float = float("inf")
+    unreachable: bool = False  # the gateway itself was down: a refused connection is the answer
+
+
+class FaultStack:
+    def __init__(self, tmp: Path, model: Path, extra_env: dict[str, str] | None = None, **opts):
+        env = {f"SF_TRAINER_{k.upper()}": str(v) for k, v in TRAINER.items()}
+        env |= {"SF_TRAINER_AUDIT_LOG": str(tmp / "trainer" / "trained.jsonl"), "SF_LOG_LEVEL": "INFO"}
+        env |= extra_env or {}
+        self.opts = StackOptions(
+            model=model, data_dir=tmp, workers=0, trajectory_replicas=2, gateway_port=servers.free_port(),
+            admin_port=servers.free_port(), nats_port=servers.free_port(), redis_port=servers.free_port(),
+            max_model_len=512, ready_timeout=120, extra_env=env, **opts)
+        self.stack = Stack(self.opts)
+        self.model = model
+        self.faults: list[Fault] = []
+
+    # -- the stack -------------------------------------------------------------------------------
+
+    def start(self, workers: int = 2, trainer: bool = True) -> "FaultStack":
+        self.stack.start()
+        try:
+            procs = [self.spawn_worker(f"rollout-{i}") for i in range(workers)]
+            if trainer:
+                procs.append(self.spawn_trainer())
+            for p in procs:
+                self.stack.wait_ready(p)
+        except BaseException:
+            self.stack.stop(timeout=10)
+            raise
+        return self
+
+    def stop(self) -> None:
+        for p in self.stack.procs:  # a paused process would sit out its SIGTERM
+            _signal(p, signal.SIGCONT)
+        self.stack.stop(timeout=10)
+
+    def spawn_worker(self, name: str) -> Proc:
+        argv = [sys.executable, str(ROOT / "bench" / "simulated_engine.py"), "--worker-id", name,
+                "--model", str(self.model), *ENGINE]
+        return self.stack.spawn(name, argv, ready=f"rollout worker {name} ready")
+
+    def spawn_trainer(self) -> Proc:
+        data = self.stack.data / "trainer"
+        argv = [sys.executable, str(ROOT / "bench" / "sim_trainer.py"), "--model", str(self.model),
+                "--checkpoint-dir", str(data / "checkpoints"), "--weights-dir", str(self.stack.weights_dir)]
+        return self.stack.spawn("trainer", argv, ready="trainer ready")
+
+    @property
+    def gateway_url(self) -> str:
+        return self.stack.gateway_url
+
+    @property
+    def api_key(self) -> str:
+        return self.stack.api_key
+
+    @property
+    def audit_log(self) -> Path:
+        return self.stack.data / "trainer" / "trained.jsonl"
+
+    def log(self, name: str) -> str:
+        return (self.stack.logs / f"{name}.log").read_text(errors="replace")
+
+    def proc(self, name: str) -> Proc:
+        return next(p for p in self.stack.procs if p.name == name)
+
+    # -- faults ----------------------------------------------------------------------------------
+
+    def begin(self, name: str, unreachable: bool = False) -> Fault:
+        fault = Fault(name, time.time(), unreachable=unreachable)
+        self.faults.append(fault)
+        return fault
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> Proc:
+        """Send `sig` to a service's process group and wait for it to exit (10 s)."""
+        p = self.proc(name)
+        _signal(p, sig)
+        p.popen.wait(10)
+        return p
+
+    def restart(self, p: Proc) -> Proc:
+        """Start an exited service again with the same command and environment, and wait until
+        it is ready (its ready line, or its port for NATS and Redis)."""
+        new = self.stack.respawn(p)
+        if new.port:
+            servers.wait_port(new.port, new.popen, new.name)
+        else:
+            self.stack.wait_ready(new)
+        return new
+
+    def kill_and_restart(self, name: str, sig: int = signal.SIGKILL, down_s: float = 0.0,
+                         unreachable: bool = False) -> Fault:
+        fault = self.begin(f"{signal.Signals(sig).name} {name}", unreachable)
+        p = self.kill(name, sig)
+        time.sleep(down_s)
+        self.restart(p)
+        fault.t1 = time.time()
+        return fault
+
+    def pause(self, name: str, seconds: float) -> Fault:
+        """SIGSTOP a service for `seconds`, then SIGCONT: alive, but silent meanwhile."""
+        fault = self.begin(f"SIGSTOP {name} {seconds:g}s")
+        p = self.proc(name)
+        _signal(p, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            _signal(p, signal.SIGCONT)
+        fault.t1 = time.time()
+        return fault
+
+    # -- the trainer's record ----------------------------------------------------------------------
+
+    def audit(self) -> list[dict]:
+        from services.trainer.audit import read
+
+        return read(self.audit_log) if self.audit_log.exists() else []
+
+
+def wait_for(cond: Callable[[], object], timeout: float, what: str, every: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := cond():
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def stack_json(stack: FaultStack) -> dict:
+    return json.loads((stack.stack.data / "stack.json").read_text())
+
+
+def _signal(p: Proc, sig: int) -> None:
+    try:
+        os.killpg(p.popen.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
