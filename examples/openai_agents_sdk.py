@@ -3,16 +3,17 @@ unchanged: a framework nobody here wrote, whose turns still become token-exact t
 
     SF_BASE_URL=http://127.0.0.1:8000/v1 SF_API_KEY=<key> .venv/bin/python examples/openai_agents_sdk.py
 
-The SDK's default model class speaks the Responses API, which the gateway does not serve yet
-(/v1/responses); `OpenAIChatCompletionsModel` speaks chat completions, which it does.
+The agent uses the SDK's default model class, which speaks the Responses API (/v1/responses);
+only the client's base_url and api_key point elsewhere. (`OpenAIChatCompletionsModel`, which
+speaks chat completions, works as well.)
 """
 
 import asyncio
 import os
 
 import httpx
-from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
-from agents.exceptions import MaxTurnsExceeded
+from agents import Agent, ModelSettings, Runner, function_tool, set_default_openai_client, set_tracing_disabled
+from agents.exceptions import MaxTurnsExceeded, ModelBehaviorError
 from openai import AsyncOpenAI
 
 base = os.environ.get("SF_BASE_URL", "http://127.0.0.1:8000/v1")
@@ -29,13 +30,15 @@ def calculator(a: float, b: float, op: str) -> str:
 async def main() -> None:
     session = httpx.post(f"{base}/sessions", headers=user, json={"group_id": "agents-sdk"}).json()
     client = AsyncOpenAI(base_url=base, api_key=session["api_key"])
+    set_default_openai_client(client, use_for_tracing=False)
     name = (await client.models.list()).data[0].id
     agent = Agent(name="calc", instructions="Use the calculator tool, then answer with the number only.",
-                  model=OpenAIChatCompletionsModel(model=name, openai_client=client),
-                  model_settings=ModelSettings(max_tokens=48), tools=[calculator])
+                  model=name, model_settings=ModelSettings(max_tokens=48), tools=[calculator])
     try:
         answer = str((await Runner.run(agent, "What is 17 * 23?", max_turns=3)).final_output).strip()
     except MaxTurnsExceeded:  # a small untrained model may keep calling tools
+        answer = ""
+    except ModelBehaviorError:  # ... or run out of max_tokens: the SDK refuses an incomplete response
         answer = ""
     reward = 1.0 if answer == "391" else 0.0
     httpx.post(f"{base}/sessions/{session['id']}/finish", headers=user, json={"reward": reward}).raise_for_status()

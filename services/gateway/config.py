@@ -37,7 +37,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_context: int = 2048  # quick check only; the trajectory manager does the exact one
     redis_timeout: float = 2.0  # socket timeout per Redis call, so an outage answers 503 fast
     key_cache_seconds: float = 2.0  # a key found in Redis is trusted this long without asking again (0: never)
-    session_key_ttl: int = 7 * 24 * 3600  # seconds a session API key stays valid
+    session_key_ttl: int = 7 * 24 * 3600  # seconds a session API key (and a stored response) stays valid
     # the status page (/ui) shows the trainer's reward and staleness from its Prometheus metrics
     # (SF_TRAINER_METRICS_PORT, 9401 by default); "" = don't scrape
     trainer_metrics_url: str = "http://127.0.0.1:9401/metrics"
