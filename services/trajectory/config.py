@@ -26,3 +26,6 @@ class TrajectoryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # (the publication goes on in the background); below the gateway's session timeout
     publish_wait: float = 5.0
     fill_poll: float = 1.0  # seconds between readings of the stream's fill, trims and sweeps of pending finishes
+    # render the whole history through the chat template at every turn too, and use it (the default
+    # checks each shape of conversation once, then renders only the end of the history)
+    full_render_check: bool = False

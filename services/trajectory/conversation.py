@@ -3,6 +3,16 @@
 A turn is found again by the key of the messages that led to it plus the reply
 the agent received. Keys ignore what agents are free to change without changing
 meaning: tool-call ids, JSON spacing in tool arguments, `null` versus "" content.
+
+Keys are chained: the key after message i is a hash of the key after message i-1 and
+message i (the first link hashes the tools), so the key of turn n is a hash of the key of
+turn n-1 and what turn n added, and extending a known key costs only the new messages.
+
+`raw_digest` is the other way to know a conversation again: a hash of the exact encoded
+bytes, at C speed, with no canonical form. The trajectory manager remembers, per turn, the
+raw digest of the request that made it (store.py: alias), so the next request, which resends
+those messages unchanged before the reply and the new ones, finds the turn without walking
+its history. Whatever the raw digest misses, the canonical keys still find.
 """
 
 from __future__ import annotations
@@ -10,6 +20,11 @@ from __future__ import annotations
 import hashlib
 import json
 from typing import Any
+
+import msgspec
+
+_CHAIN_SEED = b"sf-conversation-key-2\n"
+_raw = msgspec.msgpack.Encoder()
 
 
 def text_of(content: Any) -> str:
@@ -52,11 +67,54 @@ def for_template(message: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _link(key: str, payload: Any) -> str:
+    body = json.dumps(payload, sort_keys=True).encode()
+    return hashlib.sha256(key.encode() + b"\n" + body).hexdigest()[:32]
+
+
+def chain_start(tools: list[dict[str, Any]]) -> str:
+    """The key of an empty conversation with these tools."""
+    return _link(_CHAIN_SEED.decode(), tools)
+
+
+def extend_key(key: str, messages: list[dict[str, Any]]) -> str:
+    """The key of (the conversation `key` names) + `messages`: work in the new messages only."""
+    for m in messages:
+        key = _link(key, canonical(m))
+    return key
+
+
 def conversation_key(tools: list[dict[str, Any]], messages: list[dict[str, Any]]) -> str:
-    body = json.dumps({"tools": tools, "messages": [canonical(m) for m in messages]}, sort_keys=True)
-    return hashlib.sha256(body.encode()).hexdigest()[:32]
+    return extend_key(chain_start(tools), messages)
+
+
+def prefix_keys(tools: list[dict[str, Any]], messages: list[dict[str, Any]], ks: list[int]) -> dict[int, str]:
+    """conversation_key(tools, messages[:k]) for each k in `ks`, and for len(messages), in one pass."""
+    want = set(ks)
+    out: dict[int, str] = {}
+    key = chain_start(tools)
+    for k, m in enumerate(messages, 1):
+        key = _link(key, canonical(m))
+        if k in want:
+            out[k] = key
+    out[len(messages)] = key
+    return out
+
+
+def raw_digest(tools: list[dict[str, Any]], messages: list[dict[str, Any]]) -> str:
+    """A hash of the exact messages as sent (key order, ids and spacing included)."""
+    return hashlib.sha256(_raw.encode((tools, messages))).hexdigest()[:32]
 
 
 def candidate_prefixes(messages: list[dict[str, Any]]) -> list[int]:
     """Lengths k, longest first, where messages[:k] ends with an assistant turn that may be stored."""
     return [k for k in range(len(messages) - 1, 0, -1) if messages[k - 1].get("role") == "assistant"]
+
+
+def last_reply(messages: list[dict[str, Any]]) -> int:
+    """The longest candidate prefix (0 if none), looking back only as far as the last assistant
+    message: what a request that extends its previous turn adds."""
+    for k in range(len(messages) - 1, 0, -1):
+        if messages[k - 1].get("role") == "assistant":
+            return k
+    return 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.trajectory import toolcalls
-from services.trajectory.conversation import conversation_key
+from services.trajectory.conversation import conversation_key, extend_key
 from services.trajectory.generation import Generated
 from services.trajectory.turns import Turn
 from shared.messages import ChatDone, ChatRequest, TokenLogprob, Usage
@@ -28,6 +28,8 @@ class Prompt:
     new_ids: list[int]  # the part this turn adds after its parent's tokens
     parent: int
     new_messages: list[dict[str, Any]]
+    request_key: str = ""  # conversation key of the request's messages ("": hash them all when needed)
+    raw: str = ""  # raw digest of the request's messages: the next request finds the turn by it
 
 
 def reply_message(content: str, calls: list) -> dict[str, Any]:
@@ -49,6 +51,13 @@ def versions_of(gen: Generated) -> list[int]:
     return out
 
 
+def turn_key(req: ChatRequest, prompt: Prompt, reply: dict[str, Any]) -> str:
+    """The conversation key of the request's messages plus the reply (chained: only the reply is hashed)."""
+    if prompt.request_key:
+        return extend_key(prompt.request_key, [reply])
+    return conversation_key(req.tools, req.messages + [reply])
+
+
 def record(req: ChatRequest, session_id: str, turn_id: int, prompt: Prompt, gen: Generated, text: str,
            token_texts: TokenTexts, created: float) -> tuple[Turn, ChatDone]:
     """`text` is the generated text the agent may see (cut before a stop string)."""
@@ -63,7 +72,7 @@ def record(req: ChatRequest, session_id: str, turn_id: int, prompt: Prompt, gen:
         finish_reason=gen.finish_reason,
         request_id=rid,
         created=created,
-        key=conversation_key(req.tools, req.messages + [reply]) if req.kind == "chat" else "",
+        key=turn_key(req, prompt, reply) if req.kind == "chat" else "",
         messages=prompt.new_messages,
         reply=reply if req.kind == "chat" else {"role": "assistant", "content": text},
     )

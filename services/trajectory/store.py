@@ -5,6 +5,10 @@ Keys (all expire `session_ttl` seconds after the session's last write):
                               finished_at, worker (sticky rollout worker), anonymous
     sf:s:{sid}:turns    hash  turn_id -> msgpack Turn
     sf:s:{sid}:idx      hash  conversation key -> turn_id
+    sf:s:{sid}:path     hash  turn_id -> msgpack [token ids]: the whole token path of a leaf turn (a cache:
+                              a turn's entry goes when a turn extends it; without it the path is walked)
+    sf:s:{sid}:alias    hash  raw digest of a turn's request messages -> "turn_id request-key turn-key":
+                              how the next request finds the turn without hashing the whole history
     sf:s:{sid}:seq      int   last turn id handed out
     sf:open             zset  open (agent-created) session ids by creation time: admission control
     sf:req:{rid}        string msgpack InFlight: a running request's prompt (partial-rollout state)
@@ -51,6 +55,8 @@ class InFlight(msgspec.Struct, array_like=True):
     new_ids: list[int]
     parent: int
     new_messages: list[dict[str, Any]]
+    request_key: str = ""  # conversation key of the request's messages ("": recompute)
+    raw: str = ""  # raw digest of the request's messages (conversation.raw_digest)
 
 
 class DeltaRecord(msgspec.Struct, array_like=True):
@@ -59,6 +65,30 @@ class DeltaRecord(msgspec.Struct, array_like=True):
     version: int
     token_ids: list[int]
     logprobs: list[float]
+
+
+_ids_dec = msgspec.msgpack.Decoder(list[int])
+
+
+class Alias(msgspec.Struct, frozen=True):
+    """What the raw digest of a turn's request messages leads to (conversation.raw_digest)."""
+
+    turn_id: int
+    request_key: str  # conversation key of the request's messages
+    turn_key: str  # ... and of them plus the reply: the turn's own key
+
+    def encode(self) -> str:
+        return f"{self.turn_id} {self.request_key} {self.turn_key}"
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "Alias":
+        tid, request_key, turn_key = raw.decode().split(" ")
+        return cls(int(tid), request_key, turn_key)
+
+
+class Followed(msgspec.Struct):
+    alias: Alias
+    path_ids: list[int] | None  # None: not cached (a branch point); walk the turns
 
 
 _inflight_dec = msgspec.msgpack.Decoder(InFlight)
@@ -123,6 +153,13 @@ if st == 'finishing' then return {'finishing', redis.call('GET', KEYS[2]) or ''}
 return {st, ''}
 """
 
+# the alias of a raw digest, and the cached token path of the turn it names
+_FOLLOW = """
+local a = redis.call('HGET', KEYS[1], ARGV[1])
+if not a then return false end
+return {a, redis.call('HGET', KEYS[2], string.match(a, '^(%S+)')) or false}
+"""
+
 # take a lapsed lease, or renew one's own
 _CLAIM = """
 local holder = redis.call('GET', KEYS[1])
@@ -137,12 +174,14 @@ return 0
 """
 
 FINISHING = "sf:finishing"
+SESSION_PARTS = ("", "turns", "idx", "seq", "path", "alias")  # a session's keys, which expire together
 
 
 class Store:
     def __init__(self, client: aioredis.Redis, ttl: int):
         self.r = client
         self.ttl = ttl
+        self._follow = client.register_script(_FOLLOW)
 
     @classmethod
     def connect(cls, url: str, ttl: int) -> "Store":
@@ -205,6 +244,19 @@ class Store:
         return _meta(sid, await self.r.hgetall(_k(sid)))
 
 
+    async def follow(self, sid: str, raw: str) -> Followed | None:
+        """The turn whose request messages had raw digest `raw`, with its cached token path."""
+        found = await self._follow(keys=[_k(sid, "alias"), _k(sid, "path")], args=[raw])
+        if not found:
+            return None
+        alias, ids = found
+        return Followed(Alias.decode(alias), _ids_dec.decode(ids) if ids else None)
+
+    async def path_ids(self, sid: str, tid: int) -> list[int] | None:
+        """The cached token path of a leaf turn (None: walk the turns)."""
+        raw = await self.r.hget(_k(sid, "path"), str(tid))
+        return _ids_dec.decode(raw) if raw else None
+
     async def turns(self, sid: str) -> dict[int, Turn]:
         raw = await self.r.hgetall(_k(sid, "turns"))
         return {int(k): _turn_dec.decode(v) for k, v in raw.items()}
@@ -265,11 +317,19 @@ class Store:
 
     # -- turns -------------------------------------------------------------------------------------
 
-    async def save_turn(self, sid: str, turn: Turn, worker: str, result: bytes = b"") -> None:
+    async def save_turn(self, sid: str, turn: Turn, worker: str, result: bytes = b"",
+                        path_ids: list[int] | None = None, alias: tuple[str, Alias] | None = None) -> None:
         """The turn, its index entry, the request's result (for a retried request) and the end
-        of its partial state: all or nothing."""
+        of its partial state: all or nothing. `path_ids` (the turn's whole token path) replaces
+        its parent's cached path; `alias` is (raw digest of the request messages, what it names)."""
         rid = turn.request_id
         async with self.r.pipeline(transaction=True) as p:
+            if path_ids is not None:
+                p.hset(_k(sid, "path"), str(turn.turn_id), _turn_enc.encode(path_ids))
+                if turn.parent >= 0:
+                    p.hdel(_k(sid, "path"), str(turn.parent))
+            if alias is not None:
+                p.hset(_k(sid, "alias"), alias[0], alias[1].encode())
             p.delete(f"sf:req:{rid}", f"sf:req:{rid}:deltas", f"sf:req:{rid}:owner")
             if result:
                 p.set(f"sf:done:{rid}", result, ex=REQUEST_TTL)
@@ -277,7 +337,7 @@ class Store:
             if turn.key:
                 p.hset(_k(sid, "idx"), turn.key, str(turn.turn_id))
             p.hset(_k(sid), "worker", worker)
-            for part in ("", "turns", "idx", "seq"):
+            for part in SESSION_PARTS:
                 p.expire(_k(sid, part), self.ttl)
             await p.execute()
 
@@ -327,7 +387,7 @@ class Store:
             p.zrem(OPEN, sid)
             p.zrem(FINISHING, sid)
             p.delete(_k(sid, "event"), f"sf:fin:{sid}:owner")
-            for part in ("", "turns", "idx", "seq"):
+            for part in SESSION_PARTS:
                 p.expire(_k(sid, part), self.ttl)
             await p.execute()
 

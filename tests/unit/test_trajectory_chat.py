@@ -87,7 +87,7 @@ class FakeStore:
             d.pop(rid, None)
         return True
 
-    async def save_turn(self, sid, turn, worker, result=b""):
+    async def save_turn(self, sid, turn, worker, result=b"", **caches):
         self.saved.append((sid, turn, worker))
         self.done_[turn.request_id] = result
         for d in (self.requests, self.deltas, self.owners):
@@ -237,3 +237,77 @@ async def test_unknown_session_is_404_and_finished_session_is_409(renderer):
     with pytest.raises(chat.TurnError) as e:
         await run(h, request("r6", sid))
     assert e.value.status == 409
+
+
+class TreeStore(FakeStore):
+    """FakeStore that also keeps the prefix tree: turns, conversation keys, aliases, cached paths."""
+
+    def __init__(self):
+        super().__init__()
+        self.turns_: dict[int, object] = {}
+        self.idx: dict[str, int] = {}
+        self.alias: dict[str, object] = {}
+        self.paths: dict[int, list[int]] = {}
+        self.followed = 0
+
+    async def find_turn(self, sid, keys):
+        return next(((k, self.idx[k]) for k in keys if k in self.idx), None)
+
+    async def turns(self, sid):
+        return dict(self.turns_)
+
+    async def follow(self, sid, raw):
+        from services.trajectory.store import Followed
+
+        if raw not in self.alias:
+            return None
+        self.followed += 1
+        alias = self.alias[raw]
+        return Followed(alias, self.paths.get(alias.turn_id))
+
+    async def path_ids(self, sid, tid):
+        return self.paths.get(tid)
+
+    async def save_turn(self, sid, turn, worker, result=b"", path_ids=None, alias=None):
+        await super().save_turn(sid, turn, worker, result)
+        self.turns_[turn.turn_id] = turn
+        self.idx[turn.key] = turn.turn_id
+        if path_ids is not None:
+            self.paths[turn.turn_id] = path_ids
+            self.paths.pop(turn.parent, None)
+        if alias is not None:
+            self.alias[alias[0]] = alias[1]
+
+
+async def test_each_turn_extends_the_last_one_by_what_it_adds(renderer):
+    from services.trajectory.turns import path, sample
+
+    store = TreeStore()
+    sid = await store.create_session()
+    msgs = [{"role": "system", "content": "be brief"}]
+    for t in range(4):
+        msgs.append({"role": "user", "content": f"step {t}"})
+        calls: list = []
+        h = TurnHandler(TrajectoryConfig(worker_wait=2), store, renderer, table(),
+                        worker(renderer, f"ok {t}", calls=calls))
+        req = ChatRequest(f"r{t}", sid, "chat", "m", Sampling(max_tokens=64, temperature=0.0), messages=list(msgs))
+        done, _ = await run(h, req)
+        # the prompt is the stored path plus the continuation: what a full render gives for canonical tokens
+        assert calls[0].prompt_ids == renderer.prompt(msgs, [])
+        msgs.append({"role": "assistant", "content": done.text, "refusal": None})  # as an SDK echoes it
+    turns = await store.turns(sid)
+    assert [t.parent for t in turns.values()] == [-1, 0, 1, 2]
+    assert store.followed == 3 and list(store.paths) == [3]  # found by raw digest; only the leaf's path kept
+    assert sample(path(turns, 3)).token_ids == store.paths[3]
+    # an agent that re-serializes its messages (other key order, no extra fields) misses the raw digest;
+    # the conversation keys still find the turn
+    reordered = [{"content": m["content"], "role": m["role"]} for m in msgs] + [{"role": "user", "content": "more"}]
+    await run(TurnHandler(TrajectoryConfig(worker_wait=2), store, renderer, table(), worker(renderer, "y")),
+              ChatRequest("r8", sid, "chat", "m", Sampling(max_tokens=64, temperature=0.0), messages=reordered))
+    assert store.turns_[4].parent == 3 and store.followed == 3
+    # an agent that rewrites an old message is not the same conversation: a new root
+    msgs[1] = {"role": "user", "content": "step 0, edited"}
+    msgs.append({"role": "user", "content": "again"})
+    await run(TurnHandler(TrajectoryConfig(worker_wait=2), store, renderer, table(), worker(renderer, "x")),
+              ChatRequest("r9", sid, "chat", "m", Sampling(max_tokens=64, temperature=0.0), messages=msgs))
+    assert store.turns_[5].parent == -1

@@ -65,3 +65,61 @@ def test_incremental_text_streams_bytes_that_never_form_a_character(renderer):
     pieces = [inc.add(lone) for _ in range(8)] + [inc.add(renderer.encode("ok"))]
     assert "".join(pieces).endswith("ok")
     assert sum(len(p) for p in pieces[:8]) >= 5  # streamed before the reply ended
+
+
+def conversation(turns: int, system: bool = True, tools: bool = False) -> list[dict]:
+    msgs = [{"role": "system", "content": "be brief"}] if system else []
+    for t in range(turns):
+        msgs.append({"role": "user", "content": f"step {t}"})
+        if tools and t % 2:
+            msgs.append({"role": "assistant", "content": "",
+                         "tool_calls": [{"id": f"c{t}", "type": "function",
+                                         "function": {"name": "f", "arguments": "{\"x\": 1}"}}]})
+            msgs.append({"role": "tool", "tool_call_id": f"c{t}", "content": "42"})
+        msgs.append({"role": "assistant", "content": f"done {t}"})
+    return msgs
+
+
+@pytest.mark.parametrize("system,tools", [(True, False), (False, False), (True, True)])
+def test_the_short_history_adds_what_the_whole_history_adds(renderer, system, tools):
+    from services.trajectory.rendering import short_history
+
+    spec = [{"type": "function", "function": {"name": "f", "parameters": {}}}] if tools else []
+    for n in range(1, 7):
+        history = conversation(n, system, tools)
+        new = [{"role": "user", "content": "next"}]
+        assert len(short_history(history)) <= 4 + system
+        full = renderer._added_by_full(history, new, spec)
+        assert full is not None and renderer._added_by_full(short_history(history), new, spec) == full
+        assert renderer.continuation(history, new, spec, True) == renderer.encode(full)
+
+
+def test_a_template_that_depends_on_more_than_the_end_is_rendered_whole(tiny_model):
+    """A template that numbers its messages adds different text after a short history: the first
+    check finds it, and that shape of conversation is rendered whole from then on."""
+    numbering = Renderer.from_pretrained(str(tiny_model))
+    numbering.tok.chat_template = ("{% for m in messages %}[{{ loop.index }}]{{ m.role }}: {{ m.content }}"
+                                   "{{ eos_token if m.role == 'assistant' else '' }}\n{% endfor %}"
+                                   "{% if add_generation_prompt %}[{{ messages | length + 1 }}]assistant: {% endif %}")
+    history, new = conversation(4), [{"role": "user", "content": "next"}]
+    whole = numbering._added_by_full(history, new, [])
+    assert numbering.continuation(history, new, [], True) == numbering.encode(whole)
+    assert False in numbering._shapes.values()
+    assert numbering.continuation(history, new, [], True) == numbering.encode(whole)  # still whole
+
+
+def test_incremental_text_equals_decoding_everything_at_once(renderer):
+    import random
+
+    rng = random.Random(0)
+    text = "héllo wörld, ünïcödé → ✓ and plain ascii; " * 3
+    ids = renderer.encode(text) + [renderer.eos_id]
+    lone = [i for i in range(len(renderer.tok)) if renderer.tok.decode([i]) == "\ufffd"][:2]
+    ids = ids[:10] + lone + ids[10:]
+    for _ in range(5):
+        inc, k, pieces = IncrementalText(renderer), 0, []
+        while k < len(ids):
+            n = rng.randint(1, 3)
+            pieces.append(inc.add(ids[k:k + n]))
+            k += n
+        assert "".join(pieces) == inc.text == renderer.decode(ids) == inc.final()

@@ -1,0 +1,90 @@
+"""Which stored turn a request extends, and the prompt that follows it.
+
+1. Fast: the request resends the messages of the session's last turn byte for byte, then that
+   turn's reply and the new messages. The raw digest of the resent part names the turn
+   (store.follow: one round trip, with the turn's cached token path); the reply is checked
+   against the turn's conversation key by hashing it alone.
+2. Otherwise the conversation keys of every prefix that ends on an assistant message are
+   computed in one pass (chained keys) and the longest stored one wins (store.find_turn).
+
+Either way the prompt is the turn's token path plus the tokens the chat template adds for
+the new messages (Renderer.continuation); the work grows with what the request adds, not with
+the session. A request that extends nothing, or that the template does not render as an
+extension, starts a new root. Redis goes through store.py; the rest is pure.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.trajectory.conversation import (
+    candidate_prefixes,
+    conversation_key,
+    extend_key,
+    last_reply,
+    prefix_keys,
+    raw_digest,
+)
+from services.trajectory.record import Prompt
+from services.trajectory.rendering import Renderer, RenderError
+from services.trajectory.store import Store
+from services.trajectory.turns import path, token_ids
+from shared.messages import ChatRequest
+
+
+class PromptBuilder:
+    def __init__(self, store: Store, renderer: Renderer):
+        self.store, self.renderer = store, renderer
+
+    async def build(self, sid: str, req: ChatRequest) -> Prompt:
+        """Raises RenderError for messages the template cannot render."""
+        if req.kind == "completion":
+            ids = self.renderer.encode(req.prompt)
+            return Prompt(ids, ids, -1, [{"role": "user", "content": req.prompt}])
+        if not req.messages:
+            raise RenderError("messages must not be empty")
+        msgs, tools = req.messages, req.tools
+        raw = raw_digest(tools, msgs)
+        if k := last_reply(msgs):
+            if (found := await self._follow(sid, req, k, raw)) is not None:
+                return found
+            ks = candidate_prefixes(msgs)
+            keys = prefix_keys(tools, msgs, ks)
+            if hit := await self.store.find_turn(sid, [keys[k] for k in ks]):
+                key, tid = hit
+                k = next(k for k in ks if keys[k] == key)
+                ids = await self.store.path_ids(sid, tid) or await self._walk(sid, tid)
+                return self._extend(ids, tid, msgs, k, tools, keys[len(msgs)], raw)
+            return self._root(msgs, tools, keys[len(msgs)], raw)
+        return self._root(msgs, tools, conversation_key(tools, msgs), raw)
+
+    async def _follow(self, sid: str, req: ChatRequest, k: int, raw: str) -> Prompt | None:
+        """Step 1; None if the fast way does not apply (then step 2 decides)."""
+        msgs, tools = req.messages, req.tools
+        followed = await self.store.follow(sid, raw_digest(tools, msgs[:k - 1]))
+        if followed is None:
+            return None
+        alias = followed.alias
+        key = extend_key(alias.request_key, msgs[k - 1:k])  # the resent request + the reply
+        if key != alias.turn_key:  # the agent changed the reply: not this turn
+            return None
+        ids = followed.path_ids or await self._walk(sid, alias.turn_id)
+        return self._extend(ids, alias.turn_id, msgs, k, tools, extend_key(key, msgs[k:]), raw)
+
+    async def _walk(self, sid: str, tid: int) -> list[int]:
+        """The token path of a turn whose cached path is gone (a turn that already has a child)."""
+        return token_ids(path(await self.store.turns(sid), tid))
+
+    def _extend(self, ids: list[int], tid: int, msgs: list[dict[str, Any]], k: int, tools: list[dict[str, Any]],
+                request_key: str, raw: str) -> Prompt:
+        # the stored path ends with the reply's last generated token: its end-of-turn token unless
+        # max_tokens cut it (a turn always generates at least one token)
+        cont = self.renderer.continuation(msgs[:k], msgs[k:], tools,
+                                          history_ends_with_eos=bool(ids) and ids[-1] == self.renderer.eos_id)
+        if cont is None:
+            return self._root(msgs, tools, request_key, raw)
+        return Prompt(ids + cont, cont, tid, msgs[k:], request_key, raw)
+
+    def _root(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]], request_key: str, raw: str) -> Prompt:
+        ids = self.renderer.prompt(msgs, tools)
+        return Prompt(ids, ids, -1, msgs, request_key, raw)
