@@ -405,6 +405,19 @@ async def test_auth_and_openapi(h):
     assert doc["paths"]["/v1/responses"]["post"]["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/ResponseCreateRequest"}
     assert "/v1/responses/{response_id}" in doc["paths"]
+    # the published schema is what the server decodes: a body it rejects by shape, the schema rejects too
+    import jsonschema
+
+    schema = jsonschema.Draft202012Validator({"$ref": "#/components/schemas/ResponseCreateRequest",
+                                              "components": doc["components"]})
+    bodies = [OK, {**OK, "input": [{"role": "user", "content": [{"type": "input_text", "text": "x"}]}],
+                   "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}},
+              {**OK, "input": 7}, {**OK, "temperature": 2.5}, {**OK, "tool_choice": "sometimes"}, {"input": "x"},
+              {**OK, "input": [{"role": "robot", "content": "x"}]}, {**OK, "max_output_tokens": 0}]
+    async with h.http() as http:
+        for body in bodies:
+            r = await http.post("/v1/responses", json=body)
+            assert schema.is_valid(body) == (r.status_code == 200), (body, r.text)
 
 
 # --- the formats, validated by the SDK's own models -------------------------------------------------
