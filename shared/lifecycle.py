@@ -7,17 +7,22 @@
 
 The service's `run(quit)` drains and returns when `quit` is set; what it returns (an exit
 code, or None) is what `run_until_signalled` returns.
+
+Every service runs on uvloop (libuv; `SF_EVENT_LOOP=asyncio` for the standard library's loop,
+say to compare or to debug); BENCHMARKS.md has what it saves per turn in the gateway and the
+trajectory manager.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
-from shared.config import log_level
+from shared.config import ConfigError, log_level
 
 T = TypeVar("T")
 
@@ -38,10 +43,29 @@ def quit_on_signals() -> asyncio.Event:
     return quit
 
 
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's, or the standard library's with SF_EVENT_LOOP=asyncio."""
+    match os.environ.get("SF_EVENT_LOOP", "uvloop"):
+        case "uvloop":
+            import uvloop
+
+            return uvloop.new_event_loop()
+        case "asyncio":
+            return asyncio.new_event_loop()
+        case other:
+            raise ConfigError(f"SF_EVENT_LOOP={other!r}: expected uvloop or asyncio")
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run(main) on the loop new_event_loop() makes."""
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(main)
+
+
 def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[T]]) -> T:
     """Run `serve(quit)` in a new event loop; SIGINT/SIGTERM set `quit`."""
 
     async def main() -> T:
         return await serve(quit_on_signals())
 
-    return asyncio.run(main())
+    return run(main())

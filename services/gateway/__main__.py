@@ -17,7 +17,7 @@ import uvicorn
 from services.gateway.app import build_apps
 from services.gateway.config import load_config
 from shared.config import connections, log_level
-from shared.lifecycle import quit_on_signals
+from shared.lifecycle import quit_on_signals, run
 
 log = logging.getLogger("services.gateway")
 
@@ -31,7 +31,7 @@ class _Server(uvicorn.Server):
 async def main() -> int:
     cfg, conn = load_config(), connections()
     agent, admin = build_apps(cfg, conn)
-    servers = [_Server(uvicorn.Config(app, host=cfg.host, port=port, log_level="info", access_log=False,
+    servers = [_Server(uvicorn.Config(app, host=cfg.host, port=port, http=cfg.http, log_level="info", access_log=False,
                                       timeout_graceful_shutdown=30, timeout_keep_alive=cfg.keepalive_timeout))
                for app, port in ((agent, cfg.port), (admin, cfg.admin_port))]
     quit = quit_on_signals()
@@ -57,4 +57,4 @@ async def main() -> int:
 
 if __name__ == "__main__":
     logging.basicConfig(level=log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    raise SystemExit(asyncio.run(main()))
+    raise SystemExit(run(main()))

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from shared import timeouts
@@ -41,6 +43,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # the status page (/ui) shows the trainer's reward and staleness from its Prometheus metrics
     # (SF_TRAINER_METRICS_PORT, 9401 by default); "" = don't scrape
     trainer_metrics_url: str = "http://127.0.0.1:9401/metrics"
+    # uvicorn's HTTP/1.1 parser: httptools (C, llhttp) or h11 (pure Python; BENCHMARKS.md compares them)
+    http: Literal["httptools", "h11"] = "httptools"
 
     def static_keys(self) -> list[str]:
         return [k.strip() for k in self.api_keys.split(",") if k.strip()]

@@ -41,6 +41,11 @@ class StopMatcher:
     def __init__(self, text, stops: list[str]):
         self.text = text
         self.stops = stops
+        # holdback() for a text that grows a token at a time: the proper prefixes of the stop strings
+        # by their last character, longest first, so most tokens cost one dict lookup
+        self._prefixes: dict[str, list[str]] = {}
+        for p in sorted({s[:n] for s in stops for n in range(1, len(s))}, key=len, reverse=True):
+            self._prefixes.setdefault(p[-1], []).append(p)
         self.checked = 0  # characters of text already searched
         self.at: int | None = None  # content length once a stop string was found
 
@@ -63,4 +68,7 @@ class StopMatcher:
         """The part of `text` the agent may see now."""
         if self.at is not None:
             return text[: self.at]
-        return text[: len(text) - holdback(text, self.stops)] if self.stops else text
+        if not self.stops or not text:
+            return text
+        held = next((len(p) for p in self._prefixes.get(text[-1], ()) if text.endswith(p)), 0)
+        return text[: len(text) - held]

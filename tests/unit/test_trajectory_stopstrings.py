@@ -26,3 +26,16 @@ def test_stop_strings_find_holdback_and_matcher():
     assert m.text.text == "abcEND" and m.at == 3 and m.visible(m.text.text) == "abc"
     plain = StopMatcher(Text(), [])
     assert plain.add([ord("E")]) is None and plain.visible(plain.text.text) == "E"
+
+
+def test_the_matcher_holds_back_what_holdback_says():
+    import random
+
+    from services.trajectory.stopstrings import StopMatcher, holdback
+
+    stops = ["\nObservation:", "</answer>", "aab", "abab"]
+    m = StopMatcher(None, stops)
+    rng = random.Random(0)
+    for _ in range(2000):
+        text = "".join(rng.choice("ab</answer>\nObs") for _ in range(rng.randint(0, 12)))
+        assert m.visible(text) == text[: len(text) - holdback(text, stops)]
