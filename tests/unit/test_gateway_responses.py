@@ -46,8 +46,10 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in
 class FakeRedis:
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
+        self.reads: list[str] = []
 
     async def get(self, key: str):
+        self.reads.append(key)
         return self.data.get(key)
 
     async def set(self, key: str, value, ex=None) -> bool:
@@ -314,6 +316,15 @@ async def test_agents_sdk_default_model_runs_a_tool_agent(h):
     roles = [[m["role"] for m in r.messages] for r in h.manager.requests]
     assert roles == [["system", "user"], ["system", "user", "assistant", "tool"]] * 2
     assert all(r.tools and r.tools[0]["function"]["name"] == "get_weather" for r in h.manager.requests)
+    # its chaining mode sends only the new items, with previous_response_id: the same chat turns
+    assert not [k for k in h.redis.reads if k.startswith("sf:resp:")]
+    chained = await Runner.run(agent, "weather?", run_config=config, auto_previous_response_id=True)
+    assert len([k for k in h.redis.reads if k.startswith("sf:resp:")]) == 1
+    assert chained.final_output == "It is cloudy."
+    def shown(r: ChatRequest) -> list:  # the call ids are new ones each run
+        return [(m["role"], m["content"], [c["function"] for c in m.get("tool_calls", [])]) for m in r.messages]
+
+    assert [shown(r) for r in h.manager.requests[-2:]] == [shown(r) for r in h.manager.requests[:2]]
 
 
 # --- bad input: typed 400/404, never 5xx ----------------------------------------------------------
