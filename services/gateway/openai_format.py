@@ -147,7 +147,11 @@ class ChunkStream:
 
     def delta(self, text: str, offset: int | None = None) -> bytes:
         """Content from character `offset` of the reply on. A resumed request re-sends from
-        offset 0: only the part the agent has not seen yet goes out (b"" if none)."""
+        offset 0: only the part the agent has not seen yet goes out (b"" if none). A piece beyond
+        what was sent means one was lost on the way (core NATS is at most once; a NATS restart
+        drops what is in flight): nothing more goes out, and `done` sends the rest whole."""
+        if offset is not None and offset > len(self.sent):
+            return b""
         if offset is not None and offset < len(self.sent):
             text = text[len(self.sent) - offset:]
         if not text:

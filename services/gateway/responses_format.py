@@ -145,7 +145,10 @@ class EventStream:
 
     def delta(self, text: str, offset: int | None = None) -> bytes:
         """Text from character `offset` of the reply on; a resumed request re-sends from 0, and only
-        what the agent has not seen goes out."""
+        what the agent has not seen goes out. After a lost piece (offset beyond what was sent: a
+        NATS restart) nothing more goes out; `done` sends the rest whole."""
+        if offset is not None and offset > len(self.sent):
+            return b""
         if offset is not None and offset < len(self.sent):
             text = text[len(self.sent) - offset:]
         if not text:

@@ -28,7 +28,7 @@ from services.trajectory.prompts import PromptBuilder
 from services.trajectory.record import Prompt, last_worker, record
 from services.trajectory.rendering import Renderer, RenderError
 from services.trajectory.routing import LengthHistory, Picker, WorkerTable
-from services.trajectory.store import Alias, InFlight, Lookup, SessionNotFound, Store
+from services.trajectory.store import Alias, DeltaRecord, InFlight, Lookup, SessionNotFound, Store
 from services.trajectory.turns import Turn
 from services.trajectory.turnstream import TurnStream
 from shared.codec import decode, encode
@@ -60,7 +60,12 @@ class _FinishedElsewhere(Exception):
 
 
 class _Lease:
-    def __init__(self) -> None:
+    """One handling of one request, and its hold on the request's lease. `owner` names this
+    handling, not the process: a re-sent copy that lands on the replica still serving the first
+    (paused, then continued) waits for it like any other replica instead of sharing its lease."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
         self.lost = False
 
 
@@ -77,7 +82,7 @@ class TurnHandler:
         # 0. a retry of a request that already finished gets the same answer
         if look.done is not None:
             return decode(look.done, ChatDone)
-        lease = _Lease()
+        lease = _Lease(f"{self.owner}-{secrets.token_hex(2)}")
         keepalive = asyncio.create_task(self._keepalive(rid, emit, asyncio.current_task(), lease))
         try:
             return await self._handle(req, emit, look, lease)
@@ -111,8 +116,8 @@ class TurnHandler:
             try:
                 # a lease that lapsed while this replica was slow (a stalled event loop on a loaded
                 # host) but that nobody took is taken back: only another holder means it is lost
-                held = (await self.store.renew_lease(rid, self.owner, LEASE_MS)
-                        or await self.store.claim_request(rid, self.owner, LEASE_MS))
+                held = (await self.store.renew_lease(rid, lease.owner, LEASE_MS)
+                        or await self.store.claim_request(rid, lease.owner, LEASE_MS))
                 why = "another replica holds it"
                 renewed = time.monotonic() if held else renewed
             except Exception as e:  # a Redis hiccup: fine while the lease has not lapsed
@@ -129,7 +134,7 @@ class TurnHandler:
         rid = req.request_id
         # 1. resume a request a dead replica was serving, or start a new one
         max_len = self.table.max_model_len(time.time(), self.cfg.max_model_len)
-        prompt, partial, turn_id, sticky = await self._begin(req, look, max_len)
+        prompt, partial, turn_id, sticky = await self._begin(req, look, max_len, lease.owner)
 
         # 2. generate; each delta is persisted, then shown (turnstream.py)
         stream = TurnStream(self.renderer, req, time.monotonic())
@@ -141,7 +146,7 @@ class TurnHandler:
         async def on_tokens(delta: TokenDelta, worker: str, first: bool) -> int | None:
             keep = stream.add(delta, worker, first)
             if records := stream.to_persist(first):
-                await self.store.append_deltas(rid, records)
+                await self._persist(rid, records, lease)
             await show(stream.progress(time.monotonic()))
             return keep
 
@@ -156,15 +161,18 @@ class TurnHandler:
                 gen = partial
                 gen.finish_reason = "stop"
             else:
-                gen = await generate(self.call, lambda exclude: self._pick(sticky, exclude, expected), rid,
+                # worker request ids are this handler's own: a replica that took the request over must
+                # not collide with (or abort) what a paused predecessor still has running on a worker
+                gen = await generate(self.call, lambda exclude: self._pick(sticky, exclude, expected),
+                                     f"{rid}.{secrets.token_hex(3)}",
                                      look.session_id, prompt.ids, replace(req.sampling, max_tokens=budget), on_tokens,
                                      self.cfg.max_redispatch, resume=partial)
         except GenerationFailed as e:
-            await self.store.drop_request(rid, self.owner)
+            await self.store.drop_request(rid, lease.owner)
             raise TurnError(e.status, "generation_failed", str(e)) from None
         except asyncio.CancelledError:
             if not lease.lost:  # else the request is another replica's now: leave its state alone
-                await asyncio.shield(self.store.drop_request(rid, self.owner))
+                await asyncio.shield(self.store.drop_request(rid, lease.owner))
             raise
 
         # 3. the turn and the reply (record.py), saved in one transaction, then the rest of the text
@@ -174,10 +182,23 @@ class TurnHandler:
         turn, done = record(req, sid, turn_id, prompt, gen, stream.final_text(), self.renderer.token_texts,
                             time.time())
         await show(stream.rest(done.text))
-        await self._save(sid, turn, prompt, gen, done, last_worker(gen, sticky or ""))
+        await self._save(sid, turn, prompt, gen, done, last_worker(gen, sticky or ""), lease)
         return done
 
-    async def _save(self, sid: str, turn: Turn, prompt: Prompt, gen: Generated, done: ChatDone, worker: str) -> None:
+    async def _persist(self, rid: str, records: list[DeltaRecord], lease: _Lease) -> None:
+        """Append a running request's tokens, unless another replica took it over meanwhile (this
+        one was paused past its lease and its keepalive has not run yet): then stop here."""
+        if not await self.store.append_deltas(rid, records, lease.owner):
+            lease.lost = True
+            raise LeaseLost(f"request {rid}: taken over by another replica before its tokens were saved")
+
+    async def _save(self, sid: str, turn: Turn, prompt: Prompt, gen: Generated, done: ChatDone, worker: str,
+                    lease: _Lease) -> None:
+        # a fresh lease (3 s) before the save: a replica paused past its lease, whose request another
+        # took over or finished meanwhile, stops here instead of writing the turn a second time
+        if not await self.store.hold(turn.request_id, lease.owner, LEASE_MS):
+            lease.lost = True
+            raise LeaseLost(f"request {turn.request_id}: taken over by another replica before its turn was saved")
         cache = {}
         if turn.key:  # a later turn may extend this one: what finds it fast, and its token path
             cache["path_ids"] = prompt.ids + gen.token_ids
@@ -185,12 +206,12 @@ class TurnHandler:
                 cache["alias"] = (prompt.raw, Alias(turn.turn_id, prompt.request_key, turn.key))
         await self.store.save_turn(sid, turn, worker, result=encode(done), **cache)
 
-    async def _begin(self, req: ChatRequest, look: Lookup,
-                     max_len: int) -> tuple[Prompt, Generated | None, int, str | None]:
+    async def _begin(self, req: ChatRequest, look: Lookup, max_len: int,
+                     owner: str) -> tuple[Prompt, Generated | None, int, str | None]:
         """(prompt, partial generation of a resumed request, turn id, sticky worker)."""
         rid = req.request_id
         if look.state is not None:
-            prompt, partial, turn_id = await self._resume(rid)
+            prompt, partial, turn_id = await self._resume(rid, owner)
             return prompt, partial, turn_id, None
         assert look.meta is not None
         if look.meta["status"] != "open":  # finishing (its trajectory is being published) or finished
@@ -202,7 +223,7 @@ class TurnHandler:
                             f"{max_len} tokens")
         state = InFlight(look.session_id, look.turn_id, prompt.ids, prompt.new_ids, prompt.parent,
                          prompt.new_messages, prompt.request_key, prompt.raw)
-        if not await self.store.begin_request(rid, state, self.owner, LEASE_MS):
+        if not await self.store.begin_request(rid, state, owner, LEASE_MS):
             raise TurnError(409, "duplicate_request", f"request {rid} is already running")
         return prompt, None, look.turn_id, look.meta.get("worker")
 
@@ -215,11 +236,12 @@ class TurnHandler:
             await asyncio.sleep(PICK_POLL)
         return worker
 
-    async def _resume(self, rid: str) -> tuple[Prompt, Generated, int]:
+    async def _resume(self, rid: str, owner: str = "") -> tuple[Prompt, Generated, int]:
         """Take over a request another replica started. If that replica is alive (the gateway
         re-sent because it was slow, not dead), wait for it: its result is the answer."""
         deadline = time.monotonic() + self.cfg.resume_wait
-        while not await self.store.claim_request(rid, self.owner, LEASE_MS):
+        owner = owner or self.owner
+        while not await self.store.claim_request(rid, owner, LEASE_MS):
             if (done := await self.store.done(rid)) is not None:
                 raise _FinishedElsewhere(done)
             if time.monotonic() > deadline:

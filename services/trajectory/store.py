@@ -39,6 +39,9 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ConstantBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from services.trajectory.turns import Turn
 
@@ -207,6 +210,27 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 
+# A running request's state is written only by its lease's holder (or, while nobody holds the lease,
+# by the replica that finds it lapsed), and only while the request runs: a replica that was paused
+# past its lease (SIGSTOP, a stalled host) must not write a request another replica took over or
+# finished. KEYS: owner, request state[, deltas]
+_HOLD = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+_APPEND_IF_HOLDER = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('RPUSH', KEYS[3], unpack(ARGV, 3))
+redis.call('EXPIRE', KEYS[3], ARGV[2])
+return 1
+"""
+
 _RELEASE_IF_OWNER = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -227,9 +251,12 @@ class Store:
 
     @classmethod
     def connect(cls, url: str, ttl: int) -> "Store":
+        # One retry on a fresh connection after a connection error, never after a timeout (the
+        # command may have run). Without it every pooled connection, after a Redis restart, failed
+        # its next command with a 503, minutes later (found by tests/faults).
         client = aioredis.from_url(
             url, socket_timeout=5, socket_connect_timeout=3, health_check_interval=10,
-            retry_on_timeout=False,
+            retry=Retry(ConstantBackoff(0.05), 1, supported_errors=(RedisConnectionError,)),
         )
         return cls(client, ttl)
 
@@ -337,11 +364,17 @@ class Store:
         """Extend `owner`'s lease; False (and nothing changed) if another replica holds it."""
         return bool(await self.r.eval(_RENEW_IF_OWNER, 1, f"sf:req:{rid}:owner", owner, lease_ms))
 
-    async def append_deltas(self, rid: str, recs: list[DeltaRecord]) -> None:
-        async with self.r.pipeline(transaction=False) as p:
-            p.rpush(f"sf:req:{rid}:deltas", *(_turn_enc.encode(r) for r in recs))
-            p.expire(f"sf:req:{rid}:deltas", REQUEST_TTL)
-            await p.execute()
+    async def append_deltas(self, rid: str, recs: list[DeltaRecord], owner: str) -> bool:
+        """Append to a running request's deltas if `owner` holds its lease (or nobody does);
+        False, and nothing written, if another replica holds it or the request ended."""
+        keys = (f"sf:req:{rid}:owner", f"sf:req:{rid}", f"sf:req:{rid}:deltas")
+        return bool(await self.r.eval(_APPEND_IF_HOLDER, len(keys), *keys, owner, REQUEST_TTL,
+                                      *(_turn_enc.encode(r) for r in recs)))
+
+    async def hold(self, rid: str, owner: str, lease_ms: int) -> bool:
+        """Renew `owner`'s lease on a running request (or take it if it lapsed) for `lease_ms`;
+        False if another replica holds it or the request ended (finished by another)."""
+        return bool(await self.r.eval(_HOLD, 2, f"sf:req:{rid}:owner", f"sf:req:{rid}", owner, lease_ms))
 
     async def drop_request(self, rid: str, owner: str) -> bool:
         """Forget a running request, if `owner` still holds its lease (or nobody does): a replica

@@ -5,7 +5,7 @@ Unlike seamlessflow/workload.py (load that looks like RL), these record every ca
 with its outcome, for the invariant checker: when it started and ended, the HTTP status and
 the error body of a failure, and the request id, text and token count of a success. Like a
 real agent, they retry a failure that says it is retryable (429, 502-504, or no connection)
-a few times with a short pause; a session with a turn that still fails is abandoned (never
+a few times with a growing pause; a session with a turn that still fails is abandoned (never
 finished), and a finish is retried until it answers 200.
 """
 
@@ -71,7 +71,7 @@ class Session:
 
 class FaultAgents:
     def __init__(self, base_url: str, user_key: str, agents: int = 16, turns: int = 2,
-                 tokens: tuple[int, int] = (8, 24), seed: int = 0, timeout: float = 60.0, retries: int = 4):
+                 tokens: tuple[int, int] = (8, 24), seed: int = 0, timeout: float = 60.0, retries: int = 6):
         self.base_url, self.user_key, self.n, self.turns, self.tokens = base_url, user_key, agents, turns, tokens
         self.rng = random.Random(seed)
         self.seed = seed
@@ -150,7 +150,7 @@ class FaultAgents:
 
     async def _chat(self, client: openai.AsyncOpenAI, s: Session, messages: list[dict], max_tokens: int,
                     stream: bool) -> Call | None:
-        for _ in range(self.retries + 1):
+        for attempt in range(self.retries + 1):
             call = Call("chat", s.id, time.time(), stream=stream)
             self.calls.append(call)
             try:
@@ -187,11 +187,11 @@ class FaultAgents:
                 return call
             if not call.retryable():
                 return None
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(_backoff(attempt))
         return None
 
     async def _http(self, op: str, sid: str, send, attempts: int = 0) -> dict | None:
-        for _ in range((attempts or self.retries) + 1):
+        for attempt in range((attempts or self.retries) + 1):
             call = Call(op, sid, time.time())
             self.calls.append(call)
             try:
@@ -210,8 +210,13 @@ class FaultAgents:
                 return r.json()
             if not call.retryable():
                 return None
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(_backoff(attempt))
         return None
+
+
+def _backoff(attempt: int) -> float:
+    """Seconds before retry `attempt` + 1: 0.25 doubling to 2 (about 8 s over 6 retries)."""
+    return min(0.25 * 2 ** attempt, 2.0)
 
 
 def _json(r: httpx.Response) -> object:

@@ -14,7 +14,6 @@ the `Fault` window each injection records for the invariant checker (invariants.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -30,8 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # One GRPO "group" per session and one group per step: every finished session is trained
 # without waiting for its group mates (a session a fault ended early would leave its group
-# incomplete until the 900 s group timeout). A version every 2 steps; a checkpoint every 2.
-TRAINER = {"group_size": 1, "groups_per_step": 1, "publish_every": 2, "checkpoint_every": 2,
+# incomplete until the 900 s group timeout). A version every 2 steps; a checkpoint every 2; what
+# a killed trainer held comes back after ack_wait (6 s here, 60 s by default).
+TRAINER = {"group_size": 1, "groups_per_step": 1, "publish_every": 2, "checkpoint_every": 2, "ack_wait": 6,
            "keep_versions": 2, "fetch_timeout": 0.5, "metrics_port": 0, "tensorboard_dir": ""}
 # A slow simulated engine (20 ms per step, ~1 token per 20 ms): a turn generates for a while,
 # so a fault lands mid-generation, and the workers leave the CPU to the control plane.
@@ -156,7 +156,30 @@ class FaultStack:
         fault.t1 = time.time()
         return fault
 
-    # -- the trainer's record ----------------------------------------------------------------------
+    # -- what NATS and the trainer hold ------------------------------------------------------------
+
+    def stream_state(self) -> dict:
+        """The JetStream streams, the TRAJECTORIES stream's last sequence, and its trainer consumer."""
+        import asyncio
+
+        import nats
+
+        from shared import subjects
+
+        async def read() -> dict:
+            nc = await nats.connect(self.stack.nats_url, connect_timeout=5, max_reconnect_attempts=20)
+            try:
+                js = nc.jetstream()
+                streams = await js.streams_info()
+                info = await js.stream_info(subjects.TRAJECTORIES_STREAM)
+                consumer = await js.consumer_info(subjects.TRAJECTORIES_STREAM, subjects.TRAINER_DURABLE)
+                return {"streams": len(streams), "last_seq": info.state.last_seq, "consumer": consumer.name,
+                        "ack_floor": consumer.ack_floor.stream_seq}
+            finally:
+                await nc.close()
+
+        return asyncio.run(read())
+
 
     def audit(self) -> list[dict]:
         from services.trainer.audit import read
@@ -171,10 +194,6 @@ def wait_for(cond: Callable[[], object], timeout: float, what: str, every: float
             return value
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-def stack_json(stack: FaultStack) -> dict:
-    return json.loads((stack.stack.data / "stack.json").read_text())
 
 
 def _signal(p: Proc, sig: int) -> None:

@@ -62,7 +62,7 @@ async def test_a_resend_waits_for_a_live_replica_and_gets_its_result(store):
 async def test_a_resend_takes_over_when_the_holder_died(store):
     rid = "lease-dead"
     assert await store.begin_request(rid, state(), "replica-a", 500)
-    await store.append_deltas(rid, [DeltaRecord("w0", True, 3, [7, 8], [-0.5, -0.25])])
+    assert await store.append_deltas(rid, [DeltaRecord("w0", True, 3, [7, 8], [-0.5, -0.25])], "replica-a")
     h = handler(store)
     prompt, partial, turn_id = await asyncio.wait_for(h._resume(rid), 5)  # after a's lease lapses
     assert prompt.ids == [1, 2, 3] and partial.token_ids == [7, 8] and partial.segments[0].version == 3
@@ -83,8 +83,25 @@ async def test_only_the_holder_drops_a_request(store):
     # bug 1: a replica that lost the lease deleted the state its successor continues from
     rid = "lease-drop"
     assert await store.begin_request(rid, state(), "replica-a", 60_000)
-    await store.append_deltas(rid, [DeltaRecord("w0", True, 0, [7], [-0.5])])
+    assert await store.append_deltas(rid, [DeltaRecord("w0", True, 0, [7], [-0.5])], "replica-a")
     assert not await store.drop_request(rid, "replica-b")
     assert await store.load_request(rid) is not None
     assert await store.drop_request(rid, "replica-a")
     assert await store.load_request(rid) is None and await store.r.get(f"sf:req:{rid}:owner") is None
+
+
+async def test_a_replica_paused_past_its_lease_writes_nothing_of_a_request_taken_over(store):
+    # found by tests/faults (SIGSTOP of a replica): once continued, it appended its worker's tokens to
+    # the request its successor was serving, and saved its own turn over the successor's
+    rid = "lease-paused"
+    assert await store.begin_request(rid, state(), "replica-a", 60_000)
+    await store.r.set(f"sf:req:{rid}:owner", "replica-b", px=60_000)  # b took it over
+    assert not await store.append_deltas(rid, [DeltaRecord("w0", True, 0, [7], [-0.5])], "replica-a")
+    assert not await store.hold(rid, "replica-a", 3_000)
+    assert (await store.load_request(rid))[1] == []
+    assert await store.append_deltas(rid, [DeltaRecord("w1", True, 0, [9], [-0.5])], "replica-b")
+    assert await store.hold(rid, "replica-b", 3_000)
+    await store.drop_request(rid, "replica-b")  # b finished: the request is gone, for a as for anyone
+    assert not await store.hold(rid, "replica-a", 3_000)
+    assert not await store.append_deltas(rid, [DeltaRecord("w0", True, 0, [7], [-0.5])], "replica-a")
+    assert await store.r.exists(f"sf:req:{rid}:deltas") == 0

@@ -122,6 +122,14 @@ def test_resumed_deltas_are_deduplicated_by_offset():
     assert s.sent == "Hello world!"
 
 
+def test_a_lost_delta_holds_the_rest_for_the_final_chunk():
+    # found by tests/faults (a NATS restart dropped one ChatDelta): the agent got the text with a hole
+    s = fmt.ChunkStream("chat", "c", 1, "m", include_usage=False)
+    assert s.delta("Hel", 0) and not s.delta("o wor", 4) and not s.delta("ld", 9)  # "l" at 3 was lost
+    ev = events(s.done(DONE))
+    assert s.sent == DONE.text and ev[0]["choices"][0]["delta"]["content"] == DONE.text[3:]
+
+
 def test_logprobs_in_responses_and_in_the_final_chunk():
     from shared.messages.chat import TokenLogprob
 

@@ -110,3 +110,29 @@ async def test_a_live_responder_still_gets_its_timeout():
     r = Replies("s", first_timeout=0.3, idle_timeout=0.3, alive=lambda: True)
     with pytest.raises(ReplyTimeout, match="within 0.3s"):
         await r.__anext__()
+
+
+async def test_a_stream_ends_when_the_connection_reconnects_meanwhile():
+    # found by tests/faults: a NATS restart dropped a GenerateDone and the turn waited out the 60 s token timeout
+    import time
+
+    class Conn:
+        is_connected = True
+        stats = {"reconnects": 0}
+
+        def new_inbox(self):
+            return "_INBOX.rc"
+
+        async def subscribe(self, subject, cb):
+            pass
+
+        async def publish(self, subject, payload, reply=""):
+            pass
+
+    nc = Conn()
+    async with bus.stream_request(nc, "sf.rollout.gen.w1", b"", 60.0, 60.0) as replies:
+        asyncio.get_running_loop().call_later(0.2, lambda: nc.stats.update(reconnects=1))
+        t0 = time.monotonic()
+        with pytest.raises(bus.ReplyTimeout, match="reconnected"):
+            await replies.__anext__()
+        assert time.monotonic() - t0 < 2 * bus.Replies.ALIVE_POLL + 0.5

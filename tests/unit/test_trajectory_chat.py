@@ -77,8 +77,20 @@ class FakeStore:
     async def renew_lease(self, rid, owner, lease_ms):
         return self.renew_ok and self.owners.get(rid) == owner
 
-    async def append_deltas(self, rid, recs):
+    def _holds(self, rid, owner):
+        return rid in self.requests and self.owners.get(rid) in (None, owner)
+
+    async def append_deltas(self, rid, recs, owner):
+        if not self._holds(rid, owner):
+            return False
         self.deltas.setdefault(rid, []).extend(recs)
+        return True
+
+    async def hold(self, rid, owner, lease_ms):
+        if not self._holds(rid, owner):
+            return False
+        self.owners[rid] = owner
+        return True
 
     async def drop_request(self, rid, owner):
         if self.owners.get(rid) not in (None, owner):
@@ -168,7 +180,7 @@ async def test_a_resumed_anonymous_request_stays_in_the_session_it_began_in(rend
     prompt = renderer.prompt([{"role": "user", "content": "hi"}], [])
     state = InFlight(first, 0, prompt, prompt, -1, [{"role": "user", "content": "hi"}])
     assert await store.begin_request("r2", state, "dead-replica", 3000)
-    await store.append_deltas("r2", [DeltaRecord("w0", True, 0, renderer.encode("hello"), [-0.5])])
+    await store.append_deltas("r2", [DeltaRecord("w0", True, 0, renderer.encode("hello"), [-0.5])], "dead-replica")
     store.owners.pop("r2")  # the dead replica's lease lapsed
     h = TurnHandler(TrajectoryConfig(worker_wait=2), store, renderer, table(), worker(renderer, " there"))
     done, _ = await run(h, request("r2"))  # the gateway re-sends it, still without a session
@@ -193,6 +205,37 @@ async def test_a_replica_that_loses_its_lease_stops_and_leaves_the_request_to_th
         await asyncio.wait_for(task, 5)
     assert calls[-1] == "closed"  # the worker call was closed (service.py then sends abort)
     assert store.saved == [] and "r3" in store.requests and store.owners["r3"] == "replica-b"
+
+
+async def test_a_replica_paused_past_its_lease_stops_at_its_next_write(renderer):
+    # found by tests/faults (SIGSTOP): continued, the paused replica processed its worker's queued tokens
+    # before its keepalive ran, appended them to the request its successor serves and saved its own turn
+    store = FakeStore()
+    sid = await store.create_session()
+    calls: list = []
+    h = TurnHandler(TrajectoryConfig(worker_wait=2), store, renderer, table(),
+                    worker(renderer, "a long answer " * 20, delay=0.002, calls=calls))
+    task = asyncio.create_task(run(h, request("r6", sid)))
+    while not store.deltas.get("r6"):
+        await asyncio.sleep(0)
+    store.owners["r6"] = "replica-b"  # taken over while this one was paused (its keepalive never ran)
+    before = list(store.deltas["r6"])
+    with pytest.raises(LeaseLost):
+        await asyncio.wait_for(task, 5)
+    assert store.saved == [] and store.deltas["r6"] == before and calls[-1] == "closed"
+
+
+async def test_a_resent_copy_on_the_same_replica_waits_for_the_first(renderer):
+    # a re-sent request that lands on the replica still serving it must not share its lease
+    store = FakeStore()
+    sid = await store.create_session()
+    h = TurnHandler(TrajectoryConfig(worker_wait=2, resume_wait=10), store, renderer, table(),
+                    worker(renderer, "a long answer " * 5, delay=0.005))
+    first = asyncio.create_task(run(h, request("r7", sid)))
+    while not store.deltas.get("r7"):
+        await asyncio.sleep(0.01)
+    (done2, _), (done1, _) = await asyncio.wait_for(asyncio.gather(run(h, request("r7", sid)), first), 10)
+    assert done2 == done1 and len(store.saved) == 1  # one turn, the first copy's
 
 
 async def test_a_lease_that_lapsed_but_nobody_took_is_taken_back_and_the_turn_goes_on(renderer, monkeypatch):

@@ -72,6 +72,7 @@ class FakeNC:
     """Replies to a Generate with one token; publishing the abort fails (bug 5: it was swallowed)."""
 
     is_connected = True
+    stats = {"reconnects": 0}  # nats.py's counters: a reconnect ends the streams in flight
 
     def __init__(self):
         self.cb = None
