@@ -42,6 +42,12 @@ class Renderer:
         self.eos_text: str = tokenizer.eos_token
         self._strip = {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
         self.always_check = False  # render the full history too at every turn, and use it
+        # the Rust tokenizer behind a fast HF tokenizer, called directly: transformers' encode/decode
+        # wrappers cost 5-10x the work itself on short texts (None: a slow tokenizer, or a decode
+        # that HF post-processes)
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self._backend = backend if type(backend).__module__.startswith("tokenizers") else None
+        self._backend_decode = self._backend if not getattr(tokenizer, "clean_up_tokenization_spaces", False) else None
         self._shapes: dict[tuple, bool] = {}  # conversation shape -> the short render agrees with the full one
 
     @classmethod
@@ -64,7 +70,15 @@ class Renderer:
             raise RenderError(f"chat template failed: {e}") from None
 
     def encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
         return self.tok.encode(text, add_special_tokens=False)
+
+    def decode_all(self, ids: list[int]) -> str:
+        """Text of `ids` as they are (end-of-turn and padding included)."""
+        if self._backend_decode is not None:
+            return self._backend_decode.decode(ids, skip_special_tokens=False)
+        return self.tok.decode(ids, skip_special_tokens=False)
 
     def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
         """A fresh conversation: the whole template, tokenized once."""
@@ -121,12 +135,11 @@ class Renderer:
     def token_texts(self, ids: list[int]) -> list[tuple[int, str]]:
         """(position, text) of each generated id that shows in the text (not end-of-turn or
         padding), each decoded alone: what OpenAI's `logprobs` lists as `token`."""
-        return [(k, self.tok.decode([i], skip_special_tokens=False)) for k, i in enumerate(ids)
-                if i not in self._strip]
+        return [(k, self.decode_all([i])) for k, i in enumerate(ids) if i not in self._strip]
 
     def decode(self, ids: list[int]) -> str:
         """Text of generated ids, without the end-of-turn and padding tokens."""
-        return self.tok.decode([i for i in ids if i not in self._strip], skip_special_tokens=False)
+        return self.decode_all([i for i in ids if i not in self._strip])
 
 
 def short_history(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -172,7 +185,7 @@ class IncrementalText:
         self.ids += ids
         strip = self.renderer._strip
         self._shown += [i for i in ids if i not in strip]
-        window = self.renderer.tok.decode(self._shown[self._start:], skip_special_tokens=False)
+        window = self.renderer.decode_all(self._shown[self._start:])
         held = 0
         while held < 3 and held < len(window) and window[-1 - held] == "\ufffd":
             held += 1
@@ -186,8 +199,7 @@ class IncrementalText:
             self._sent += len(new)
         else:
             self._start, self._settled, self._sent = self._settled, len(self._shown), 0
-            self._settled_text = self.renderer.tok.decode(self._shown[self._start:self._settled],
-                                                          skip_special_tokens=False)
+            self._settled_text = self.renderer.decode_all(self._shown[self._start:self._settled])
         return new
 
     def final(self) -> str:

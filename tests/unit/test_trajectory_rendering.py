@@ -123,3 +123,13 @@ def test_incremental_text_equals_decoding_everything_at_once(renderer):
             pieces.append(inc.add(ids[k:k + n]))
             k += n
         assert "".join(pieces) == inc.text == renderer.decode(ids) == inc.final()
+
+
+def test_the_rust_tokenizer_called_directly_gives_what_transformers_gives(renderer):
+    assert renderer._backend is not None  # the tiny model's tokenizer is a fast one
+    texts = [renderer.render(conversation(3, tools=True), [], gen=True), "héllo wörld ✓ 12345", "",
+             f"a{renderer.eos_text}b  \n\t x", "<|im_start|>user\nhi<|im_end|>"]
+    for text in texts:
+        ids = renderer.encode(text)
+        assert ids == renderer.tok.encode(text, add_special_tokens=False)
+        assert renderer.decode_all(ids) == renderer.tok.decode(ids, skip_special_tokens=False)
