@@ -61,6 +61,7 @@ class FaultStack:
         self.stack = Stack(self.opts)
         self.model = model
         self.faults: list[Fault] = []
+        self.conn = None  # shared.config.Connections, for cases that talk to NATS themselves
 
     # -- the stack -------------------------------------------------------------------------------
 
