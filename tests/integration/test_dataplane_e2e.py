@@ -12,16 +12,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.integration.stack_fixture import make_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, tiny_model, nats_url, redis_url):
-    s = make_stack(tmp_path_factory.mktemp("stack"), tiny_model, nats_url, redis_url, workers=1)
-    yield s
-    s.stop()
+def stack(vllm_stack):
+    return vllm_stack  # the session's shared stack (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.stack_fixture import make_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -20,10 +19,8 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, tiny_model, nats_url, redis_url):
-    s = make_stack(tmp_path_factory.mktemp("examples"), tiny_model, nats_url, redis_url)
-    yield s
-    s.stop()
+def stack(vllm_stack):
+    return vllm_stack  # the session's shared stack (conftest.py)
 
 
 def _run(stack, name: str) -> list[dict]:

@@ -15,7 +15,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.integration.stack_fixture import make_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -26,10 +25,8 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "weather in
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, tiny_model, nats_url, redis_url):
-    s = make_stack(tmp_path_factory.mktemp("responses"), tiny_model, nats_url, redis_url, workers=1)
-    yield s
-    s.stop()
+def stack(vllm_stack):
+    return vllm_stack  # the session's shared stack (conftest.py)
 
 
 @pytest.fixture(scope="module")

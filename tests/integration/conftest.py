@@ -1,0 +1,18 @@
+"""Fixtures shared by the integration modules."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.stack_fixture import make_stack
+
+
+@pytest.fixture(scope="session")
+def vllm_stack(tmp_path_factory, tiny_model, nats_url, redis_url):
+    """One stack with one vLLM-CPU worker and default settings, for every module that only
+    drives agent turns through it (data plane, examples, Responses API): a vLLM engine start
+    is the suite's largest fixed cost. A module that changes a stack's settings, or leaves it
+    changed, starts its own. An idle stack costs ~2.5% of a core while later modules run."""
+    s = make_stack(tmp_path_factory.mktemp("vllm-stack"), tiny_model, nats_url, redis_url, workers=1)
+    yield s
+    s.stop()
