@@ -15,7 +15,8 @@ Reports p50/p99 latency per path at each concurrency, the added latency, and req
 `--engine simulated` swaps vLLM for bench/simulated_engine.py (a calibrated stand-in, for
 measuring the gateway's own capacity; never real inference).
 
-`--code A,B,...` starts one whole stack per checkout (its gateway and trajectory manager run that
+`--code A,B,...` starts one whole stack per checkout (`A+VAR=value+...` also sets environment
+variables for that stack's processes: `.+SF_EVENT_LOOP=asyncio,.` measures uvloop alone) (its gateway and trajectory manager run that
 checkout's services/ and shared/: PYTHONPATH, from a neutral working directory; the engine is
 always this checkout's) and alternates between them round by round (in long-session mode, turn by
 turn), so that every side sees the same load on a shared machine. Ratios between sides are the
@@ -127,13 +128,16 @@ def use_profiler(out: str) -> None:
     os.environ["SF_PROFILE_ONLY"] = "services.gateway,services.trajectory"
 
 
-def start_side(label: str, code: Path | None, model: Path, tmp: Path, args) -> Side:
+def start_side(label: str, spec: str | None, model: Path, tmp: Path, args) -> Side:
+    code, *assignments = spec.split("+") if spec else [None]
+    code = Path(code).resolve() if code else None
     hook = [str(ROOT / "bench" / "profile_hook")] if args.profile else []
     path = os.pathsep.join(hook + ([str(code)] if code else []) + [os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)
     env = {"PYTHONPATH": path} if path else {}
+    env.update(a.split("=", 1) for a in assignments)
     if args.turns:
         env["SF_ROLLOUT_MAX_MODEL_LEN"] = "32768"
-    opts = StackOptions(model=model, data_dir=tmp / label, workers=0 if args.engine == "simulated" else 1,
+    opts = StackOptions(model=model, data_dir=tmp / f"side{len(list(tmp.glob('side*')))}", workers=0 if args.engine == "simulated" else 1,
                         gateway_port=servers.free_port(), admin_port=servers.free_port(),
                         nats_port=servers.free_port(), redis_port=servers.free_port(),
                         max_num_seqs=max(args.concurrency), max_model_len=32768 if args.turns else 512,
@@ -252,7 +256,9 @@ async def run(args) -> dict:
     if args.profile:
         use_profiler(args.profile)
     tmp = Path(tempfile.mkdtemp(prefix="sf-bench-"))
-    codes = [Path(c).resolve() for c in args.code.split(",")] if args.code else [None]
+    # each checkout as an absolute path, before the working directory changes
+    codes = ["+".join([str(Path(c.split("+")[0]).resolve()), *c.split("+")[1:]]) for c in args.code.split(",")] \
+        if args.code else [None]
     if args.code:
         os.chdir(tmp)  # `python -m` puts the working directory first on sys.path: keep it neutral
     model = init_model(tmp / "model")
@@ -264,7 +270,7 @@ async def run(args) -> dict:
     results: dict = {"engine": args.engine, "max_tokens": args.max_tokens, "prompt_tokens": len(prompt_ids)}
     try:
         for k, code in enumerate(codes):
-            sides.append(start_side(str(code) if code else f"side{k}", code, model, tmp, args))
+            sides.append(start_side(code or f"side{k}", code, model, tmp, args))
         for s in sides:
             await connect(s, max(args.concurrency), args)
             for _ in range(3):  # warm up both paths (vLLM's first logprobs request is slow)
