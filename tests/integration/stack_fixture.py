@@ -11,11 +11,13 @@ from seamlessflow.stack import Stack, StackOptions
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def simulated_worker_cmd(step_ms: float = 10.0, capacity: int = 16) -> str:
+def simulated_worker_cmd(step_ms: float = 10.0, capacity: int = 16, start_s: float = 0.0) -> str:
     """The SIMULATED engine inside the real rollout worker (bench/simulated_engine.py): for tests
     whose subject is not vLLM (supervision, admission, the status page). It starts in about a
-    second instead of vLLM-CPU's 20 s to minutes, and generates `max_tokens` ordinary tokens."""
-    return f"{sys.executable} {ROOT / 'bench' / 'simulated_engine.py'} --step-ms {step_ms} --capacity {capacity}"
+    second (or after `start_s`, standing for an engine's load time) instead of vLLM-CPU's 20 s
+    to minutes, and generates `max_tokens` ordinary tokens."""
+    return (f"{sys.executable} {ROOT / 'bench' / 'simulated_engine.py'} --step-ms {step_ms} --capacity {capacity} "
+            f"--start-s {start_s}")
 
 
 def make_stack(tmp: Path, model: Path, nats_url: str, redis_url: str, simulated: bool = False, **kw) -> Stack:

@@ -180,7 +180,7 @@ def crashing(tmp_path_factory, tiny_model):
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_model, crashing):
     up = Up(tmp_path_factory.mktemp("up"), tiny_model, "--workers", "1", "--trajectory-replicas", "2",
-            "--worker-cmd", simulated_worker_cmd())
+            "--worker-cmd", simulated_worker_cmd(start_s=12.0))  # a scale lasts long enough to be seen
     try:
         wait_for(lambda: "SeamlessFlow is up" in up.output() or up.proc.poll() is not None, 300, "the stack")
         assert up.proc.poll() is None, up.output()[-3000:]
