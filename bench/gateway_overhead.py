@@ -271,6 +271,7 @@ async def run(args) -> dict:
     try:
         for k, code in enumerate(codes):
             sides.append(start_side(code or f"side{k}", code, model, tmp, args))
+            print(json.dumps({"code": sides[-1].label, "pids": sides[-1].pids}), flush=True)  # names the .prof files
         for s in sides:
             await connect(s, max(args.concurrency), args)
             for _ in range(3):  # warm up both paths (vLLM's first logprobs request is slow)
