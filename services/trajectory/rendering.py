@@ -25,6 +25,7 @@ from typing import Any
 from services.trajectory.conversation import for_template
 
 log = logging.getLogger(__name__)
+MAX_SHAPES = 4096  # conversation shapes remembered as checked
 
 
 class RenderError(ValueError):
@@ -116,6 +117,8 @@ class Renderer:
             text = None
         if agrees is None or self.always_check:
             full = self._added_by_full(history, new, tools)
+            if len(self._shapes) >= MAX_SHAPES:  # agents that send ever new tools: check those again
+                self._shapes.clear()
             self._shapes[shape] = full == text
             if full != text:
                 log.warning("the chat template renders a short history differently than the whole one for "
