@@ -14,6 +14,7 @@ A handler reaches the shared runtime as `request.app.state.gateway`.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 
@@ -25,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from services.gateway import ui
+from services.gateway import openapi, ui
 from services.gateway.edge import JSON, read_body, same_secret
 from services.gateway.errors import EXCEPTION_HANDLERS, ApiError
 from services.gateway.schemas import KeyCreate, decode
@@ -33,7 +34,9 @@ from services.gateway.service import Gateway
 from services.gateway.store import key_id
 from shared.bus import BusUnavailable, ReplyTimeout
 
-OPEN_PATHS = frozenset({"/healthz"}) | ui.OPEN_PATHS  # the page answers a login form itself
+# a worker id is one NATS subject token (services/rollout/config.py): no dots, wildcards or spaces
+WORKER_ID = re.compile(r"[A-Za-z0-9_\-:@]{1,200}")
+OPEN_PATHS = frozenset({"/healthz", "/openapi.json"}) | ui.OPEN_PATHS  # the page answers a login form itself
 
 
 class AdminAuthMiddleware:
@@ -88,6 +91,8 @@ async def steer_worker(request: Request) -> Response:
     worker_id, op = request.path_params["worker_id"], request.path_params["op"]
     if op not in ("vacate", "resume"):
         raise ApiError(404, f"unknown worker operation {op!r}; use vacate or resume", "not_found")
+    if not WORKER_ID.fullmatch(worker_id):  # one NATS subject token, or no worker has it
+        raise ApiError(404, f"no rollout worker {worker_id!r} is listening", "worker_not_found")
     try:
         status = await gw.control_worker(worker_id, op)
     except BusUnavailable:
@@ -115,6 +120,10 @@ async def metrics(request: Request) -> Response:
     return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
 
 
+async def openapi_json(request: Request) -> Response:
+    return JSON(request.app.state.openapi)
+
+
 async def healthz(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     state = await gw.health()
@@ -128,6 +137,7 @@ ROUTES: list[BaseRoute] = [
     Route("/admin/workers/{worker_id}/{op}", steer_worker, methods=["POST"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/healthz", healthz, methods=["GET"]),
+    Route("/openapi.json", openapi_json, methods=["GET"]),
     *ui.ROUTES,
 ]
 
@@ -140,4 +150,5 @@ def create_admin_app(gw: Gateway, extra_routes: Sequence[BaseRoute] = ()) -> Sta
         lifespan=lambda app: gw.lifespan(),
     )
     app.state.gateway = gw
+    app.state.openapi = openapi.admin_document(gw.cfg)
     return app

@@ -104,7 +104,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     message = {404: f"no route {request.method} {request.url.path}"}.get(exc.status_code, str(exc.detail))
-    return ApiError(exc.status_code, message, code).response()
+    # Starlette's 405 names the route's methods in `Allow` (RFC 9110 requires it): keep its headers
+    return ApiError(exc.status_code, message, code, headers=dict(exc.headers or {})).response()
 
 
 EXCEPTION_HANDLERS = {

@@ -33,17 +33,23 @@ def _body(name: str, required: bool = True) -> dict[str, Any]:
     return {"required": required, "content": {"application/json": {"schema": {"$ref": REF.format(name=name)}}}}
 
 
-def _answers(ok: str, *errors: int, stream: bool = False) -> dict[str, Any]:
-    out: dict[str, Any] = {"200": {"description": ok, "content": {"application/json": {"schema": {"type": "object"}}}}}
+_REASONS = {400: "invalid request", 401: "missing or wrong API key", 403: "needs a user key",
+            404: "unknown model, session, response, worker or scheduler", 409: "session conflict",
+            413: "body too large", 429: "a limit of the key: retry after `Retry-After` seconds",
+            503: "NATS, Redis or the trajectory manager unavailable", 504: "no answer in time"}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    return {str(status): {"description": _REASONS[status],
+                          "content": {"application/json": {"schema": {"$ref": REF.format(name="ErrorResponse")}}}}
+            for status in statuses}
+
+
+def _answers(ok: str, *errors: int, stream: bool = False, status: str = "200") -> dict[str, Any]:
+    out: dict[str, Any] = {status: {"description": ok, "content": {"application/json": {"schema": {"type": "object"}}}}}
     if stream:
-        out["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
-    reasons = {400: "invalid request", 401: "missing or wrong API key", 403: "needs a user key",
-               404: "unknown model, session or response", 409: "session conflict", 413: "body too large",
-               503: "NATS, Redis or the trajectory manager unavailable", 504: "no answer in time"}
-    for status in errors:
-        out[str(status)] = {"description": reasons[status],
-                            "content": {"application/json": {"schema": {"$ref": REF.format(name="ErrorResponse")}}}}
-    return out
+        out[status]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+    return {**out, **_errors(*errors)}
 
 
 def document(cfg: GatewayConfig) -> dict[str, Any]:
@@ -88,6 +94,39 @@ def document(cfg: GatewayConfig) -> dict[str, Any]:
             "/v1/sessions/{session_id}/finish": {"post": {
                 "operationId": "finishSession", "parameters": sid, "requestBody": _body("FinishBody", required=False),
                 "responses": _answers("session finished", *session)}},
+            "/healthz": {"get": {"operationId": "health", "security": [],
+                                 "responses": {"200": {"description": "NATS and Redis reachable"},
+                                               "503": {"description": "names what is down"}}}},
+        },
+    }
+
+
+def admin_document(cfg: GatewayConfig) -> dict[str, Any]:
+    """The admin port's document (keys, workers, hosts, metrics, health). Every operation but
+    /healthz needs the admin key; the status page (/ui) is HTML for browsers and is left out."""
+    _, components = msgspec.json.schema_components((schemas.KeyCreate, ErrorResponse), ref_template=REF)
+    worker = [{"name": "worker_id", "in": "path", "required": True, "schema": {"type": "string"}},
+              {"name": "op", "in": "path", "required": True, "schema": {"enum": ["vacate", "resume"]}}]
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "SeamlessFlow gateway (admin)", "version": "1",
+                 "description": "Operators only: never expose this port to agents."},
+        "components": {"schemas": components, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+        "paths": {
+            "/admin/keys": {"post": {
+                "operationId": "createUserKey", "requestBody": _body("KeyCreate", required=False),
+                "responses": _answers("{api_key, key_id, kind, name, created}; the key is shown once",
+                                      400, 401, 413, 503, status="201")}},
+            "/admin/workers": {"get": {"operationId": "listWorkers", "responses": _answers("{workers: [...]}", 401)}},
+            "/admin/workers/{worker_id}/{op}": {"post": {
+                "operationId": "steerWorker", "parameters": worker,
+                "responses": _answers("the worker's status", 401, 404, 504)}},
+            "/admin/hosts": {"get": {"operationId": "listHosts",
+                                     "responses": _answers("{policy, counts, hosts}", 401, 404, 504)}},
+            "/metrics": {"get": {"operationId": "metrics", "responses": {
+                "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+                **_errors(401)}}},
             "/healthz": {"get": {"operationId": "health", "security": [],
                                  "responses": {"200": {"description": "NATS and Redis reachable"},
                                                "503": {"description": "names what is down"}}}},

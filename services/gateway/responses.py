@@ -3,7 +3,7 @@
 POST /v1/responses
     1. authenticate (a session key attributes the turn to its session, as for chat)
     2. decode; with previous_response_id, load that response: it must exist and belong to the
-       caller's session (else 400, as OpenAI answers an unknown one)
+       caller (else 404)
     3. translate to the ChatRequest of a chat turn (responses_translate.py) and run it as chat.py
        runs chat turns (same liveness, cancel and resend rules), streamed or not
     4. unless `store` is false, store the response with its conversation before the agent sees
@@ -50,7 +50,9 @@ async def _previous(gw: Gateway, key: KeyRecord, response_id: str | None) -> Sto
         return None
     record = _usable(key, await _store(gw).get(response_id))
     if record is None:
-        raise ApiError(400, f"Previous response with id '{response_id}' not found.", "previous_response_not_found",
+        # 404, where OpenAI says 400: the id is well formed, what it names does not exist (or is not
+        # the caller's); a 400 would tell a schema-valid request from a bad one wrongly (schemathesis)
+        raise ApiError(404, f"Previous response with id '{response_id}' not found.", "previous_response_not_found",
                        "previous_response_id")
     return record
 

@@ -10,6 +10,7 @@ say (n must be 1, stop strings unsupported...) live in `translate.py`.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -23,7 +24,8 @@ Temperature = Annotated[float, Meta(ge=0.0, le=2.0, description="0 is greedy")]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
-TokenId = Annotated[int, Meta(ge=0)]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # OpenAI's range; the wire (msgpack) has 64 bits
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 
 
@@ -121,10 +123,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     max_tokens: PositiveInt | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    top_k: Annotated[int, Meta(ge=-1, description="-1 or 0 disables it")] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1, description="-1 or 0 disables it")] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     n: PositiveInt | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[str, Bias] | None = None
@@ -174,11 +176,57 @@ AGENT_BODIES: tuple[type, ...] = (ChatCompletionRequest, CompletionRequest, Sess
 
 
 def decode(body: bytes, tp: type[T]) -> T:
-    """Decode a JSON body as `tp`, or raise ApiError(400). An empty body counts as {}."""
+    """Decode a JSON body as `tp`, or raise ApiError(400). An empty body counts as {}.
+
+    JSON Schema counts an integer-valued number (`0.0`, `1e2`) as an integer, and /openapi.json
+    says "integer": such a value is accepted where an int is expected (msgspec alone refuses
+    it). Only the slow path pays for that: the body is decoded again only after a refusal."""
     try:
         return msgspec.json.decode(body or b"{}", type=tp)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+    except msgspec.ValidationError as e:
+        if not _INT_GOT_FLOAT.match(str(e)):
+            raise from_validation(e) from None
+        return _with_whole_floats(body, tp, e)
+    except msgspec.DecodeError as e:
         raise from_validation(e) from None
+
+
+_INT_GOT_FLOAT = re.compile(r"^Expected `int[^`]*`, got `float` - at `\$(.*)`$")
+_STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
+MAX_WHOLE_FLOATS = 64  # integer-valued floats converted in one body; past that, the refusal stands
+
+
+def _with_whole_floats(body: bytes, tp: type[T], error: msgspec.ValidationError) -> T:
+    """`body` as `tp`, each integer-valued float msgspec refused as an int made an int; or the
+    ApiError of the first refusal that is not one of those."""
+    raw: Any = msgspec.json.decode(body)
+    for _ in range(MAX_WHOLE_FLOATS):
+        m = _INT_GOT_FLOAT.match(str(error))
+        if m is None or not _make_int(raw, m.group(1)):
+            break
+        try:
+            return msgspec.convert(raw, tp)
+        except msgspec.ValidationError as e:
+            error = e
+    raise from_validation(error) from None
+
+
+def _make_int(raw: Any, path: str) -> bool:
+    """Replace the integer-valued float at `path` (msgspec's "$.a[0].b" without the "$") in place."""
+    steps: list[str | int] = [name or int(index) for name, index in _STEP.findall(path)]
+    if not steps or "".join(f".{s}" if isinstance(s, str) else f"[{s}]" for s in steps) != path:
+        return False  # a path this walk does not understand (e.g. through a dict key)
+    parent = raw
+    try:
+        for step in steps[:-1]:
+            parent = parent[step]
+        value = parent[steps[-1]]
+    except (KeyError, IndexError, TypeError):
+        return False
+    if not (isinstance(value, float) and value.is_integer()):
+        return False
+    parent[steps[-1]] = int(value)
+    return True
 
 
 def text_of(content: Content | None) -> str:

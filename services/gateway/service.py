@@ -20,6 +20,7 @@ from nats.aio.client import Client as NATS
 
 from services.gateway.board import Board
 from services.gateway.config import GatewayConfig
+from services.gateway.errors import ApiError
 from services.gateway.metrics import Metrics
 from services.gateway.store import KeyStore
 from shared import backpressure, subjects
@@ -35,6 +36,16 @@ from shared.messages.session import SessionReply, SessionRequest
 
 log = logging.getLogger(__name__)
 _warn = OncePerCause(log)
+
+
+def wire(msg: ChatRequest | SessionRequest) -> bytes:
+    """The request as sent on NATS. Free-form JSON the agent sent (tool parameters, session metadata)
+    rides in it, and msgpack has 64-bit integers only: a larger one is the agent's 400, not a 500."""
+    try:
+        return encode(msg)
+    except OverflowError:
+        raise ApiError(400, "the request holds an integer outside the 64-bit range (in tool parameters or "
+                            "metadata); send it as a string", "invalid_value") from None
 
 
 class NoProgress(ReplyTimeout):
@@ -139,7 +150,7 @@ class Gateway:
         then within `idle_timeout` of the previous text: otherwise ReplyTimeout (504).
         """
         cfg = self.cfg
-        payload = encode(req)
+        payload = wire(req)
         progress = time.monotonic()
         limit, what = cfg.first_token_timeout, "first token"
         for attempt in range(cfg.resend_attempts + 1):
@@ -184,7 +195,7 @@ class Gateway:
         again, at most `resend_attempts` times: get, reward and finish are idempotent; a repeated
         create may leave one unused session open, which admission stops counting after its
         timeout."""
-        payload = encode(req)
+        payload = wire(req)
         for attempt in range(self.cfg.resend_attempts + 1):
             try:
                 data = await request(self.nc, subjects.session_op(req.op), payload, self.cfg.session_timeout)

@@ -16,6 +16,7 @@ the "developer" role is forwarded as "system".
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -38,6 +39,8 @@ from shared.messages.rollout import Sampling
 
 COMPLETIONS_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions
 MAX_STOPS = 4  # OpenAI's limit on stop strings
+MAX_TOKEN_ID = 2**31 - 1
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
 
 
 def check_model(model: str, served: str) -> None:
@@ -57,7 +60,7 @@ def sampling(p: SamplingParams, max_tokens: int | None, default_max_tokens: int,
                             f"length is {max_context} tokens", "context_length_exceeded", "max_tokens")
     bias: dict[int, float] = {}
     for token, value in (p.logit_bias or {}).items():
-        if not token.isdigit():
+        if not _TOKEN_ID.fullmatch(token) or int(token) > MAX_TOKEN_ID:  # ASCII digits only: "²".isdigit()
             raise ApiError(400, f"logit_bias keys must be token ids, got {token!r}", "invalid_value", "logit_bias")
         bias[int(token)] = value
     fields: dict[str, Any] = {

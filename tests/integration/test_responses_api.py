@@ -211,9 +211,9 @@ def test_bad_input_is_typed_never_5xx(stack):
     a, b = new_session(stack), new_session(stack)
     mine, theirs = sdk(stack, a["api_key"]), sdk(stack, b["api_key"])
     r = mine.responses.create(model=MODEL, input="hi", max_output_tokens=4)
-    with pytest.raises(openai.BadRequestError, match="not found"):
+    with pytest.raises(openai.NotFoundError, match="not found"):
         theirs.responses.create(model=MODEL, input="x", previous_response_id=r.id, max_output_tokens=4)
-    with pytest.raises(openai.BadRequestError, match="not found"):
+    with pytest.raises(openai.NotFoundError, match="not found"):
         mine.responses.create(model=MODEL, input="x", previous_response_id="resp_unknown", max_output_tokens=4)
     with pytest.raises(openai.NotFoundError):
         theirs.responses.retrieve(r.id)

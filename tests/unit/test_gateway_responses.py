@@ -375,7 +375,7 @@ OK = {"model": MODEL, "input": "fine"}
     ({**OK, "max_output_tokens": 0}, 400, "max_output_tokens", "invalid_value"),
     ({**OK, "max_output_tokens": 5000}, 400, "max_output_tokens", "context_length_exceeded"),
     ({**OK, "model": "gpt-4o"}, 404, "model", "model_not_found"),
-    ({**OK, "previous_response_id": "resp_nope"}, 400, "previous_response_id", "previous_response_not_found"),
+    ({**OK, "previous_response_id": "resp_nope"}, 404, "previous_response_id", "previous_response_not_found"),
 ])
 async def test_bad_input_is_a_typed_error(h, body, status, param, code):
     async with h.http() as http:
@@ -390,7 +390,7 @@ async def test_another_sessions_response_is_not_found(h):
     mine, theirs = h.sdk(h.session_key("sess-a")), h.sdk(h.session_key("sess-b"))
     r = await mine.responses.create(model=MODEL, input="secret")
     assert h.manager.requests[-1].session_id == "sess-a"
-    with pytest.raises(openai.BadRequestError, match="not found") as info:
+    with pytest.raises(openai.NotFoundError, match="not found") as info:
         await theirs.responses.create(model=MODEL, input="x", previous_response_id=r.id)
     assert info.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.NotFoundError):
@@ -404,7 +404,7 @@ async def test_store_false_is_stateless(h):
     assert r.store is False and not [k for k in h.redis.data if k.startswith("sf:resp:")]
     with pytest.raises(openai.NotFoundError):
         await h.sdk().responses.retrieve(r.id)
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.NotFoundError):
         await h.sdk().responses.create(model=MODEL, input="y", previous_response_id=r.id)
 
 

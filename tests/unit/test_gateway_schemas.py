@@ -222,3 +222,35 @@ def test_openapi_is_generated_from_the_request_structs():
 def test_logprobs_are_asked_for_on_the_wire():
     assert translate.chat_request(chat(logprobs=True), "r", "", CFG).logprobs
     assert not translate.chat_request(chat(), "r", "", CFG).logprobs
+
+
+# --- what schema fuzzing found (tests/integration/test_gateway_fuzz.py) ----------------------------
+
+def test_integer_valued_numbers_are_integers_as_json_schema_says():
+    req = chat(top_logprobs=0.0, n=1.0, max_tokens=1e1, stop_token_ids=[1.0, 2])
+    assert (req.top_logprobs, req.n, req.max_tokens, req.stop_token_ids) == (0, 1, 10, [1, 2])
+    assert all(type(v) is int for v in (req.top_logprobs, req.n, req.max_tokens, *req.stop_token_ids))
+    e = rejected(chat, top_logprobs=0.5)
+    assert (e.status, e.param, e.code) == (400, "top_logprobs", "invalid_type")
+    e = rejected(chat, top_logprobs=30.0)  # made an int, then out of range: that is the error shown
+    assert (e.status, e.param, e.code) == (400, "top_logprobs", "invalid_value") and "<= 20" in e.message
+    e = rejected(chat, seed=2.0, temperature="hot")
+    assert e.param == "temperature"
+
+
+def test_integers_fit_the_wire():
+    for field, value in (("seed", 2**63), ("top_k", 2**31), ("stop_token_ids", [2**31])):
+        assert rejected(chat, **{field: value}).status == 400
+    for key in ("\u00b2", "99999999999", "-1", "1.5"):  # "²".isdigit() is True
+        e = rejected(translate.chat_request, chat(logit_bias={key: 1}), "r", "", CFG)
+        assert (e.status, e.param) == (400, "logit_bias")
+
+
+def test_a_huge_integer_in_free_form_json_is_a_400_not_a_500():
+    from services.gateway.service import wire
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"maximum": 2**70}}}
+    req = translate.chat_request(chat(tools=[tool]), "r", "", CFG)
+    e = rejected(wire, req)
+    assert (e.status, e.code) == (400, "invalid_value")
+    assert wire(translate.chat_request(chat(), "r", "", CFG))

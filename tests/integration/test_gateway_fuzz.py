@@ -1,0 +1,84 @@
+"""Schema fuzzing: schemathesis (`st run --checks all`, as a new user would run it) against the
+gateway's own /openapi.json, on the agent port and on the admin port.
+
+The gateway is real (uvicorn, nats-py, redis-py); only the trajectory manager is faked, at the
+NATS edge (test_gateway_api.FakeTrajectory). Every check must pass and no answer may be a 5xx.
+Bounded: a fixed seed and a few examples per operation keep each run well under a minute.
+
+    .venv/bin/pytest tests/integration/test_gateway_fuzz.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from seamlessflow import servers
+from shared.config import Connections
+from tests.integration.test_gateway_api import ADMIN_KEY, USER_KEY, FakeTrajectory, run_gateway
+
+pytestmark = pytest.mark.integration
+
+ST = Path(sys.executable).with_name("st")
+EXAMPLES = 20  # per operation and phase: enough to find today's bugs, bounded in time
+RUN_TIMEOUT = 120  # seconds for one `st run`; it takes ~20 s on 2 cores
+
+
+@pytest.fixture(scope="module")
+def fuzz_nats(tmp_path_factory):
+    port = servers.free_port()
+    proc = servers.start_nats(port, tmp_path_factory.mktemp("fuzz-nats"))
+    yield f"nats://127.0.0.1:{port}"
+    servers.stop(proc)
+
+
+@pytest.fixture(scope="module")
+async def gw(fuzz_nats, redis_url):
+    fake = await FakeTrajectory(fuzz_nats).start()
+    try:
+        async with run_gateway(Connections(nats_url=fuzz_nats, redis_url=redis_url), first_token_timeout=5,
+                               idle_timeout=5, silence_timeout=1.0, resend_attempts=1) as running:
+            yield running
+    finally:
+        await fake.stop()
+
+
+async def st_run(base: str, key: str, tmp: Path) -> tuple[int, str]:
+    """`st run` against `base`/openapi.json; (exit code, its output)."""
+    proc = await asyncio.create_subprocess_exec(
+        str(ST), "run", f"{base}/openapi.json", "--checks", "all", "--header", f"Authorization: Bearer {key}",
+        "--max-examples", str(EXAMPLES), "--seed", "11", "--generation-database", "none", "--no-color",
+        "--workers", "1", "--request-timeout", "20", "--report-dir", str(tmp),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=tmp,
+        env={**os.environ, "SCHEMATHESIS_HOOKS": ""})
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), RUN_TIMEOUT)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    return proc.returncode, out.decode(errors="replace")
+
+
+async def test_agent_api_passes_every_schemathesis_check(gw, tmp_path):
+    code, out = await st_run(gw.agent, USER_KEY, tmp_path)
+    assert code == 0, out  # a 5xx fails the not_a_server_error check, so the run too
+
+
+async def test_admin_api_passes_every_schemathesis_check(gw, tmp_path):
+    code, out = await st_run(gw.admin, ADMIN_KEY, tmp_path)
+    assert code == 0, out
+
+
+async def test_a_wrong_method_is_405_with_allow(gw):
+    """What `st run` found first: RFC 9110 requires `Allow` on a 405."""
+    async with gw.http() as http:
+        r = await http.request("TRACE", "/v1/sessions")
+        assert r.status_code == 405 and r.headers["allow"] == "POST", r.headers
+        assert r.json()["error"]["code"] == "method_not_allowed"
+        r = await http.delete("/v1/models")
+        assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == {"GET", "HEAD"}
