@@ -32,6 +32,7 @@ from services.scheduler.sim_workload import (
 )
 
 POLICIES = ("colocated", "disaggregated", "seamless")
+DEFAULT_MARGIN = 1.5  # the scheduler's default lend_margin (SF_SCHEDULER_LEND_MARGIN)
 MAX_SIM_HOSTS = 128  # above this, hosts are simulated in identical groups
 MAX_SIM_SESSIONS = 8192  # above this, each simulated session stands for several
 
@@ -93,12 +94,13 @@ class Plan:
 
 
 def plan(hosts: int, cal: Calibration, wl: Workload, steps: int, sweep_steps: int = 20,
-         train_hosts: int | None = None, margins=(1.0, 1.5, 3.0), progress=None, workload_name: str = "",
+         train_hosts: int | None = None, margins=(1.0, DEFAULT_MARGIN, 3.0), progress=None, workload_name: str = "",
          workers: int = 0) -> Plan:
     """Sweep the split, try the lending thresholds at the best one, then run the three
     policies there for `steps` steps. Runs that do not depend on each other go to `workers`
     processes (0 = one per core): colocated and disaggregated need the split but not the
-    threshold, so they run beside the threshold trials; the long seamless run goes last."""
+    threshold, so they run beside the threshold trials, and so does seamless at the default
+    threshold (run again at the winning one if that differs)."""
     t0 = time.perf_counter()
     grid = [train_hosts] if train_hosts else splits(hosts)
     tick = progress or (lambda *a, **k: None)
@@ -109,10 +111,15 @@ def plan(hosts: int, cal: Calibration, wl: Workload, steps: int, sweep_steps: in
                                        for pol in ("disaggregated", "seamless")}} for t in grid]
         best = max(sweep, key=lambda r: r["seamless"])["train_hosts"]
         static = {pol: pool.submit(pol, hosts, best, cal, wl, steps, pol) for pol in ("colocated", "disaggregated")}
+        # seamless at the default threshold starts now too; it is run again only if a trial beats it
+        last = pool.submit("seamless", hosts, best, cal, wl, steps, "seamless", DEFAULT_MARGIN)
         trials = {mg: pool.submit("seamless", hosts, best, cal, wl, sweep_steps, "margin", mg) for mg in margins}
         tried = [{"lend_margin": mg, "seamless": pool.result(f)["trained_tok_s"]} for mg, f in trials.items()]
         margin = max(tried, key=lambda r: r["seamless"])["lend_margin"]
-        last = pool.submit("seamless", hosts, best, cal, wl, steps, "seamless", margin)
+        if margin != DEFAULT_MARGIN:
+            pool.result(last)
+            tick("seamless", -steps)  # the bar takes those steps back
+            last = pool.submit("seamless", hosts, best, cal, wl, steps, "seamless", margin)
         rows = {pol: pool.result(f) for pol, f in static.items()} | {"seamless": pool.result(last)}
     results = [rows[pol] for pol in POLICIES]
     return Plan(hosts, cal.name, workload_name, best, margin, sweep, tried, results, time.perf_counter() - t0)
@@ -172,7 +179,7 @@ class _Pool:
             self.ex.shutdown(wait=True, cancel_futures=True)
 
     def submit(self, policy: str, hosts: int, train_hosts: int, cal: Calibration, wl: Workload, steps: int,
-               label: str, lend_margin: float = 1.5):
+               label: str, lend_margin: float = DEFAULT_MARGIN):
         args = (policy, hosts, train_hosts, cal, wl, steps, label, lend_margin)
         if self.ex is None:
             row = _run_row(*args)
