@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from seamlessflow import servers
 from seamlessflow.stack import Proc, Stack, StackOptions
+from shared.config import connections
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,22 +68,28 @@ class FaultStack:
     # -- the stack -------------------------------------------------------------------------------
 
     def start(self, workers: int = 2, trainer: bool = True) -> "FaultStack":
-        self.stack.start()
+        """Spawn everything at once (NATS and Redis first), then wait until each is ready."""
+        self.stack.start(wait=False)
         try:
-            procs = [self.spawn_worker(f"rollout-{i}") for i in range(workers)]
+            for i in range(workers):
+                self.spawn_worker(f"rollout-{i}")
             if trainer:
-                procs.append(self.spawn_trainer())
-            for p in procs:
+                self.spawn_trainer()
+            for p in list(self.stack.procs):
                 self.stack.wait_ready(p)
         except BaseException:
-            self.stack.stop(timeout=10)
+            self.stop()
             raise
+        self.conn = connections({"SF_NATS_URL": self.stack.nats_url, "SF_REDIS_URL": self.stack.redis_url})
         return self
 
     def stop(self) -> None:
-        for p in self.stack.procs:  # a paused process would sit out its SIGTERM
+        """Everything at once (no state worth a drain is left), then whatever is left of each group."""
+        procs = list(self.stack.procs)
+        for p in procs:  # a paused process would sit out its SIGTERM
             _signal(p, signal.SIGCONT)
-        self.stack.stop(timeout=10)
+        self.stack.terminate([p for p in procs if p.name not in ("nats", "redis")], timeout=5)
+        self.stack.stop(timeout=5)
 
     def spawn_worker(self, name: str) -> Proc:
         argv = [sys.executable, str(ROOT / "bench" / "simulated_engine.py"), "--worker-id", name,
@@ -112,6 +120,17 @@ class FaultStack:
     def proc(self, name: str) -> Proc:
         return next(p for p in self.stack.procs if p.name == name)
 
+    def child_pid(self, name: str) -> int:
+        """The pid of a service's child process (a host agent's resident worker)."""
+        parent = self.proc(name).popen.pid
+        for d in Path("/proc").iterdir():
+            try:
+                if d.name.isdigit() and int((d / "stat").read_text().rpartition(")")[2].split()[1]) == parent:
+                    return int(d.name)
+            except (OSError, ValueError, IndexError):
+                continue
+        raise AssertionError(f"{name} (pid {parent}) has no child process")
+
     # -- faults ----------------------------------------------------------------------------------
 
     def begin(self, name: str, unreachable: bool = False) -> Fault:
@@ -137,13 +156,28 @@ class FaultStack:
         return new
 
     def kill_and_restart(self, name: str, sig: int = signal.SIGKILL, down_s: float = 0.0,
-                         unreachable: bool = False) -> Fault:
+                         unreachable: bool = False, wait: bool = True) -> Fault:
+        """Kill, then start again. Without `wait` the restart runs on a thread while the agents go
+        on (what the rest of the stack does meanwhile is the point); `fault.t1` is set once it is
+        ready, and `whole` waits for that."""
         fault = self.begin(f"{signal.Signals(sig).name} {name}", unreachable)
         p = self.kill(name, sig)
-        time.sleep(down_s)
-        self.restart(p)
-        fault.t1 = time.time()
+
+        def restart() -> None:
+            time.sleep(down_s)
+            self.restart(p)
+            fault.t1 = time.time()
+
+        if wait:
+            restart()
+        else:
+            threading.Thread(target=restart, daemon=True, name=f"restart-{name}").start()
         return fault
+
+    @staticmethod
+    def whole(fault: Fault, timeout: float = 90.0) -> None:
+        """Wait until what the fault took down is ready again."""
+        wait_for(lambda: fault.t1 != float("inf"), timeout, f"the end of {fault.name}", every=0.2)
 
     def pause(self, name: str, seconds: float) -> Fault:
         """SIGSTOP a service for `seconds`, then SIGCONT: alive, but silent meanwhile."""
