@@ -221,10 +221,17 @@ class TurnHandler:
             raise TurnError(400, "context_length_exceeded",
                             f"the prompt is {len(prompt.ids)} tokens; this model's context window is "
                             f"{max_len} tokens")
+        if req.max_prompt_tokens and len(prompt.ids) > req.max_prompt_tokens:  # the gateway's limit
+            raise TurnError(400, "prompt_too_long",
+                            f"the prompt is {len(prompt.ids)} tokens; this gateway accepts at most "
+                            f"{req.max_prompt_tokens} (SF_GATEWAY_MAX_PROMPT_TOKENS)")
         state = InFlight(look.session_id, look.turn_id, prompt.ids, prompt.new_ids, prompt.parent,
                          prompt.new_messages, prompt.request_key, prompt.raw)
         if not await self.store.begin_request(rid, state, owner, LEASE_MS):
-            raise TurnError(409, "duplicate_request", f"request {rid} is already running")
+            # another copy began it first (the gateway re-sent it while this replica was paused before
+            # it began, found by tests/faults): wait for that copy like any re-send, or take over from it
+            prompt, partial, turn_id = await self._resume(rid, owner)
+            return prompt, partial, turn_id, None
         return prompt, None, look.turn_id, look.meta.get("worker")
 
     async def _pick(self, sticky: str | None, exclude: frozenset[str], expected_tokens: float | None = None) -> str:

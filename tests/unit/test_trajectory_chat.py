@@ -238,6 +238,18 @@ async def test_a_resent_copy_on_the_same_replica_waits_for_the_first(renderer):
     assert done2 == done1 and len(store.saved) == 1  # one turn, the first copy's
 
 
+async def test_two_copies_that_both_begin_a_request_give_one_turn(renderer):
+    # found by tests/faults: a replica paused before it began a request, then continued, and its copy of
+    # the gateway's re-send answered the agent 409 "already running" instead of the first copy's result
+    store = FakeStore()
+    sid = await store.create_session()
+    h = TurnHandler(TrajectoryConfig(worker_wait=2, resume_wait=10), store, renderer, table(),
+                    worker(renderer, "a long answer " * 5, delay=0.005))
+    (done1, _), (done2, _) = await asyncio.wait_for(asyncio.gather(run(h, request("r8", sid)),
+                                                                   run(h, request("r8", sid))), 10)
+    assert done1 == done2 and len(store.saved) == 1
+
+
 async def test_a_lease_that_lapsed_but_nobody_took_is_taken_back_and_the_turn_goes_on(renderer, monkeypatch):
     """Seen live on a loaded box: the event loop stalled past the 3 s lease, the key expired, and
     the replica abandoned a turn no other replica had taken (the agent waited for a re-send)."""
