@@ -32,6 +32,9 @@ class ChatRequest(msgspec.Struct, tag=True, omit_defaults=True):
     # (they double as liveness); if the agent does not stream, they are persisted in chunks and sent
     # as progress only now and then.
     agent_streams: bool = True
+    # The longest prompt, in tokens, the gateway accepts (SF_GATEWAY_MAX_PROMPT_TOKENS); 0: only the
+    # model's context window. The trajectory manager checks it: only it tokenizes.
+    max_prompt_tokens: int = 0
 
 
 class ToolCall(msgspec.Struct, omit_defaults=True):
