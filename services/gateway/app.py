@@ -29,13 +29,13 @@ def _model(gw: Gateway) -> dict:
 
 async def list_models(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    await authenticate(request, gw.keys)
+    await authenticate(request, gw.keys, gw.limiter)
     return JSON({"object": "list", "data": [_model(gw)]})
 
 
 async def get_model(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    await authenticate(request, gw.keys)
+    await authenticate(request, gw.keys, gw.limiter)
     name = request.path_params["model"]
     if name != gw.cfg.model:
         raise ApiError(404, f"The model `{name}` does not exist; this gateway serves `{gw.cfg.model}`.",

@@ -1,7 +1,8 @@
 """/v1/chat/completions and /v1/completions: one turn, forwarded to the trajectory manager.
 
-    1. authenticate (a session key attributes the turn to its session)
-    2. read the body within the size limit, decode, validate -> ChatRequest
+    1. authenticate (a session key attributes the turn to its session); the tenant's rate limit
+    2. read the body within the size limit, decode, validate -> ChatRequest; the turn's size limits,
+       then a place among the tenant's turns in flight (limits.py), held until the turn ends
     3. send it on sf.chat and wait for the first reply, watching for the client to go away
     4. non-streaming: collect up to ChatDone -> one JSON response
        streaming: the first reply decides the HTTP status (an early ChatFailed is a plain
@@ -27,12 +28,15 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from services.gateway import limits
 from services.gateway import openai_format as fmt
 from services.gateway import translate
 from services.gateway.edge import JSON, ClientGone, authenticate, read_body, unless_disconnected
 from services.gateway.errors import ApiError, from_exception
+from services.gateway.limits import Permit
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, decode
 from services.gateway.service import Gateway
+from services.gateway.store import KeyRecord
 from shared.bus import BusUnavailable, ReplyTimeout
 from shared.messages.chat import ChatDelta, ChatDone, ChatFailed, ChatReply, ChatRequest
 
@@ -60,9 +64,10 @@ def failed(reply: ChatFailed) -> ApiError:
 
 
 class Turn:
-    """One request's bookkeeping: ids, timing and the first-token metric."""
+    """One request's bookkeeping: ids, timing, the first-token metric and its place among its
+    tenant's turns in flight (`release`d once it ends, however it ends)."""
 
-    def __init__(self, gw: Gateway, kind: Kind, chat: ChatRequest) -> None:
+    def __init__(self, gw: Gateway, kind: Kind, chat: ChatRequest, permit: Permit | None = None) -> None:
         self.gw = gw
         self.kind = kind
         self.chat = chat
@@ -70,6 +75,19 @@ class Turn:
         self.created = int(time.time())
         self.id = _ID_PREFIX[kind] + chat.request_id
         self._first = False
+        self.permit = permit
+
+    @classmethod
+    def admit(cls, gw: Gateway, kind: Kind, chat: ChatRequest, key: KeyRecord) -> "Turn":
+        """A turn within the limits (limits.py): its size (400), then a place among the tenant's
+        turns in flight (429). The prompt-token limit rides on the request, to the tokenizer."""
+        limits.check_turn(chat, gw.turn_limits, kind)
+        chat.max_prompt_tokens = gw.cfg.max_prompt_tokens
+        return cls(gw, kind, chat, gw.limiter.acquire(key.owner, time.monotonic()))
+
+    def release(self) -> None:
+        if self.permit is not None:
+            self.permit.release()
 
     def saw(self, reply: ChatReply) -> None:
         if not self._first and (isinstance(reply, ChatDone) or (isinstance(reply, ChatDelta) and reply.text)):
@@ -96,7 +114,7 @@ async def _serve(request: Request, kind: Literal["chat", "completion"]) -> Respo
     gw: Gateway = request.app.state.gateway
     cfg = gw.cfg
     # 1.-2.
-    key = await authenticate(request, gw.keys)
+    key = await authenticate(request, gw.keys, gw.limiter)
     body = await read_body(request, cfg.max_body_bytes)
     request_id = uuid.uuid4().hex
     if kind == "chat":
@@ -105,18 +123,36 @@ async def _serve(request: Request, kind: Literal["chat", "completion"]) -> Respo
     else:
         req = decode(body, CompletionRequest)
         chat = translate.completion_request(req, request_id, key.session_id, cfg)
-    turn = Turn(gw, kind, chat)
+    turn = Turn.admit(gw, kind, chat, key)
     headers = {"x-request-id": request_id}
+    claim = claimer(gw, key)
     try:
         if req.stream:
             chunks = fmt.ChunkStream(kind, turn.id, turn.created, chat.model, translate.wants_usage(req),
                                      chat.session_id)
-            return await stream(request, turn, chunks, headers)
+            return await stream(request, turn, chunks, headers, on_done=claim)
         done = await collect(request, turn)
+        if claim is not None:
+            await claim(done)
     except ClientGone:
         return Response(status_code=499)  # nobody is listening; uvicorn drops it
+    except BaseException:
+        turn.release()  # collect and stream release it themselves; this covers what runs before them
+        raise
     build = fmt.chat_completion if kind == "chat" else fmt.text_completion
     return JSON(build(turn.id, turn.created, chat.model, done, chat.session_id), headers=headers)
+
+
+def claimer(gw: Gateway, key: KeyRecord) -> OnDone | None:
+    """A user key's turn runs in a one-off session the trajectory manager creates: record it as the
+    tenant's, so that this user key (and no other) may read it. A session key's session has its owner."""
+    if key.kind != "user":
+        return None
+
+    async def claim(done: ChatDone) -> None:
+        if done.session_id:
+            await gw.keys.claim_session(done.session_id, key.owner)
+    return claim
 
 
 async def collect(request: Request, turn: Turn) -> ChatDone:
@@ -138,6 +174,8 @@ async def collect(request: Request, turn: Turn) -> ChatDone:
     except ReplyTimeout:
         await turn.cancel("timeout")
         raise
+    finally:
+        turn.release()
 
 
 async def stream(request: Request, turn: Turn, chunks: EventFormat, headers: dict[str, str],
@@ -177,9 +215,12 @@ class _Live:
         self._closed = True
         # Also runs inside a cancelled scope (the client went away): shield the clean-up.
         with anyio.CancelScope(shield=True):
-            if not self.finished:
-                await self.turn.cancel(reason)
-            await self.stack.aclose()
+            try:
+                if not self.finished:
+                    await self.turn.cancel(reason)
+                await self.stack.aclose()
+            finally:
+                self.turn.release()
 
 
 async def _events(live: _Live, chunks: EventFormat, first: ChatReply, replies: AsyncIterator[ChatReply],

@@ -37,6 +37,19 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     session_timeout: float = 10.0  # seconds for one session request/reply
     max_tokens_default: int = 256  # chat completions without max_tokens
     max_context: int = 2048  # quick check only; the trajectory manager does the exact one
+    # Limits per tenant (a user key with the session keys it minted), per gateway process; 0 = off.
+    # The defaults stop a runaway agent loop, never one laptop's real work (bench/gateway_overhead.py,
+    # 64 sessions of one user key, runs ~120 turns/s): 429 with Retry-After past them.
+    rate_limit: float = 1000.0  # requests per second (a token bucket)
+    rate_burst: int = 2000  # requests at once after a quiet spell
+    max_concurrent: int = 1024  # turns (chat, completions, responses) in flight
+    # The size of one turn; 0 = off. A larger one is a 400 naming the field.
+    max_messages: int = 2048  # messages (or input items) in one request
+    max_tools: int = 128  # tools in one request (OpenAI's own limit)
+    max_tokens_limit: int = 32768  # the largest max_tokens / max_completion_tokens / max_output_tokens
+    # the longest prompt in tokens, checked by the trajectory manager (which tokenizes); 0 = the
+    # model's context window only
+    max_prompt_tokens: int = 0
     redis_timeout: float = 2.0  # socket timeout per Redis call, so an outage answers 503 fast
     key_cache_seconds: float = 2.0  # a key found in Redis is trusted this long without asking again (0: never)
     session_key_ttl: int = 7 * 24 * 3600  # seconds a session API key (and a stored response) stays valid

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -13,6 +14,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from services.gateway.errors import ApiError
+from services.gateway.limits import Limiter
 from services.gateway.store import KeyRecord, KeyStore
 
 T = TypeVar("T")
@@ -64,11 +66,13 @@ def bearer(request: Request) -> str:
     return key
 
 
-async def authenticate(request: Request, keys: KeyStore) -> KeyRecord:
-    """The caller's key record (user or session key), or 401. Redis down -> StoreUnavailable (503)."""
+async def authenticate(request: Request, keys: KeyStore, limiter: Limiter) -> KeyRecord:
+    """The caller's key record (user or session key), or 401; then one request of its tenant's
+    rate (429 past it). Redis down -> StoreUnavailable (503)."""
     record = await keys.lookup(bearer(request))
     if record is None:
         raise ApiError(401, "Incorrect API key provided.", "invalid_api_key")
+    limiter.check_rate(record.owner, time.monotonic())
     return record
 
 

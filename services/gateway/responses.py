@@ -9,7 +9,8 @@ POST /v1/responses
     4. unless `store` is false, store the response with its conversation before the agent sees
        its end (a next turn may name it at once); a user key's turns continue in the session
        of the response they name
-GET /v1/responses/{id}: a stored response, to the keys that may use its session (else 404).
+GET /v1/responses/{id}: a stored response, to the keys of its tenant: its session's key, the user key
+whose turn or session it was (else 404, as for an unknown id).
 
 The gateway knows nothing of turns or tokens here either: the trajectory manager matches
 the translated conversation to its prefix tree exactly as it matches a chat conversation.
@@ -24,7 +25,7 @@ from starlette.responses import Response
 
 from services.gateway import responses_format as fmt
 from services.gateway import responses_translate as rt
-from services.gateway.chat import Turn, collect, stream
+from services.gateway.chat import Turn, claimer, collect, stream
 from services.gateway.edge import JSON, ClientGone, authenticate, read_body
 from services.gateway.errors import ApiError
 from services.gateway.responses_schemas import ResponseCreateRequest
@@ -39,10 +40,12 @@ def _store(gw: Gateway) -> ResponseStore:
 
 
 def _usable(key: KeyRecord, record: StoredResponse | None) -> StoredResponse | None:
-    """The record, if this key may use it: a session key only its own session's responses."""
-    if record is None or (key.kind == "session" and record.session_id != key.session_id):
+    """The record, if this key may use it: a session key only its own session's responses, a user
+    key only its tenant's (its own turns' and its sessions'). Anything else is "not found"."""
+    if record is None:
         return None
-    return record
+    mine = record.session_id == key.session_id if key.kind == "session" else record.owner == key.owner
+    return record if mine else None
 
 
 async def _previous(gw: Gateway, key: KeyRecord, response_id: str | None) -> StoredResponse | None:
@@ -60,20 +63,24 @@ async def _previous(gw: Gateway, key: KeyRecord, response_id: str | None) -> Sto
 async def create(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     # 1.-2.
-    key = await authenticate(request, gw.keys)
+    key = await authenticate(request, gw.keys, gw.limiter)
     req = decode(await read_body(request, gw.cfg.max_body_bytes), ResponseCreateRequest)
     previous = await _previous(gw, key, req.previous_response_id)
     # 3.
     session_id = key.session_id or (previous.session_id if previous else "")
     plan = rt.chat_request(req, uuid.uuid4().hex, session_id, gw.cfg, previous.conversation if previous else [])
-    turn = Turn(gw, "response", plan.chat)
+    turn = Turn.admit(gw, "response", plan.chat, key)
     shape = fmt.Shape(turn.id, turn.created, plan.chat.model, req, session_id)
+
+    claim = claimer(gw, key)
 
     async def keep(done: ChatDone, message: bool = False) -> None:  # 4.
         shape.session_id = done.session_id or session_id
+        if claim is not None:
+            await claim(done)
         if req.store is not False:
             record = StoredResponse(shape.session_id, done.turn_id, plan.conversation + [rt.reply_message(done)],
-                                    shape.response(done, message))
+                                    shape.response(done, message), owner=key.owner)
             await _store(gw).put(turn.id, record)
 
     headers = {"x-request-id": plan.chat.request_id}
@@ -84,13 +91,16 @@ async def create(request: Request) -> Response:
         done = await collect(request, turn)
     except ClientGone:
         return Response(status_code=499)  # nobody is listening; uvicorn drops it
+    except BaseException:
+        turn.release()  # collect and stream release it themselves; this covers what runs before them
+        raise
     await keep(done)
     return JSON(shape.response(done), headers=headers)
 
 
 async def retrieve(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    key = await authenticate(request, gw.keys)
+    key = await authenticate(request, gw.keys, gw.limiter)
     response_id = request.path_params["response_id"]
     record = _usable(key, await _store(gw).get(response_id))
     if record is None:

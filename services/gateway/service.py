@@ -21,6 +21,7 @@ from nats.aio.client import Client as NATS
 from services.gateway.board import Board
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError
+from services.gateway.limits import Limiter, TurnLimits
 from services.gateway.metrics import Metrics
 from services.gateway.store import KeyStore
 from shared import backpressure, subjects
@@ -61,6 +62,8 @@ class Gateway:
         self.cfg = cfg
         self.conn = conn
         self.metrics = Metrics()
+        self.limiter = Limiter(cfg.rate_limit, cfg.rate_burst, cfg.max_concurrent)
+        self.turn_limits = TurnLimits(cfg.max_messages, cfg.max_tools, cfg.max_tokens_limit)
         self.store: KeyStore | None = None
         self._nc: NATS | None = None
         self._connecting: asyncio.Task | None = None

@@ -1,8 +1,10 @@
 """/v1/sessions: create a session (and its API key), reward it, finish it, read its trajectory.
 
 The trajectory manager owns sessions (sf.session.<op>); the gateway owns the keys.
-A user key may act on any session; a session key only on its own (any other
-session is "not found" to it, so keys cannot probe for sessions).
+A session belongs to the tenant that created it (the user key, `KeyRecord.owner`): that user key
+and the session's own key may act on it. Any other session is "not found" to a key, even one that
+exists, so keys cannot probe for other tenants' sessions. The trainer and the CLI read sessions
+from Redis, not through here.
 """
 
 from __future__ import annotations
@@ -41,8 +43,11 @@ def _not_found(session_id: str) -> ApiError:
     return ApiError(404, f"session {session_id} not found", "session_not_found")
 
 
-def _may_use(key: KeyRecord, session_id: str) -> None:
-    if key.kind == "session" and key.session_id != session_id:
+async def _may_use(gw: Gateway, key: KeyRecord, session_id: str) -> None:
+    if key.kind == "session":
+        if key.session_id != session_id:
+            raise _not_found(session_id)
+    elif await gw.keys.session_owner(session_id) != key.owner:
         raise _not_found(session_id)
 
 
@@ -54,7 +59,7 @@ def _finite(reward: float | None) -> float | None:
 
 async def create(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    key = await authenticate(request, gw.keys)
+    key = await authenticate(request, gw.keys, gw.limiter)
     if key.kind != "user":
         raise ApiError(403, "creating a session needs a user API key, not a session key", "user_key_required")
     body = decode(await read_body(request, gw.cfg.max_body_bytes), SessionCreate)
@@ -62,7 +67,7 @@ async def create(request: Request) -> Response:
         op="create", group_id=body.group_id or "", metadata=body.metadata or {})))
     if not reply.session_id:
         raise ApiError(502, "the trajectory manager created a session without an id", "upstream_error")
-    api_key = await gw.keys.add_session_key(reply.session_id)
+    api_key = await gw.keys.add_session_key(reply.session_id, key.owner)
     gw.session_event("created")
     # The manager's extras (e.g. policy_version) pass through; the key is shown this once.
     return JSON({**reply.body, "id": reply.session_id, "object": "session", "api_key": api_key,
@@ -71,9 +76,9 @@ async def create(request: Request) -> Response:
 
 async def get(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    key = await authenticate(request, gw.keys)
+    key = await authenticate(request, gw.keys, gw.limiter)
     session_id = request.path_params["session_id"]
-    _may_use(key, session_id)
+    await _may_use(gw, key, session_id)
     reply = _check(await gw.session(SessionRequest(op="get", session_id=session_id)), session_id)
     return JSON(reply.body)
 
@@ -81,9 +86,9 @@ async def get(request: Request) -> Response:
 async def _settle(request: Request, op: str, body_type: type, status: str) -> Response:
     """reward and finish: the same checks, one op name apart."""
     gw: Gateway = request.app.state.gateway
-    key = await authenticate(request, gw.keys)
+    key = await authenticate(request, gw.keys, gw.limiter)
     session_id = request.path_params["session_id"]
-    _may_use(key, session_id)
+    await _may_use(gw, key, session_id)
     body = decode(await read_body(request, gw.cfg.max_body_bytes), body_type)
     value = _finite(body.reward)
     reply = _check(await gw.session(SessionRequest(op=op, session_id=session_id, reward=value)), session_id)

@@ -1,8 +1,13 @@
 """API keys and stored responses in Redis: the only gateway module that touches Redis.
 
 A key is never stored, only its SHA-256: `sf:key:<sha256 hex>` -> JSON
-{"kind": "user"|"session", "session_id": ..., "created": ..., "name": ...}.
+{"kind": "user"|"session", "session_id": ..., "created": ..., "name": ..., "owner": ...}.
+A key is found by the hash of what the caller sent, a dictionary lookup: no secret is ever
+compared byte by byte, so the time an answer takes tells nothing of a key (the admin key, the one
+secret compared as such, goes through hmac.compare_digest: edge.same_secret).
 Static user keys from the config are hashed in memory and need no Redis.
+`sf:owner:<session id>` -> the tenant (hash of the user key) that created the session: only that
+tenant's keys may use the session (sessions.py, responses.py).
 A stored Responses-API response is `sf:resp:<response id>` -> msgpack `StoredResponse`,
 expiring with session keys (responses.py).
 Logs name a key by `key_id` (a short hash prefix), never by the key itself.
@@ -32,6 +37,7 @@ from services.gateway.errors import StoreUnavailable
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "sf:key:"
+OWNER_PREFIX = "sf:owner:"  # sf:owner:<session id> -> the tenant (hash of the user key) that created it
 SESSION_KEY_PREFIX = "sk-sf-"
 
 
@@ -40,6 +46,10 @@ class KeyRecord(msgspec.Struct, frozen=True):
     session_id: str = ""
     created: float = 0.0
     name: str = ""
+    # The tenant: a user key's own hash; for a session key, the hash of the user key that created
+    # its session. Sessions, stored responses and limits belong to a tenant. Filled in by `lookup`
+    # where Redis has none (user keys; session keys minted before tenants existed: their own hash).
+    owner: str = ""
 
 
 _record = msgspec.json.Decoder(KeyRecord)
@@ -78,7 +88,8 @@ class KeyStore:
             health_check_interval=10,
         )
         now = time.time()
-        self.static = {digest(k): KeyRecord(kind="user", created=now, name="static") for k in static_keys}
+        self.static = {h: KeyRecord(kind="user", created=now, name="static", owner=h)
+                       for h in map(digest, static_keys)}
 
     async def _call(self, what: str, coro):
         # The socket timeouts bound each try; this bounds the whole call including the retry.
@@ -99,6 +110,8 @@ class KeyStore:
         if raw is None:
             return None  # not cached: a key created a moment later must work at once
         record = _record.decode(raw)
+        if not record.owner:
+            record = msgspec.structs.replace(record, owner=h)
         if self.cache_seconds > 0:
             if len(self._cache) >= KEY_CACHE_MAX:
                 self._cache = {k: v for k, v in self._cache.items() if v[1] > now}
@@ -112,15 +125,28 @@ class KeyStore:
         record = KeyRecord(kind="user", created=time.time(), name=name)
         await self._call("key create", self.redis.set(KEY_PREFIX + digest(key), msgspec.json.encode(record)))
         log.info("created user key %s (%s)", key_id(key), name or "unnamed")
-        return key, record
+        return key, msgspec.structs.replace(record, owner=digest(key))
 
-    async def add_session_key(self, session_id: str) -> str:
+    async def add_session_key(self, session_id: str, owner: str) -> str:
+        """A key for `session_id`, and the session's tenant (`owner`), written together."""
         key = mint()
-        record = KeyRecord(kind="session", session_id=session_id, created=time.time())
-        await self._call("key create", self.redis.set(
-            KEY_PREFIX + digest(key), msgspec.json.encode(record), ex=self.session_ttl or None))
+        record = KeyRecord(kind="session", session_id=session_id, created=time.time(), owner=owner)
+        ttl = self.session_ttl or None
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(KEY_PREFIX + digest(key), msgspec.json.encode(record), ex=ttl)
+        pipe.set(OWNER_PREFIX + session_id, owner, ex=ttl)
+        await self._call("key create", pipe.execute())
         log.info("created session key %s for session %s", key_id(key), session_id)
         return key
+
+    async def claim_session(self, session_id: str, owner: str) -> None:
+        """Record the tenant of a session a user key's turn created (a one-off session)."""
+        await self._call("session owner", self.redis.set(OWNER_PREFIX + session_id, owner, ex=self.session_ttl or None))
+
+    async def session_owner(self, session_id: str) -> str | None:
+        """The tenant that created `session_id` through this gateway, or None (unknown, or expired)."""
+        raw = await self._call("session owner", self.redis.get(OWNER_PREFIX + session_id))
+        return None if raw is None else raw.decode()
 
     async def ping(self) -> bool:
         try:
@@ -143,6 +169,7 @@ class StoredResponse(msgspec.Struct):
     turn_id: int
     conversation: list[dict[str, Any]]  # chat messages after `instructions`: its inputs so far and its reply
     response: dict[str, Any]  # the Response object, as the agent got it
+    owner: str = ""  # the tenant (KeyRecord.owner) whose turn it was: its user keys may use it too
 
 
 _stored = msgspec.msgpack.Decoder(StoredResponse)

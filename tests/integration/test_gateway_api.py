@@ -468,6 +468,40 @@ async def test_session_lifecycle(gw, fake, redis_url):
     assert info.value.code == "session_not_found"
 
 
+async def test_one_user_key_cannot_reach_another_users_session(gw, fake):
+    """Cross-tenant: a session belongs to the user key that created it. Another user key gets 404
+    on it (get, reward, finish, its stored responses), exactly as for a session that does not exist."""
+    async with gw.http(ADMIN_KEY, admin=True) as adm:
+        other_user = (await adm.post("/admin/keys", json={"name": "tenant-b"})).json()["api_key"]
+    async with gw.http() as mine, gw.http(other_user) as theirs:
+        session = (await mine.post("/v1/sessions", json={"group_id": "g-a"})).json()
+        sid, session_key = session["id"], session["api_key"]
+        await gw.sdk(session_key).chat.completions.create(model=MODEL, messages=user("tenant a's secret"))
+        stored = await gw.sdk(session_key).responses.create(model=MODEL, input="a stored answer")
+        assert (await mine.get(f"/v1/sessions/{sid}")).status_code == 200  # the owner reads it
+
+        for r in (await theirs.get(f"/v1/sessions/{sid}"),
+                  await theirs.post(f"/v1/sessions/{sid}/reward", json={"reward": 1.0}),
+                  await theirs.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}),
+                  await theirs.get("/v1/sessions/sess-does-not-exist")):
+            assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found", r.text
+            assert "secret" not in r.text
+        assert (await theirs.get(f"/v1/responses/{stored.id}")).status_code == 404
+        with pytest.raises(openai.NotFoundError):
+            await gw.sdk(other_user).responses.create(model=MODEL, input="x", previous_response_id=stored.id)
+        assert fake.sessions[sid]["reward"] is None and not fake.sessions[sid]["finished"]
+
+        # ... while its owner, and the session's own key, still may
+        assert (await mine.get(f"/v1/responses/{stored.id}")).status_code == 200
+        assert (await mine.post(f"/v1/sessions/{sid}/finish", json={"reward": 0.5})).status_code == 200
+
+        # a user key's one-off turn: that session is its tenant's too
+        done = await gw.sdk(other_user).chat.completions.create(model=MODEL, messages=user("b's own turn"))
+        oneoff = done.model_extra["seamlessflow"]["session_id"]
+        assert (await theirs.get(f"/v1/sessions/{oneoff}")).status_code == 200
+        assert (await mine.get(f"/v1/sessions/{oneoff}")).status_code == 404
+
+
 async def test_keys_are_never_logged(gw, caplog):
     caplog.set_level(logging.DEBUG)
     async with gw.http() as http, gw.http(ADMIN_KEY, admin=True) as adm:

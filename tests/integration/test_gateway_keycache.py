@@ -16,7 +16,7 @@ async def test_found_keys_are_cached_for_a_while_and_unknown_ones_never(redis_ur
     store = KeyStore(redis_url, [], timeout=2.0, session_ttl=60, cache_seconds=0.3)
     uncached = KeyStore(redis_url, [], timeout=2.0, session_ttl=60, cache_seconds=0.0)
     try:
-        key = await store.add_session_key("sess-cache")
+        key = await store.add_session_key("sess-cache", "tenant-a")
         assert (await store.lookup(key)).session_id == "sess-cache"
         await store.redis.delete(KEY_PREFIX + digest(key))  # gone from Redis
         assert (await store.lookup(key)).session_id == "sess-cache"  # still trusted, for now

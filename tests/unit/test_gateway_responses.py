@@ -105,7 +105,7 @@ class Harness:
 
     def session_key(self, session_id: str) -> str:
         key = f"sk-sf-{session_id}"
-        record = KeyRecord(kind="session", session_id=session_id, created=1.0)
+        record = KeyRecord(kind="session", session_id=session_id, created=1.0, owner=digest(USER_KEY))
         self.redis.data[KEY_PREFIX + digest(key)] = msgspec.json.encode(record)
         return key
 
@@ -396,7 +396,12 @@ async def test_another_sessions_response_is_not_found(h):
     with pytest.raises(openai.NotFoundError):
         await theirs.responses.retrieve(r.id)
     assert (await mine.responses.retrieve(r.id)).id == r.id
-    assert (await h.sdk().responses.retrieve(r.id)).id == r.id  # a user key may read any session's
+    assert (await h.sdk().responses.retrieve(r.id)).id == r.id  # the user key that owns the session may
+    h.redis.data[KEY_PREFIX + digest("sk-other-user")] = msgspec.json.encode(KeyRecord(kind="user", created=1.0))
+    with pytest.raises(openai.NotFoundError):  # another tenant's user key may not
+        await h.sdk("sk-other-user").responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        await h.sdk("sk-other-user").responses.create(model=MODEL, input="x", previous_response_id=r.id)
 
 
 async def test_store_false_is_stateless(h):

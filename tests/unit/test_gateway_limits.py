@@ -1,0 +1,95 @@
+"""services/gateway/limits.py: the per-tenant rate and concurrency limits and a turn's size (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gateway.errors import ApiError
+from services.gateway.limits import LimitExceeded, Limiter, TurnLimits, check_turn
+from shared.messages.chat import ChatRequest
+from shared.messages.rollout import Sampling
+
+
+def refused(fn, *args) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        fn(*args)
+    return info.value
+
+
+def test_the_rate_is_a_token_bucket_per_tenant():
+    lim = Limiter(rate=2.0, burst=3, concurrent=0)
+    for _ in range(3):
+        lim.check_rate("a", 100.0)  # the burst
+    e = refused(lim.check_rate, "a", 100.0)
+    assert isinstance(e, LimitExceeded) and (e.status, e.code, e.type) == (429, "rate_limit_exceeded",
+                                                                          "rate_limit_error")
+    assert e.headers == {"retry-after": "1"} and e.retry_after == pytest.approx(0.5)
+    lim.check_rate("b", 100.0)  # another tenant has its own bucket
+    lim.check_rate("a", 100.5)  # half a second: one more token
+    refused(lim.check_rate, "a", 100.5)
+    lim.check_rate("a", 200.0)
+
+
+def test_retry_after_is_whole_seconds_and_never_zero():
+    lim = Limiter(rate=0.1, burst=1, concurrent=0)
+    lim.check_rate("a", 0.0)
+    assert refused(lim.check_rate, "a", 0.0).headers["retry-after"] == "10"
+
+
+def test_concurrency_counts_turns_in_flight_and_a_permit_releases_once():
+    lim = Limiter(rate=0, burst=0, concurrent=2)
+    p1, p2 = lim.acquire("a", 0.0), lim.acquire("a", 0.0)
+    e = refused(lim.acquire, "a", 0.0)
+    assert (e.status, e.code, e.headers) == (429, "too_many_concurrent_requests", {"retry-after": "1"})
+    lim.acquire("b", 0.0)
+    p1.release()
+    p1.release()  # idempotent: the second call gives nothing back
+    assert lim.in_flight("a") == 1
+    p3 = lim.acquire("a", 0.0)
+    refused(lim.acquire, "a", 0.0)
+    p2.release()
+    p3.release()
+    assert lim.in_flight("a") == 0
+
+
+def test_zero_turns_a_limit_off():
+    lim = Limiter(rate=0, burst=0, concurrent=0)
+    for _ in range(10_000):
+        lim.check_rate("a", 0.0)
+        lim.acquire("a", 0.0)
+    assert lim.in_flight("a") == 0
+
+
+def test_idle_tenants_are_forgotten_and_busy_or_draining_ones_kept():
+    lim = Limiter(rate=1.0, burst=1, concurrent=5, max_tenants=3)
+    busy = lim.acquire("busy", 0.0)
+    lim.check_rate("a", 0.0)
+    lim.check_rate("b", 0.0)  # both buckets empty at t=0
+    lim.check_rate("c", 0.5)  # full table: nobody is idle yet (half-refilled buckets are kept)
+    assert set(lim._tenants) == {"busy", "a", "b", "c"}
+    lim.check_rate("d", 100.0)  # every bucket but the busy tenant's is full again: forgotten
+    assert set(lim._tenants) == {"busy", "d"} and lim.in_flight("busy") == 1
+    busy.release()
+
+
+def turn(messages: int = 1, tools: int = 0, max_tokens: int = 16) -> ChatRequest:
+    return ChatRequest("r", "", "chat", "m", Sampling(max_tokens=max_tokens),
+                       messages=[{"role": "user", "content": "x"}] * messages,
+                       tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(tools)])
+
+
+@pytest.mark.parametrize("req,api,param,code", [
+    (turn(messages=5), "chat", "messages", "too_many_messages"),
+    (turn(messages=5), "response", "input", "too_many_messages"),
+    (turn(tools=3), "chat", "tools", "too_many_tools"),
+    (turn(max_tokens=101), "chat", "max_tokens", "max_tokens_too_large"),
+    (turn(max_tokens=101), "response", "max_output_tokens", "max_tokens_too_large"),
+])
+def test_a_turn_over_a_size_limit_is_a_400_naming_the_field(req, api, param, code):
+    e = refused(check_turn, req, TurnLimits(max_messages=4, max_tools=2, max_tokens=100), api)
+    assert (e.status, e.param, e.code) == (400, param, code)
+
+
+def test_a_turn_at_the_limits_passes_and_zero_is_off():
+    check_turn(turn(messages=4, tools=2, max_tokens=100), TurnLimits(4, 2, 100), "chat")
+    check_turn(turn(messages=500, tools=500, max_tokens=10**6), TurnLimits(), "chat")
