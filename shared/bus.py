@@ -210,10 +210,11 @@ async def stream_request(
     if mux is None:
         mux = _MUXES[nc] = _ReplyMux(nc.new_inbox())
     await mux.ensure(nc)
-    reconnects = nc.stats["reconnects"]
+    stats = nc.stats  # the counters alone: a finished Replies must not keep the connection alive
+    reconnects = stats["reconnects"]
 
     def whole() -> bool:
-        return nc.stats["reconnects"] == reconnects and (alive is None or alive())
+        return stats["reconnects"] == reconnects and (alive is None or alive())
 
     replies = Replies(subject, first_timeout, idle_timeout, whole)
     token = mux.open(replies)
