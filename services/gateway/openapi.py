@@ -54,8 +54,8 @@ def _answers(ok: str, *errors: int, stream: bool = False, status: str = "200") -
 
 def document(cfg: GatewayConfig) -> dict[str, Any]:
     _, components = msgspec.json.schema_components(schemas.AGENT_BODIES + (ResponseCreateRequest, ErrorResponse), ref_template=REF)
-    turn = (400, 401, 404, 413, 503, 504)
-    session = (400, 401, 404, 409, 413, 503, 504)
+    turn = (400, 401, 404, 413, 429, 503, 504)
+    session = (400, 401, 404, 409, 413, 429, 503, 504)
     sid = [{"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}]
     rid = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
     return {
@@ -80,14 +80,15 @@ def document(cfg: GatewayConfig) -> dict[str, Any]:
                                       "response.completed)", *turn, stream=True)}},
             "/v1/responses/{response_id}": {"get": {
                 "operationId": "getResponse", "parameters": rid,
-                "responses": _answers("a stored response", 401, 404, 503)}},
-            "/v1/models": {"get": {"operationId": "listModels", "responses": _answers("the served model", 401)}},
+                "responses": _answers("a stored response", 401, 404, 429, 503)}},
+            "/v1/models": {"get": {"operationId": "listModels", "responses": _answers("the served model", 401, 429)}},
             "/v1/sessions": {"post": {
                 "operationId": "createSession", "requestBody": _body("SessionCreate", required=False),
-                "responses": _answers("{id, api_key, group_id}; the key is shown once", 400, 401, 403, 503, 504)}},
+                "responses": _answers("{id, api_key, group_id}; the key is shown once", 400, 401, 403, 429, 503,
+                                      504)}},
             "/v1/sessions/{session_id}": {"get": {
                 "operationId": "getSession", "parameters": sid,
-                "responses": _answers("the session's trajectory", 401, 404, 503, 504)}},
+                "responses": _answers("the session's trajectory", 401, 404, 429, 503, 504)}},
             "/v1/sessions/{session_id}/reward": {"post": {
                 "operationId": "rewardSession", "parameters": sid, "requestBody": _body("RewardBody"),
                 "responses": _answers("reward recorded", *session)}},

@@ -93,3 +93,21 @@ def test_a_turn_over_a_size_limit_is_a_400_naming_the_field(req, api, param, cod
 def test_a_turn_at_the_limits_passes_and_zero_is_off():
     check_turn(turn(messages=4, tools=2, max_tokens=100), TurnLimits(4, 2, 100), "chat")
     check_turn(turn(messages=500, tools=500, max_tokens=10**6), TurnLimits(), "chat")
+
+
+def test_secrets_are_compared_in_constant_time_and_api_keys_by_hash(monkeypatch):
+    """The admin key (the one secret compared as such) goes through hmac.compare_digest on
+    equal-length digests; an API key is found by its SHA-256, never compared."""
+    import hmac
+
+    from services.gateway import edge
+    from services.gateway.store import KeyStore, digest
+
+    seen = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(edge.hmac, "compare_digest", lambda a, b: seen.append((len(a), len(b))) or real(a, b))
+    assert edge.same_secret("admin-key", "admin-key")
+    assert not edge.same_secret("admin", "admin-key") and not edge.same_secret("", "")
+    assert seen == [(32, 32), (32, 32)]
+    store = KeyStore("redis://127.0.0.1:1/0", ["sk-static"], 1.0, 60)
+    assert set(store.static) == {digest("sk-static")}  # only the hash is kept
