@@ -30,7 +30,7 @@ from tests.faults.agents import FaultAgents
 from tests.faults.harness import ENGINE, ROOT, Fault, FaultStack, wait_for
 from tests.faults.invariants import check
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]  # the first case includes the stack's start
 
 AGENTS = 16
 # the gateway re-sends a silent turn after 5 s, twice (SF_GATEWAY_SILENCE_TIMEOUT, _RESEND_ATTEMPTS):
