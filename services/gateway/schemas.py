@@ -31,7 +31,10 @@ Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 
 # --- messages ----------------------------------------------------------------------------------
 
-class TextPart(msgspec.Struct, tag_field="type", tag="text"):
+class TextPart(msgspec.Struct, kw_only=True):
+    # A required field, not a msgspec tag: a lone tagged Struct decodes without its tag, while the
+    # schema (and OpenAI) require "type" (schemathesis found the gap: ST201)
+    type: Literal["text"]
     text: str
 
 

@@ -254,3 +254,11 @@ def test_a_huge_integer_in_free_form_json_is_a_400_not_a_500():
     e = rejected(wire, req)
     assert (e.status, e.code) == (400, "invalid_value")
     assert wire(translate.chat_request(chat(), "r", "", CFG))
+
+
+def test_a_content_part_needs_its_type():
+    e = rejected(chat, messages=[{"role": "user", "content": [{"text": "no type"}]}])
+    assert (e.status, e.param, e.code) == (400, "messages[0].content[0].type", "missing_required_parameter")
+    assert translate.chat_request(chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                             {"type": "text", "text": "b"}]}]),
+                                  "r", "", CFG).messages == [{"role": "user", "content": "a\nb"}]
