@@ -32,15 +32,17 @@ from services.gateway import limits
 from services.gateway import openai_format as fmt
 from services.gateway import translate
 from services.gateway.edge import JSON, ClientGone, authenticate, read_body, unless_disconnected
-from services.gateway.errors import ApiError, from_exception
+from services.gateway.errors import ApiError, StoreUnavailable, from_exception
 from services.gateway.limits import Permit
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, decode
 from services.gateway.service import Gateway
 from services.gateway.store import KeyRecord
 from shared.bus import BusUnavailable, ReplyTimeout
+from shared.logonce import OncePerCause
 from shared.messages.chat import ChatDelta, ChatDone, ChatFailed, ChatReply, ChatRequest
 
 log = logging.getLogger(__name__)
+_warn = OncePerCause(log)
 
 Reason = Literal["disconnect", "timeout", "shutdown", "error"]  # why a turn was cancelled upstream
 Kind = Literal["chat", "completion", "response"]  # the API a turn came in by (a metrics label)
@@ -150,8 +152,12 @@ def claimer(gw: Gateway, key: KeyRecord) -> OnDone | None:
         return None
 
     async def claim(done: ChatDone) -> None:
-        if done.session_id:
+        if not done.session_id:
+            return
+        try:
             await gw.keys.claim_session(done.session_id, key.owner)
+        except StoreUnavailable as e:  # static keys work without Redis: the turn stands, unclaimed
+            _warn("claim", "one-off session %s left unclaimed (only operators can read it): %s", done.session_id, e)
     return claim
 
 

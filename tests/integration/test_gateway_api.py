@@ -511,6 +511,14 @@ async def test_keys_are_never_logged(gw, caplog):
     for secret in (session_key, user_key, USER_KEY, ADMIN_KEY):
         assert secret not in caplog.text
     assert digest(user_key)[:10] in caplog.text
+    # ... nor in error bodies, nor in metric labels
+    async with gw.http(session_key + "x") as wrong, gw.http(ADMIN_KEY, admin=True) as adm:
+        bodies = [(await wrong.get("/v1/models")).text, (await wrong.post("/v1/chat/completions", json={})).text,
+                  (await adm.get("/metrics")).text]
+        async with gw.http(USER_KEY + "x", admin=True) as bad_admin:
+            bodies.append((await bad_admin.get("/metrics")).text)
+    for secret in (session_key, user_key, USER_KEY, ADMIN_KEY):
+        assert not any(secret in body for body in bodies)
 
 
 # --- bad input -----------------------------------------------------------------------------------
