@@ -71,11 +71,13 @@ class Session:
 
 class FaultAgents:
     def __init__(self, base_url: str, user_key: str, agents: int = 16, turns: int = 2,
-                 tokens: tuple[int, int] = (8, 24), seed: int = 0, timeout: float = 60.0, retries: int = 6):
+                 tokens: tuple[int, int] = (8, 24), seed: int = 0, timeout: float = 60.0, retries: int = 6,
+                 think: float = 0.2):
         self.base_url, self.user_key, self.n, self.turns, self.tokens = base_url, user_key, agents, turns, tokens
         self.rng = random.Random(seed)
         self.seed = seed
         self.timeout, self.retries = timeout, retries
+        self.think = think  # seconds an agent "thinks" between its calls: load like agents', not a flood
         self.calls: list[Call] = []
         self.sessions: list[Session] = []
         self.crash: BaseException | None = None
@@ -141,6 +143,7 @@ class FaultAgents:
                 if call is None:
                     return False  # abandoned: never finished
                 s.turns.append(call)
+                await asyncio.sleep(self.think)
                 messages += [{"role": "assistant", "content": call.content}, {"role": "user", "content": "again"}]
         reward = self.rng.random()
         if await self._http("finish", s.id, lambda: http.post(f"/sessions/{s.id}/finish", json={"reward": reward}),

@@ -1,11 +1,13 @@
 """The fault suite's stack: the real services, each a process, with SIMULATED engines.
 
 Real: nats-server (JetStream file store) and redis-server (AOF on), owned by this stack so
-that a case may kill and restart them; the gateway; two trajectory replicas. SIMULATED,
-because vLLM and DeepSpeed are not what these cases test (and start in seconds instead of
-minutes): the rollout workers are the real RolloutService around bench/simulated_engine.py's
-calibrated stand-in, the trainer is the real TrainerService (consumer, ledger, audit log,
-checkpoints, weight publishing) around bench/sim_trainer.py's engine that trains nothing.
+that a case may kill and restart them; the gateway; two trajectory replicas; the tag scheduler
+(policy disaggregated) and two rollout hosts, each a host agent keeping a resident worker (and
+restarting it when it dies). SIMULATED, because vLLM and DeepSpeed are not what these cases
+test (and start in seconds instead of minutes): each resident worker is the real RolloutService
+around bench/simulated_engine.py's calibrated stand-in (SF_HOST_WORKER_CMD), the trainer is the
+real TrainerService (consumer, ledger, audit log, checkpoints, weight publishing) around
+bench/sim_trainer.py's engine that trains nothing.
 
 `seamlessflow/stack.py` does the launching (spawn, respawn, tiered stop, process groups);
 this module only chooses the commands and adds the fault helpers: kill, restart, pause, and
@@ -52,14 +54,17 @@ class Fault:
 
 
 class FaultStack:
-    def __init__(self, tmp: Path, model: Path, extra_env: dict[str, str] | None = None, **opts):
+    HOSTS = ("host-0", "host-1")
+
+    def __init__(self, tmp: Path, model: Path):
         env = {f"SF_TRAINER_{k.upper()}": str(v) for k, v in TRAINER.items()}
         env |= {"SF_TRAINER_AUDIT_LOG": str(tmp / "trainer" / "trained.jsonl"), "SF_LOG_LEVEL": "INFO"}
-        env |= extra_env or {}
+        engine = " ".join([sys.executable, str(ROOT / "bench" / "simulated_engine.py"), *ENGINE])
         self.opts = StackOptions(
-            model=model, data_dir=tmp, workers=0, trajectory_replicas=2, gateway_port=servers.free_port(),
+            model=model, data_dir=tmp, trajectory_replicas=2, gateway_port=servers.free_port(),
             admin_port=servers.free_port(), nats_port=servers.free_port(), redis_port=servers.free_port(),
-            max_model_len=512, ready_timeout=120, extra_env=env, **opts)
+            max_model_len=512, ready_timeout=120, extra_env=env, policy="disaggregated",
+            hosts=["rollout"] * len(self.HOSTS), worker_cmd=engine)
         self.stack = Stack(self.opts)
         self.model = model
         self.faults: list[Fault] = []
@@ -67,14 +72,11 @@ class FaultStack:
 
     # -- the stack -------------------------------------------------------------------------------
 
-    def start(self, workers: int = 2, trainer: bool = True) -> "FaultStack":
+    def start(self) -> "FaultStack":
         """Spawn everything at once (NATS and Redis first), then wait until each is ready."""
         self.stack.start(wait=False)
         try:
-            for i in range(workers):
-                self.spawn_worker(f"rollout-{i}")
-            if trainer:
-                self.spawn_trainer()
+            self.spawn_trainer()  # the stack's own would be the DeepSpeed one, gated by the scheduler
             for p in list(self.stack.procs):
                 self.stack.wait_ready(p)
         except BaseException:
@@ -90,11 +92,6 @@ class FaultStack:
             _signal(p, signal.SIGCONT)
         self.stack.terminate([p for p in procs if p.name not in ("nats", "redis")], timeout=5)
         self.stack.stop(timeout=5)
-
-    def spawn_worker(self, name: str) -> Proc:
-        argv = [sys.executable, str(ROOT / "bench" / "simulated_engine.py"), "--worker-id", name,
-                "--model", str(self.model), *ENGINE]
-        return self.stack.spawn(name, argv, ready=f"rollout worker {name} ready")
 
     def spawn_trainer(self) -> Proc:
         data = self.stack.data / "trainer"

@@ -16,7 +16,6 @@ import asyncio
 import os
 import re
 import signal
-import sys
 import time
 from collections.abc import Callable
 
@@ -27,7 +26,7 @@ import pytest
 from seamlessflow import hosts as hostops
 from seamlessflow import ops
 from tests.faults.agents import FaultAgents
-from tests.faults.harness import ENGINE, ROOT, Fault, FaultStack, wait_for
+from tests.faults.harness import Fault, FaultStack, wait_for
 from tests.faults.invariants import check
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]  # the first case includes the stack's start
@@ -36,16 +35,14 @@ AGENTS = 16
 # the gateway re-sends a silent turn after 5 s, twice (SF_GATEWAY_SILENCE_TIMEOUT, _RESEND_ATTEMPTS):
 # a turn caught by a fault ends within 3 x 5 s of silence, plus its own generation
 HANG_LIMIT = 25.0
-HOSTS = {"host-0", "host-1"}
+HOSTS = set(FaultStack.HOSTS)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_model):
-    engine = " ".join([sys.executable, str(ROOT / "bench" / "simulated_engine.py"), *ENGINE])
-    s = FaultStack(tmp_path_factory.mktemp("faults"), tiny_model, policy="disaggregated",
-                   hosts=["rollout", "rollout"], worker_cmd=engine)
+    s = FaultStack(tmp_path_factory.mktemp("faults"), tiny_model)
     try:
-        s.start(workers=0)
+        s.start()
         wait_for(lambda: serving(s) == HOSTS, 60, "both hosts serving", every=0.3)
         yield s
     finally:
