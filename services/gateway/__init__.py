@@ -10,13 +10,14 @@ Modules, from the wire inwards:
     chat.py           /v1/chat/completions and /v1/completions: one turn, streaming or not
     responses.py      /v1/responses: a Responses-API turn run as a chat turn; stored responses
     sessions.py       /v1/sessions: create (mints the session key), reward, finish, get
-    edge.py           body limits, bearer auth, disconnect watching
+    edge.py           body limits, bearer auth (and the tenant's rate), disconnect watching
+    limits.py         per-tenant rate and turns in flight (429), a turn's size (400) (pure)
     schemas.py        request bodies as msgspec Structs (validation and /openapi.json)
     translate.py      bodies -> ChatRequest: the rules a schema cannot say
     openai_format.py  ChatDone/ChatDelta -> OpenAI responses and SSE chunks (pure)
     responses_schemas.py, responses_translate.py, responses_format.py
                       the same three for /v1/responses: its body, -> ChatRequest, -> Response/events
-    openapi.py        the OpenAPI 3.1 document, generated from schemas.py
+    openapi.py        the OpenAPI 3.1 documents (agent and admin ports), generated from schemas.py
     errors.py         the OpenAI error shape, and what each failure behind the gateway maps to
     service.py        the runtime: NATS (the only module touching it) and the store's lifetime
     store.py          API keys and stored responses in Redis (the only module touching Redis)
