@@ -1,13 +1,13 @@
-"""The fault suite's stack: the real services, each a process, with SIMULATED engines.
+"""The fault suite's stack: the real services, each a process; only the engines are SIMULATED.
 
 Real: nats-server (JetStream file store) and redis-server (AOF on), owned by this stack so
 that a case may kill and restart them; the gateway; two trajectory replicas; the tag scheduler
 (policy disaggregated) and two rollout hosts, each a host agent keeping a resident worker (and
-restarting it when it dies). SIMULATED, because vLLM and DeepSpeed are not what these cases
-test (and start in seconds instead of minutes): each resident worker is the real RolloutService
-around bench/simulated_engine.py's calibrated stand-in (SF_HOST_WORKER_CMD), the trainer is the
-real TrainerService (consumer, ledger, audit log, checkpoints, weight publishing) around
-bench/sim_trainer.py's engine that trains nothing.
+restarting it when it dies); the DeepSpeed trainer (gloo on CPU) on the suite's tiny model,
+checkpointing and publishing real weights. SIMULATED, because vLLM is not what these cases test
+(and a worker starts in a second instead of minutes): each resident worker is the real
+RolloutService around bench/simulated_engine.py's calibrated stand-in (SF_HOST_WORKER_CMD),
+which follows each published version as a version bump.
 
 `seamlessflow/stack.py` does the launching (spawn, respawn, tiered stop, process groups);
 this module only chooses the commands and adds the fault helpers: kill, restart, pause, and
@@ -63,7 +63,7 @@ class FaultStack:
         self.opts = StackOptions(
             model=model, data_dir=tmp, trajectory_replicas=2, gateway_port=servers.free_port(),
             admin_port=servers.free_port(), nats_port=servers.free_port(), redis_port=servers.free_port(),
-            max_model_len=512, ready_timeout=120, extra_env=env, policy="disaggregated",
+            max_model_len=512, ready_timeout=420, extra_env=env, policy="disaggregated",
             hosts=["rollout"] * len(self.HOSTS), worker_cmd=engine)
         self.stack = Stack(self.opts)
         self.model = model
@@ -76,7 +76,7 @@ class FaultStack:
         """Spawn everything at once (NATS and Redis first), then wait until each is ready."""
         self.stack.start(wait=False)
         try:
-            self.spawn_trainer()  # the stack's own would be the DeepSpeed one, gated by the scheduler
+            self.spawn_trainer()
             for p in list(self.stack.procs):
                 self.stack.wait_ready(p)
         except BaseException:
@@ -94,10 +94,8 @@ class FaultStack:
         self.stack.stop(timeout=5)
 
     def spawn_trainer(self) -> Proc:
-        data = self.stack.data / "trainer"
-        argv = [sys.executable, str(ROOT / "bench" / "sim_trainer.py"), "--model", str(self.model),
-                "--checkpoint-dir", str(data / "checkpoints"), "--weights-dir", str(self.stack.weights_dir)]
-        return self.stack.spawn("trainer", argv, ready="trainer ready")
+        """The real DeepSpeed trainer (gloo on CPU), ungated: no host is tagged train here."""
+        return self.stack.spawn_trainer()
 
     @property
     def gateway_url(self) -> str:

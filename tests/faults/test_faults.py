@@ -5,7 +5,7 @@ order. docs/reliability.md lists what each case proves.
 
 The stack: NATS (JetStream file store), Redis (AOF), the gateway, 2 trajectory replicas, the tag
 scheduler (policy disaggregated) with 2 host agents, each keeping a resident SIMULATED rollout
-worker (restarted by its agent when it dies, as in production), and the SIMULATED trainer.
+worker (restarted by its agent when it dies, as in production), and the DeepSpeed trainer.
 
     .venv/bin/python -m pytest tests/faults
 """
@@ -29,7 +29,7 @@ from tests.faults.agents import FaultAgents
 from tests.faults.harness import Fault, FaultStack, wait_for
 from tests.faults.invariants import check
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]  # the first case includes the stack's start
+pytestmark = [pytest.mark.integration, pytest.mark.deepspeed, pytest.mark.timeout(300)]  # the first case includes the stack's start
 
 AGENTS = 16
 # the gateway re-sends a silent turn after 5 s, twice (SF_GATEWAY_SILENCE_TIMEOUT, _RESEND_ATTEMPTS):
