@@ -108,7 +108,7 @@ def cmd_up(a: argparse.Namespace) -> None:
               f"  admin:           {stack.admin_url} (admin key in {stack.data / 'credentials.json'})\n"
               f"  logs:            {stack.logs}\n"
               f"  operator cmds:   seamlessflow status | scale rollout=N | workers list | weights list | export\n"
-              f"                   (they find this stack through {stack.data}, or set SF_NATS_URL={stack.nats_url})\n"
+              f"                   (they find this stack through {stack.data}: stack.json, credentials.json)\n"
               f"A service that exits is restarted (back-off 0.5 s doubling to 30 s; given up after "
               f"{policy.loop_restarts} restarts in {policy.loop_window:g} s).\nCtrl-C stops everything.", flush=True)
 
@@ -198,12 +198,9 @@ def _connections(a: argparse.Namespace):
 
     from shared.config import connections
 
-    env = dict(os.environ)
-    stack = _running_stack(a.data_dir)
-    if "nats_url" in stack:
-        env.setdefault("SF_NATS_URL", stack["nats_url"])
-        env.setdefault("SF_REDIS_URL", stack["redis_url"])
-    return connections(env)
+    from seamlessflow.stack import client_env
+
+    return connections(client_env(a.data_dir) | dict(os.environ))
 
 
 def _weights_dir(a: argparse.Namespace) -> Path:

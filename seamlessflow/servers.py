@@ -6,6 +6,7 @@ the same way. Every start waits for the port with a timeout and says what failed
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -58,27 +59,45 @@ def find_binary(name: str) -> str:
     return found
 
 
-def nats_argv(port: int, data_dir: Path) -> list[str]:
+def _private_file(path: Path, text: str) -> Path:
+    """A file only this user may read (0600), written before anything is in it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)  # an older file keeps its mode through O_CREAT
+    return path
+
+
+def nats_argv(port: int, data_dir: Path, user: str = "", password: str = "") -> list[str]:
+    """With a password, clients must log in as `user`; the credentials go in a 0600 config file
+    (DATA_DIR/auth.conf), never on the command line, where every process title would show them."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    return [find_binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(data_dir)]
+    args = [find_binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(data_dir)]
+    if password:
+        conf = _private_file(data_dir / "auth.conf",
+                             f"authorization {{\n  user: {json.dumps(user)}\n  password: {json.dumps(password)}\n}}\n")
+        args += ["-c", str(conf)]
+    return args
 
 
 def redis_argv(port: int, data_dir: Path, durable: bool = False, password: str = "",
                log_file: Path | None = None) -> list[str]:
-    """Redis logs to `log_file` (default DATA_DIR/redis.log), not to stdout."""
+    """Redis logs to `log_file` (default DATA_DIR/redis.log), not to stdout. A password goes in a
+    0600 config file (DATA_DIR/auth.conf, redis-server's first argument), never on the command line."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    args = [find_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
-            "--save", "", "--appendonly", "yes" if durable else "no",
-            "--logfile", str(log_file or data_dir / "redis.log")]
+    args = [find_binary("redis-server")]
     if password:
-        args += ["--requirepass", password]
-    return args
+        args.append(str(_private_file(data_dir / "auth.conf", f"requirepass {password}\n")))
+    return args + ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
+                   "--save", "", "--appendonly", "yes" if durable else "no",
+                   "--logfile", str(log_file or data_dir / "redis.log")]
 
 
-def start_nats(port: int, data_dir: Path, log_file: Path | None = None) -> subprocess.Popen:
+def start_nats(port: int, data_dir: Path, log_file: Path | None = None, user: str = "",
+               password: str = "") -> subprocess.Popen:
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL
     proc = subprocess.Popen(
-        nats_argv(port, data_dir),
+        nats_argv(port, data_dir, user, password),
         stdout=out,
         stderr=subprocess.STDOUT,
         start_new_session=True,

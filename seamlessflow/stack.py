@@ -123,6 +123,31 @@ class Proc:
     port: int = 0  # serving once this port listens (NATS, Redis: no ready line)
 
 
+def strip_login(url: str) -> str:
+    """`scheme://user:pass@host...` -> `scheme://host...`."""
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}{rest.rsplit('@', 1)[-1]}" if sep else url
+
+
+def client_env(data_dir: Path) -> dict[str, str]:
+    """SF_NATS_URL and SF_REDIS_URL, with the credentials, of the stack `seamlessflow up` runs from
+    `data_dir` (stack.json has the URLs, credentials.json the logins); {} if none runs there."""
+    try:
+        stack = json.loads((data_dir / "stack.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    try:
+        creds = json.loads((data_dir / "credentials.json").read_text())
+    except (OSError, ValueError):
+        creds = {}
+    nats_url, redis_url = stack.get("nats_url", ""), stack.get("redis_url", "")
+    if stack.get("nats_login") and creds.get("nats_password"):  # a NATS the stack started
+        nats_url = nats_url.replace("://", f"://{creds['nats_user']}:{creds['nats_password']}@", 1)
+    if stack.get("redis_login") and creds.get("redis_password"):
+        redis_url = redis_url.replace("://", f"://:{creds['redis_password']}@", 1)
+    return {"SF_NATS_URL": nats_url, "SF_REDIS_URL": redis_url} if nats_url else {}
+
+
 class Stack:
     def __init__(self, opts: StackOptions):
         self.o = opts
@@ -131,6 +156,11 @@ class Stack:
         self.procs: list[Proc] = []
         self.api_key = ""
         self.admin_key = ""
+        # NATS and Redis that this stack starts require these (generated, kept in credentials.json);
+        # empty until `up` reads them, and unused with external_nats / external_redis
+        self.nats_user = ""
+        self.nats_password = ""
+        self.redis_password = ""
         # the trainer's Prometheus port, which the gateway's status page scrapes: one per stack
         # (a fixed 9401 would let two stacks on one machine read each other's trainer)
         self.trainer_metrics_port = 0
@@ -147,11 +177,22 @@ class Stack:
 
     @property
     def nats_url(self) -> str:
-        return self.o.external_nats or f"nats://127.0.0.1:{self.o.nats_port}"
+        """With the credentials in it: what this process and the services it starts connect with
+        (never logged or written: stack.json and messages show `public_urls()`)."""
+        login = f"{self.nats_user}:{self.nats_password}@" if self.nats_password else ""
+        return self.o.external_nats or f"nats://{login}127.0.0.1:{self.o.nats_port}"
 
     @property
     def redis_url(self) -> str:
-        return self.o.external_redis or f"redis://127.0.0.1:{self.o.redis_port}/0"
+        login = f":{self.redis_password}@" if self.redis_password else ""
+        return self.o.external_redis or f"redis://{login}127.0.0.1:{self.o.redis_port}/0"
+
+    def public_urls(self) -> dict[str, str | bool]:
+        """The NATS and Redis URLs without credentials, and whether they need the stack's logins
+        (stack.json; `client_env` adds the logins back from credentials.json)."""
+        return {"nats_url": strip_login(self.nats_url), "redis_url": strip_login(self.redis_url),
+                "nats_login": not self.o.external_nats and bool(self.nats_password),
+                "redis_login": not self.o.external_redis and bool(self.redis_password)}
 
     def running_elsewhere(self) -> str | None:
         """A message if another stack already holds this data dir or these ports."""
@@ -184,7 +225,7 @@ class Stack:
         self.trainer_metrics_port = servers.free_port()
         specs = host_specs(self.o.hosts, list(os.sched_getaffinity(0))) if self.o.policy else []
         (self.data / "stack.json").write_text(json.dumps({
-            "nats_url": self.nats_url, "redis_url": self.redis_url, "gateway_url": self.gateway_url,
+            **self.public_urls(), "gateway_url": self.gateway_url,
             "admin_url": self.admin_url, "weights_dir": str(self.weights_dir), "policy": self.o.policy,
             "hosts": [{"id": h.id, "tags": list(h.tags), "cores": h.cores} for h in specs]}))
         try:
@@ -346,22 +387,29 @@ class Stack:
     # -- internals --------------------------------------------------------------------------------
 
     def _credentials(self) -> None:
+        """The stack's secrets, generated once, in DATA_DIR/credentials.json (0600): the API and admin
+        keys, and the logins of the NATS and Redis it starts (added to an older file that lacks them)."""
         path = self.data / "credentials.json"
-        if path.exists():
-            creds = json.loads(path.read_text())
-        else:
-            creds = {"api_key": "sk-sf-" + secrets.token_urlsafe(24), "admin_key": "sk-sf-admin-" + secrets.token_urlsafe(24)}
+        creds = json.loads(path.read_text()) if path.exists() else {}
+        fresh = {"api_key": "sk-sf-" + secrets.token_urlsafe(24), "admin_key": "sk-sf-admin-" + secrets.token_urlsafe(24),
+                 "nats_user": "seamlessflow", "nats_password": secrets.token_urlsafe(24),
+                 "redis_password": secrets.token_urlsafe(24)}
+        if set(fresh) - set(creds):
+            creds = fresh | creds
             path.touch(mode=0o600)
+            os.chmod(path, 0o600)
             path.write_text(json.dumps(creds))
         self.api_key, self.admin_key = creds["api_key"], creds["admin_key"]
+        self.nats_user, self.nats_password = creds["nats_user"], creds["nats_password"]
+        self.redis_password = creds["redis_password"]
 
     def _spawn_infra(self) -> None:
         infra = []
         if not self.o.external_nats:
-            argv = servers.nats_argv(self.o.nats_port, self.data / "nats")
+            argv = servers.nats_argv(self.o.nats_port, self.data / "nats", self.nats_user, self.nats_password)
             infra.append(self._spawn("nats", argv, None, ready="", port=self.o.nats_port))
         if not self.o.external_redis:
-            argv = servers.redis_argv(self.o.redis_port, self.data / "redis", durable=True,
+            argv = servers.redis_argv(self.o.redis_port, self.data / "redis", durable=True, password=self.redis_password,
                                       log_file=self.logs / "redis.log")
             infra.append(self._spawn("redis", argv, None, ready="", port=self.o.redis_port))
         for p in infra:

@@ -1,0 +1,103 @@
+"""`seamlessflow up` secures the NATS and Redis it starts: generated logins (credentials.json, 0600),
+every service authenticates, an anonymous client is refused, and no secret appears in stack.json,
+a process title or any log of a whole run (a simulated engine: the subject is not vLLM).
+
+    .venv/bin/pytest tests/integration/test_stack_auth.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+
+import httpx
+import nats
+import pytest
+import redis
+
+from seamlessflow import servers
+from seamlessflow.stack import client_env
+from tests.integration.stack_fixture import make_stack
+
+pytestmark = pytest.mark.integration
+
+
+def test_servers_with_a_password_refuse_anonymous_clients_and_keep_it_off_the_command_line(tmp_path):
+    pn, pr = servers.free_port(), servers.free_port()
+    n = servers.start_nats(pn, tmp_path / "nats", user="sf", password="nats-secret-1")
+    r = servers.start_redis(pr, tmp_path / "redis", password="redis-secret-2")
+    try:
+        async def nats_checks() -> None:
+            with pytest.raises(Exception, match="Authorization Violation"):
+                await nats.connect(f"nats://127.0.0.1:{pn}", connect_timeout=2, allow_reconnect=False,
+                                   max_reconnect_attempts=0)
+            nc = await nats.connect(f"nats://sf:nats-secret-1@127.0.0.1:{pn}", connect_timeout=2)
+            await nc.close()
+
+        asyncio.run(nats_checks())
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=pr).ping()
+        assert redis.Redis.from_url(f"redis://:redis-secret-2@127.0.0.1:{pr}/0").ping()
+        for proc in (n, r):
+            assert b"secret" not in open(f"/proc/{proc.pid}/cmdline", "rb").read()
+        for conf in (tmp_path / "nats" / "auth.conf", tmp_path / "redis" / "auth.conf"):
+            assert stat.S_IMODE(conf.stat().st_mode) == 0o600
+    finally:
+        servers.stop(n)
+        servers.stop(r)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_model):
+    s = make_stack(tmp_path_factory.mktemp("auth-stack"), tiny_model, "", "", workers=1, simulated=True,
+                   nats_port=servers.free_port(), redis_port=servers.free_port())
+    yield s
+    s.stop()
+
+
+def test_a_whole_run_authenticates_and_shows_no_secret(stack):
+    creds = json.loads((stack.data / "credentials.json").read_text())
+    assert stat.S_IMODE((stack.data / "credentials.json").stat().st_mode) == 0o600
+    secrets = [creds[k] for k in ("api_key", "admin_key", "nats_password", "redis_password")]
+
+    # every service logged in: an agent turn goes through gateway, trajectory manager and worker
+    user = {"Authorization": f"Bearer {stack.api_key}"}
+    with httpx.Client(base_url=stack.gateway_url, headers=user, timeout=60) as c:
+        s = c.post("/sessions").json()
+        r = httpx.post(f"{stack.gateway_url}/chat/completions", headers={"Authorization": f"Bearer {s['api_key']}"},
+                       json={"model": "seamlessflow-tiny", "messages": [{"role": "user", "content": "hi"}],
+                             "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert c.post(f"/sessions/{s['id']}/finish", json={"reward": 1.0}).status_code == 200
+        secrets.append(s["api_key"])
+
+    # anonymous clients are refused; the CLI's way in (stack.json + credentials.json) is not
+    port_n, port_r = stack.o.nats_port, stack.o.redis_port
+
+    async def nats_checks() -> None:
+        with pytest.raises(Exception, match="Authorization Violation"):
+            await nats.connect(f"nats://127.0.0.1:{port_n}", connect_timeout=2, allow_reconnect=False,
+                               max_reconnect_attempts=0)
+        nc = await nats.connect(client_env(stack.data)["SF_NATS_URL"], connect_timeout=2)
+        await nc.close()
+
+    asyncio.run(nats_checks())
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=port_r).ping()
+    assert redis.Redis.from_url(client_env(stack.data)["SF_REDIS_URL"]).ping()
+
+    # no secret in stack.json, in a process title, or in any log of the run
+    public = (stack.data / "stack.json").read_text()
+    texts = {"stack.json": public}
+    for p in stack.procs:
+        if p.popen.poll() is None:
+            texts[f"cmdline of {p.name}"] = open(f"/proc/{p.popen.pid}/cmdline", "rb").read().decode(errors="replace")
+    for log in [*stack.logs.rglob("*"), *(stack.data / "redis").glob("*.log"), *(stack.data / "nats").glob("*.log")]:
+        if log.is_file():
+            texts[str(log)] = log.read_text(errors="replace")
+    assert len(texts) > 4, texts.keys()
+    leaks = [(where, secret[:6] + "...") for where, text in texts.items() for secret in secrets if secret in text]
+    assert not leaks, leaks
+    assert json.loads(public)["nats_url"] == f"nats://127.0.0.1:{port_n}" and os.sep in json.loads(public)["weights_dir"]
