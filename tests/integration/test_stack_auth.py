@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import stat
+import time
 
 import httpx
 import nats
@@ -101,3 +102,22 @@ def test_a_whole_run_authenticates_and_shows_no_secret(stack):
     leaks = [(where, secret[:6] + "...") for where, text in texts.items() for secret in secrets if secret in text]
     assert not leaks, leaks
     assert json.loads(public)["nats_url"] == f"nats://127.0.0.1:{port_n}" and os.sep in json.loads(public)["weights_dir"]
+
+
+def test_a_restarted_redis_and_nats_keep_their_logins(stack):
+    """The fault suite restarts them with `Stack.respawn` (same argv): the login is in the config
+    file the argv names, so it survives, and the services log in again."""
+    for name in ("redis", "nats"):
+        p = next(p for p in stack.procs if p.name == name)
+        servers.stop(p.popen)
+        p = stack.respawn(p)
+        servers.wait_port(p.port, p.popen, name)
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=stack.o.redis_port).ping()
+    user = {"Authorization": f"Bearer {stack.api_key}"}
+    for _ in range(60):  # the services reconnect by themselves (30 s at most)
+        r = httpx.post(f"{stack.gateway_url}/sessions", headers=user, timeout=10)
+        if r.status_code == 200:
+            break
+        time.sleep(0.5)
+    assert r.status_code == 200, r.text
