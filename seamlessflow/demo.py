@@ -37,14 +37,14 @@ from shared.config import Connections
 
 def prepare_model(data: Path, task: str = "reverse", seed: int = 0, log=print) -> Path:
     from seamlessflow.modelgen import init_model
-    from seamlessflow.warmstart import warm_start
+    from seamlessflow.warmstart import TARGET_REWARD, warm_start
 
     base, sft = data / "model-small", data / f"model-small-{task}-sft-s{seed}"
     if not (base / "config.json").exists():
         log(f"building the small demo model in {base}")
         init_model(base, size="small")
     if not (sft / "config.json").exists():
-        log(f"supervised warm start on {task} (stops once a 64-sample check reaches reward 0.3) ...")
+        log(f"supervised warm start on {task} (stops once a 64-sample check reaches reward {TARGET_REWARD[task]}) ...")
         warm_start(base, sft, task=task, seed=seed, log=log)
     return sft
 

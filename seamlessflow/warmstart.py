@@ -110,10 +110,20 @@ def _calc_sampled_reward(model, tok, rng: random.Random, n: int) -> float:
     return sum(rewards) / n
 
 
-def warm_start(src: Path, out: Path, target_reward: float = 0.3, max_steps: int = 400, batch: int = 32,
-               lr: float = 1e-3, seed: int = 0, task: str = "reverse", log=print) -> dict:
+# where RL starts: the reverse recipe (BENCHMARKS.md, "Learning") was measured from ~0.5; the
+# calc task's two-turn reward is still 0 after 25 steps, so its bar is lower
+TARGET_REWARD = {"reverse": 0.5, "calc": 0.3}
+
+
+def warm_start(src: Path, out: Path, target_reward: float | None = None, max_steps: int = 400, batch: int = 32,
+               lr: float = 1e-3, seed: int = 0, task: str = "reverse", check_every: int = 5, log=print) -> dict:
+    """Supervised steps until the sampled reward reaches `target_reward`, checked every
+    `check_every` steps, and after every step once it has passed half the target: the reward
+    can jump from 0.4 to over 0.7 within 5 steps (seed 1), and a policy that starts that high
+    leaves RL little to show (seed 1 from 0.77: +0.10 in 60 rounds; seed 0 from 0.53: +0.19)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    target_reward = TARGET_REWARD[task] if target_reward is None else target_reward
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tok = AutoTokenizer.from_pretrained(src)
@@ -125,7 +135,7 @@ def warm_start(src: Path, out: Path, target_reward: float = 0.3, max_steps: int 
     step = 0
     while reward < target_reward and step < max_steps:
         model.train()
-        for _ in range(25):
+        for _ in range(check_every if reward < target_reward / 2 else 1):
             seqs, masks = zip(*(sft_example(tok, task, rng) for _ in range(batch)))
             width = max(map(len, seqs))
             ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in seqs])
@@ -141,7 +151,8 @@ def warm_start(src: Path, out: Path, target_reward: float = 0.3, max_steps: int 
             opt.step()
             step += 1
         reward = sampled_reward(model.eval(), tok, eval_rng, task=task)
-        log(f"warm start ({task}): step {step} loss {loss.item():.3f} sampled reward {reward:.3f}")
+        if step % 25 == 0 or reward >= target_reward or step >= max_steps:
+            log(f"warm start ({task}): step {step} loss {loss.item():.3f} sampled reward {reward:.3f}")
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
