@@ -104,6 +104,18 @@ def text_completion(id: str, created: int, model: str, done: ChatDone, session_i
     }
 
 
+def unsent(sent: str, text: str, offset: int | None) -> str:
+    """What of `text` (the reply from character `offset` on) the agent has not seen, given that
+    `sent` went out. A resumed request re-sends from offset 0. A piece beyond what was sent means
+    one was lost on the way (core NATS is at most once; a NATS restart drops what is in flight):
+    nothing more goes out until the final message sends the rest whole."""
+    if offset is None:
+        return text
+    if offset > len(sent):
+        return ""
+    return text[len(sent) - offset:] if offset < len(sent) else text
+
+
 class ChunkStream:
     """SSE events for one streamed turn. Tracks the text already sent, so that a ChatDone
     whose text goes beyond the deltas (a responder that held text back) is completed, not lost.
@@ -146,14 +158,9 @@ class ChunkStream:
         return self._chunk([self._choice({"role": "assistant", "content": ""})])
 
     def delta(self, text: str, offset: int | None = None) -> bytes:
-        """Content from character `offset` of the reply on. A resumed request re-sends from
-        offset 0: only the part the agent has not seen yet goes out (b"" if none). A piece beyond
-        what was sent means one was lost on the way (core NATS is at most once; a NATS restart
-        drops what is in flight): nothing more goes out, and `done` sends the rest whole."""
-        if offset is not None and offset > len(self.sent):
-            return b""
-        if offset is not None and offset < len(self.sent):
-            text = text[len(self.sent) - offset:]
+        """Content from character `offset` of the reply on; only what the agent has not seen
+        goes out (b"" if none; see `unsent`)."""
+        text = unsent(self.sent, text, offset)
         if not text:
             return b""
         self.sent += text

@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from services.gateway.openai_format import extension
+from services.gateway.openai_format import extension, unsent
 from services.gateway.responses_schemas import ResponseCreateRequest
 from shared.messages.chat import ChatDone, ToolCall, Usage
 
@@ -144,13 +144,9 @@ class EventStream:
                 + self._event("response.content_part.added", **self._item(part=text_part(""))))
 
     def delta(self, text: str, offset: int | None = None) -> bytes:
-        """Text from character `offset` of the reply on; a resumed request re-sends from 0, and only
-        what the agent has not seen goes out. After a lost piece (offset beyond what was sent: a
-        NATS restart) nothing more goes out; `done` sends the rest whole."""
-        if offset is not None and offset > len(self.sent):
-            return b""
-        if offset is not None and offset < len(self.sent):
-            text = text[len(self.sent) - offset:]
+        """Text from character `offset` of the reply on; only what the agent has not seen goes
+        out (openai_format.unsent)."""
+        text = unsent(self.sent, text, offset)
         if not text:
             return b""
         start = b"" if self.open else self._open()
