@@ -96,9 +96,12 @@ class Up:
 
     def leftovers(self) -> list[str]:
         """Processes of this stack still in the process table: every service gets the stack's
-        NATS URL in its environment (vLLM's engine processes inherit it)."""
-        mark = f"SF_NATS_URL=nats://127.0.0.1:{self.nats_port}".encode()
-        return [f"{pid}: {_cmdline(pid)}" for pid in _pids() if mark in _read(f"/proc/{pid}/environ").split(b"\0")]
+        NATS URL in its environment (vLLM's engine processes inherit it), with the stack's
+        login in it: nats://USER:PASSWORD@127.0.0.1:PORT."""
+        def ours(var: bytes) -> bool:
+            return var.startswith(b"SF_NATS_URL=nats://") and var.endswith(f"127.0.0.1:{self.nats_port}".encode())
+        return [f"{pid}: {_cmdline(pid)}" for pid in _pids()
+                if any(ours(v) for v in _read(f"/proc/{pid}/environ").split(b"\0"))]
 
 
 def _pids() -> list[int]:
