@@ -114,7 +114,10 @@ def warm_model() -> Path:
     from seamlessflow.warmstart import warm_start
 
     src = (ROOT / "seamlessflow" / "warmstart.py").read_bytes()
-    path = CACHE / f"model-small-warm-{_model_key()}-{hashlib.sha256(src).hexdigest()[:8]}"
+    path = CACHE / f"model-small-warm-{_model_key()}-{hashlib.sha256(src).hexdigest()[:8]}-t0.3c25"  # see below
     if not (path / "config.json").exists():
-        warm_start(_built_model("small"), path)
+        # the settings the learning test's margin was measured with (BENCHMARKS.md, "Learning"):
+        # seed 0 stops at step 50 near 0.52; the demo's default (0.5, finer checks) lands
+        # elsewhere and has not been through this test often enough yet
+        warm_start(_built_model("small"), path, target_reward=0.3, check_every=25, fine=False)
     return path
