@@ -16,3 +16,13 @@ def vllm_stack(tmp_path_factory, tiny_model, nats_url, redis_url):
     s = make_stack(tmp_path_factory.mktemp("vllm-stack"), tiny_model, nats_url, redis_url, workers=1)
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model):
+    """The tiny model in transformers, with its tokenizer: the reference for token-exact checks."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_model)

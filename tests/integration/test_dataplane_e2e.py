@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -21,14 +21,9 @@ def stack(vllm_stack):
     return vllm_stack  # the session's shared stack (conftest.py)
 
 
-@pytest.fixture(scope="module")
-def hf(tiny_model):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(tiny_model)
-
-
-def _http(stack) -> httpx.Client:
-    return httpx.Client(base_url=stack.gateway_url, headers={"Authorization": f"Bearer {stack.api_key}"}, timeout=60)
+def _http(stack, key: str | None = None) -> httpx.Client:
+    return httpx.Client(base_url=stack.gateway_url, headers={"Authorization": f"Bearer {key or stack.api_key}"},
+                        timeout=60)
 
 
 def new_session(stack, **body) -> dict:

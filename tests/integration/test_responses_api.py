@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import openai
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.integration.test_dataplane_e2e import _http, greedy_check, sdk, trajectory
+from tests.integration.test_dataplane_e2e import new_session as dataplane_session
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -29,33 +28,8 @@ def stack(vllm_stack):
     return vllm_stack  # the session's shared stack (conftest.py)
 
 
-@pytest.fixture(scope="module")
-def hf(tiny_model):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(tiny_model)
-
-
-def _http(stack, key: str | None = None) -> httpx.Client:
-    return httpx.Client(base_url=stack.gateway_url, headers={"Authorization": f"Bearer {key or stack.api_key}"},
-                        timeout=60)
-
-
 def new_session(stack) -> dict:
-    with _http(stack) as c:
-        r = c.post("/sessions", json={"group_id": "g-responses"})
-        assert r.status_code == 200, r.text
-        return r.json()
-
-
-def trajectory(stack, sid: str) -> dict:
-    with _http(stack) as c:
-        r = c.get(f"/sessions/{sid}")
-        assert r.status_code == 200, r.text
-        return r.json()
-
-
-def sdk(stack, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.gateway_url, api_key=key, max_retries=0, timeout=120)
+    return dataplane_session(stack, group_id="g-responses")
 
 
 def streamed(client: openai.OpenAI, **kw):
@@ -72,19 +46,6 @@ def streamed(client: openai.OpenAI, **kw):
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == final.output_text
     return final
-
-
-def greedy_check(hf, prompt: list[int], generated: list[int]) -> None:
-    """The engine consumed `prompt`: HF greedy decoding from it reproduces `generated`."""
-    model, _ = hf
-    ids = torch.tensor([prompt])
-    out = []
-    with torch.no_grad():
-        for _ in generated:
-            nxt = int(model(input_ids=ids).logits[0, -1].argmax())
-            out.append(nxt)
-            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-    assert out == generated
 
 
 def check_token_exact(hf, traj: dict, replies: list[tuple[str, int, int]]) -> list[int]:
