@@ -12,6 +12,7 @@
     seamlessflow up --policy seamless --hosts train+rollout,rollout --train
     seamlessflow hosts list | cordon ID | uncordon ID | policy NAME
     seamlessflow timeline --out timeline.json
+    seamlessflow dead list [--limit 20] [--json] | purge
 """
 
 from __future__ import annotations
@@ -266,6 +267,20 @@ def cmd_timeline(a: argparse.Namespace) -> None:
     print(hosts.write_timeline(asyncio.run(hosts.ask(_connections(a), "timeline")), a.out))
 
 
+def cmd_dead(a: argparse.Namespace) -> None:
+    from seamlessflow import dead
+
+    conn = _connections(a)
+    try:
+        if a.action == "purge":
+            print(f"purged {asyncio.run(dead.purge_dead(conn, a.timeout))} dead letters")
+            return
+        letters = asyncio.run(dead.list_dead(conn, a.limit, a.timeout))
+    except Exception as e:  # NATS down, a timeout: an answer, not a traceback
+        sys.exit(f"error: cannot read the dead letters: {type(e).__name__}: {e}")
+    print(dead.to_json(letters) if a.json else dead.format_letters(letters))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="seamlessflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -338,6 +353,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path("timeline.json"))
     p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs (for its URLs)")
     p.set_defaults(fn=cmd_timeline)
+
+    p = sub.add_parser("dead", help="bus messages a service could not read (the DEAD stream): list, or purge them")
+    p.add_argument("action", choices=["list", "purge"])
+    p.add_argument("--limit", type=int, default=20, help="list: the newest N")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds for each step (connect, read)")
+    p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs (for its URLs)")
+    p.set_defaults(fn=cmd_dead)
 
     from seamlessflow import plan
 

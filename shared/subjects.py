@@ -17,6 +17,8 @@ JetStream (durable, explicit ack):
     sf.traj.completed            TRAJECTORIES stream: one TrajectoryCompleted per finished session
     sf.weights.published         WEIGHTS stream, last value per subject: WeightsPublished
     sf.sched.assign.<host>       HOSTS stream, last value per subject: HostAssignment
+    sf.dead.<service>.<subject>  DEAD stream: copies of stored messages a service could not read
+                                 (shared/deadletter.py; `seamlessflow dead list`)
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from nats.js.api import (
 )
 
 from shared.backpressure import TrajectoryLimits, limits_from_env
+from shared.deadletter import DEAD_STREAM, dead_stream  # noqa: F401 (DEAD_STREAM: the name, with the others)
 
 CHAT = "sf.chat"
 SESSION = "sf.session"  # + ".create" | ".get" | ".reward" | ".finish"
@@ -124,6 +127,7 @@ def streams(limits: TrajectoryLimits | None = None) -> tuple[StreamConfig, ...]:
             max_msgs_per_subject=1,  # last value: a restarted host agent reads its current assignment
             duplicate_window=120.0,
         ),
+        dead_stream(),
     )
 
 

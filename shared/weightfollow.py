@@ -5,7 +5,7 @@ is also a core message), and the event itself is used: the stream's last value c
 push. The WEIGHTS stream's last value is also read at start and every `poll` seconds, so a
 follower that starts late, missed an event or was disconnected jumps to the newest version.
 
-    follower = WeightFollower(nc, on_newest, poll=5.0)
+    follower = WeightFollower(nc, on_newest, poll=5.0, malformed=service_malformed)
     task = asyncio.create_task(follower.run())      # until cancelled
 
 `on_newest` gets the newest event known at each wake-up (it may be one it saw before) and
@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 
 from shared import subjects, weightstore
 from shared.codec import decode
+from shared.deadletter import Malformed
 from shared.logonce import OncePerCause
 from shared.messages.weights import WeightsPublished
 
@@ -41,16 +42,20 @@ def newest(*events: WeightsPublished | None) -> WeightsPublished | None:
 
 
 class WeightFollower:
-    def __init__(self, nc: NATS, on_newest: OnNewest, poll: float):
+    def __init__(self, nc: NATS, on_newest: OnNewest, poll: float, malformed: Malformed | None = None):
         self.nc, self.on_newest, self.poll = nc, on_newest, poll
+        self.malformed = malformed  # the service's: counts and dead-letters an event it cannot read
         self._pushed: list[WeightsPublished] = []
         self._hint = asyncio.Event()
 
     async def _on_published(self, msg: Msg) -> None:
         try:
             self._pushed.append(decode(msg.data, WeightsPublished))
-        except msgspec.DecodeError as e:
-            _warn("bad_weights_event", "bad WeightsPublished ignored: %s", e)
+        except msgspec.DecodeError as e:  # ValidationError (another type) is a DecodeError too
+            if self.malformed is not None:
+                self.malformed(msg, subjects.WEIGHTS_PUBLISHED, e)
+            else:
+                _warn("bad_weights_event", "bad WeightsPublished ignored: %s", e)
             return
         self._hint.set()
 

@@ -28,6 +28,7 @@ from shared import backpressure, subjects
 from shared.bus import BusUnavailable, ReplyTimeout, connect, request, stream_request, wait_closed
 from shared.codec import decode, encode
 from shared.config import Connections
+from shared.deadletter import Malformed
 from shared.heartbeats import WorkerHeartbeats
 from shared.logonce import OncePerCause
 from shared.messages.chat import ChatCancel, ChatDelta, ChatReply, ChatRequest
@@ -62,6 +63,8 @@ class Gateway:
         self.cfg = cfg
         self.conn = conn
         self.metrics = Metrics()
+        # heartbeats it cannot read: counted on /metrics (sf_bus_malformed_total) and logged once; none is stored
+        self.malformed = Malformed("gateway", self.metrics.registry)
         self.limiter = Limiter(cfg.rate_limit, cfg.rate_burst, cfg.max_concurrent)
         self.turn_limits = TurnLimits(cfg.max_messages, cfg.max_tools, cfg.max_tokens_limit)
         self.store: KeyStore | None = None
@@ -216,7 +219,7 @@ class Gateway:
         try:
             status = decode(msg.data, WorkerStatus)
         except msgspec.DecodeError as e:  # a worker of another version, or not a worker at all
-            _warn("bad_worker_status", "bad worker status on %s ignored: %s", msg.subject, e)
+            self.malformed(msg, subjects.ROLLOUT_STATUS, e)
             return
         self.workers.update(status)
         now = time.time()
@@ -227,7 +230,7 @@ class Gateway:
         try:
             status = decode(msg.data, TrainerStatus)
         except msgspec.DecodeError as e:
-            _warn("bad_trainer_status", "bad trainer status on %s ignored: %s", msg.subject, e)
+            self.malformed(msg, subjects.TRAINER_STATUS, e)
             return
         self.board.trainer_status(status, time.time())
 

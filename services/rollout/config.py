@@ -44,6 +44,9 @@ class RolloutConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # under the tag scheduler: its host agent starts the resident worker with start_vacated
     start_vacated: bool = False  # take no work until a resume (the scheduler's assignment); default: serve at once
     initial_version: int = -1  # the version `model` holds; -1 = its weight-store dir's (v000007 -> 7), else 0
+    # Prometheus /metrics (sf_bus_malformed_total); 0 = off (workers on one machine need a port each)
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
 
 
 def default_worker_id() -> str:

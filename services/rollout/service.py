@@ -5,6 +5,9 @@
     sf.rollout.status            WorkerStatus heartbeat every `status_interval` seconds
     sf.weights.published         polled (last value): newer versions are loaded in place
 
+A message the worker cannot read is counted, logged once and (a stored weights event) dead-lettered
+(shared/deadletter.py); a Generate gets a GenerateDone error with code bad_request.
+
 No queue group on the gen subject: the trajectory manager picks the worker. The
 worker holds no session state; everything it needs is in each Generate.
 
@@ -32,6 +35,8 @@ from services.rollout.engine import Engine, EngineAsleep, EngineDead, EngineErro
 from shared import bus, subjects
 from shared.codec import decode, encode
 from shared.config import Connections
+from shared.deadletter import Malformed
+from shared.metrics import serve as serve_metrics
 from shared.weightfollow import WeightFollower
 from shared.messages.rollout import (
     ErrorCode,
@@ -71,6 +76,7 @@ class RolloutService:
         self._rejected: set[int] = set()  # published versions whose checkpoint failed the checks
         self.lent_until = 0.0  # wall clock: when the scheduler expects to reclaim this worker (0 = not lent)
         self._scheduled_vacate = False  # the vacate in force is the scheduler's: its preemptions say so
+        self.malformed = Malformed("rollout")
 
     async def run(self, quit: asyncio.Event) -> int:
         """Serve until `quit` is set or the engine dies; returns the process exit code."""
@@ -85,15 +91,19 @@ class RolloutService:
                 # 1. connect and subscribe
                 self.nc = await bus.connect(self.conn, name=f"rollout-{wid}")
                 stack.push_async_callback(bus.wait_closed, self.nc)
+                self.malformed.attach(self.nc, subjects.STREAMS)
+                stack.push_async_callback(self.malformed.drain)  # before the connection closes
+                metrics = serve_metrics(self.malformed.registry, self.cfg.metrics_port, self.cfg.metrics_host)
+                stack.callback(metrics.close)
                 gen_sub = await self.nc.subscribe(subjects.rollout_gen(wid), cb=self._on_generate)
                 await self.nc.subscribe(subjects.rollout_ctl(wid), cb=self._on_control)
                 await self.nc.flush(timeout=5)
                 if self.cfg.follow_weights:
                     follower = asyncio.create_task(
-                        WeightFollower(self.nc, self._on_newest_weights, self.cfg.weights_poll).run())
+                        WeightFollower(self.nc, self._on_newest_weights, self.cfg.weights_poll, self.malformed).run())
                     stack.callback(follower.cancel)
                 await self._publish_status()
-                log.info("rollout worker %s ready", wid)
+                log.info("rollout worker %s ready%s", wid, f" (metrics port {metrics.port})" if metrics.port else "")
                 # 2. heartbeat until told to quit, or the engine is dead
                 while not quit.is_set():
                     try:
@@ -156,8 +166,8 @@ class RolloutService:
     async def _on_generate(self, msg: Msg) -> None:
         try:
             req = decode(msg.data, Generate)
-        except msgspec.ValidationError as e:
-            log.warning("bad Generate: %s", e)
+        except msgspec.DecodeError as e:  # undecodable, or another type (ValidationError)
+            self.malformed(msg, subjects.rollout_gen("*"), e)
             if msg.reply:
                 await self._send(msg.reply, self._done("", "error", 0, error=f"bad Generate: {e}", code="bad_request"))
             return
@@ -233,8 +243,8 @@ class RolloutService:
     async def _control(self, msg: Msg) -> None:
         try:
             ctl = decode(msg.data, RolloutControl)
-        except msgspec.ValidationError as e:
-            log.warning("bad RolloutControl: %s", e)
+        except msgspec.DecodeError as e:  # answered with the status all the same: the caller learns where we stand
+            self.malformed(msg, subjects.rollout_ctl("*"), e)
         else:
             log.info("control %s", ctl)
             try:

@@ -9,7 +9,9 @@
     sf_trainer_token_staleness_total{lag} counter, loss tokens by versions behind ("0".."7", "8+", "neg")
     sf_trainer_phase_seconds{phase}       histogram: wait (for data), gate (for the scheduler), compute, publish, checkpoint
     sf_trainer_messages_total{result}     counter: trained, duplicate (acked or held, not trained),
-                                          bad (terminated), expired (incomplete group, terminated)
+                                          bad (dead-lettered, then terminated), expired (incomplete group, terminated)
+    sf_bus_malformed_total{service,subject} counter, deliveries and messages the trainer could not read
+                                          (shared/deadletter.py)
 
 TensorBoard gets the same step metrics as scalars (`train/*`, `time/*`, `data/*`) and
 the staleness as a histogram. It knows nothing about NATS or the engine: the

@@ -6,9 +6,11 @@
     sf.trainer.status     TrainerStatus out: every STATUS_INTERVAL seconds and at each state change
     sf.sched.gate         TrainGate request out (with `scheduler_gate`): reclaim our hosts before a step
     sf.trainer.ctl        TrainerControl in (offload / reload, broadcast to every rank) -> TrainerStatus
+    sf.dead.trainer.*     a delivery that does not decode or fails the checks: copied to the DEAD stream, then
+                          terminated (shared/deadletter.py); counted in sf_bus_malformed_total
 
 The loop, one global batch at a time:
-1. a fetch task pulls deliveries, decodes and checks them (a bad one is terminated),
+1. a fetch task pulls deliveries, decodes and checks them (a bad one is dead-lettered, then terminated),
    and offers them to the intake: new ones buffer towards complete groups, repeats
    are held or acked (intake.py, ledger.py);
 2. once `groups_per_step` groups are complete, every rank trains on them
@@ -51,6 +53,7 @@ from services.trainer.runner import Command, Runner, encode_groups
 from shared import bus, subjects, weightstore
 from shared.codec import decode, encode
 from shared.config import Connections
+from shared.deadletter import Malformed
 from shared.heartbeats import Heartbeats
 from shared.messages.rollout import WorkerStatus
 from shared.messages.scheduler import TrainerControl, TrainerState, TrainerStatus, TrainGate, TrainGateReply
@@ -81,6 +84,7 @@ class TrainerService:
         self.intake = Intake(cfg.group_size, Ledger.restore(resume.get("ledger")))
         self.metrics = metrics or Metrics(cfg.metrics_port, cfg.tensorboard_dir, cfg.metrics_host)
         self.audit = AuditLog(cfg.audit_log or None)
+        self.malformed = Malformed("trainer", self.metrics.registry)  # sf_bus_malformed_total on our /metrics
         self.store = Path(cfg.weights_dir)
         # worker id -> the version it serves, aged by receive time (monotonic): the trainer's clock,
         # not the worker's, decides whether a pin still holds
@@ -103,7 +107,10 @@ class TrainerService:
             stack.push_async_callback(bus.wait_closed, nc)
             self.nc = nc
             self.js = js = nc.jetstream()
-            await bus.ensure_streams(js, subjects.STREAMS)
+            streams = subjects.STREAMS
+            await bus.ensure_streams(js, streams)
+            self.malformed.attach(nc, streams)
+            stack.push_async_callback(self.malformed.drain)  # dead letters under way, before the close
             await self._init_version()
             self.audit.resume(self.step)
             await nc.subscribe(subjects.ROLLOUT_STATUS, cb=self._on_status)
@@ -193,12 +200,12 @@ class TrainerService:
 
     async def _on_msg(self, msg: Msg) -> None:
         try:
-            traj = decode(msg.data, TrajectoryCompleted)
+            traj = decode(msg.data, TrajectoryCompleted)  # ValidationError (another type) is a DecodeError
             check_trajectory(traj, self.vocab_size)
         except (msgspec.DecodeError, ValueError) as e:
-            log.warning("bad message (stream seq %s) terminated: %s", _seq(msg), e)
+            # logged once per cause, copied to DEAD, then terminated: in a task, the fetch goes on
             self.metrics.count("bad")
-            await self._settle(msg, "term")
+            self.malformed(msg, subjects.TRAJ_COMPLETED, e)
             return
         action = self.intake.offer(traj, msg, time.time())
         if action is not Action.TRAIN:
@@ -381,8 +388,8 @@ class TrainerService:
         a TrainerStatus. Requests run in arrival order (one subscription callback at a time)."""
         try:
             ctl = decode(msg.data, TrainerControl)
-        except msgspec.DecodeError as e:
-            log.warning("bad TrainerControl: %s", e)
+        except msgspec.DecodeError as e:  # answered with our status all the same
+            self.malformed(msg, subjects.TRAINER_CTL, e)
         else:
             try:
                 async with self._device:
@@ -404,7 +411,7 @@ class TrainerService:
         try:
             st = decode(msg.data, WorkerStatus)
         except msgspec.DecodeError as e:
-            log.debug("bad worker status: %s", e)
+            self.malformed(msg, subjects.ROLLOUT_STATUS, e)
             return
         self.served.beat(st.worker_id, st.version, at=time.monotonic())
 

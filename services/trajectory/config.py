@@ -29,3 +29,6 @@ class TrajectoryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # render the whole history through the chat template at every turn too, and use it (the default
     # checks each shape of conversation once, then renders only the end of the history)
     full_render_check: bool = False
+    # Prometheus /metrics (sf_bus_malformed_total); 0 = off (replicas on one machine need a port each)
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"

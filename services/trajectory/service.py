@@ -4,6 +4,8 @@ Subscriptions (queue group "trajectory" where replicas share work):
     sf.chat          -> TurnHandler, replies streamed to the request's inbox
     sf.session.*     -> session create/get/reward/finish
     sf.chat.cancel   -> cancel the named request if this replica runs it (every replica)
+    (a message none of these can read is counted, logged once and, if a stream stored it, dead-lettered:
+    shared/deadletter.py; a request gets its protocol's 400)
     sf.rollout.status-> the worker table used for routing (every replica)
     sf.weights.published -> the policy version (shared/weightfollow.py: pushed, and polled)
     sf.traj.completed    <- TrajectoryCompleted of finished sessions (finishing.py retries while full)
@@ -36,8 +38,10 @@ from shared.admission import Admission, Backlog, BacklogUnknown
 from shared.backpressure import Fill, HighWater
 from shared.codec import decode, encode
 from shared.config import Connections
+from shared.deadletter import Malformed
 from shared.deltas import merge_deltas
 from shared.logonce import OncePerCause
+from shared.metrics import serve as serve_metrics
 from shared.weightfollow import WeightFollower
 from shared.messages import (
     ChatCancel,
@@ -68,6 +72,7 @@ class TrajectoryService:
         self.limits = backpressure.limits_from_env()
         self.fill: Fill | None = None  # the newest reading of the TRAJECTORIES stream
         self.high_water = HighWater(self.limits.high_water)
+        self.malformed = Malformed("trajectory")
 
     async def run(self, quit: asyncio.Event, ready: asyncio.Event | None = None) -> None:
         async with AsyncExitStack() as stack:
@@ -75,7 +80,12 @@ class TrajectoryService:
             self.nc = await bus.connect(self.conn, name="sf-trajectory")
             stack.push_async_callback(bus.wait_closed, self.nc)
             js = self.nc.jetstream()
-            await bus.ensure_streams(js, subjects.STREAMS)
+            streams = subjects.STREAMS
+            await bus.ensure_streams(js, streams)
+            self.malformed.attach(self.nc, streams)
+            stack.push_async_callback(self.malformed.drain)  # before the connection closes
+            metrics = serve_metrics(self.malformed.registry, self.cfg.metrics_port, self.cfg.metrics_host)
+            stack.callback(metrics.close)
             self.store = Store.connect(self.conn.redis_url, self.cfg.session_ttl)
             stack.push_async_callback(self.store.close)
             self.js = js
@@ -86,7 +96,8 @@ class TrajectoryService:
                 self.cfg.open_session_timeout, lambda: self.policy_version, self._backlog,
                 pressure=self._pressure, publish_wait=self.cfg.publish_wait,
             )
-            watcher = asyncio.create_task(WeightFollower(self.nc, self._on_weights, WEIGHTS_POLL).run())
+            watcher = asyncio.create_task(
+                WeightFollower(self.nc, self._on_weights, WEIGHTS_POLL, self.malformed).run())
             stack.callback(watcher.cancel)
             await self._watch_stream()  # a first reading before sessions are admitted
             keeper = asyncio.create_task(self._stream_loop(quit))
@@ -98,7 +109,8 @@ class TrajectoryService:
                 await self.nc.subscribe(subjects.CHAT, queue=subjects.TRAJECTORY_QUEUE, cb=self._on_chat),
                 await self.nc.subscribe(subjects.session_op("*"), queue=subjects.TRAJECTORY_QUEUE, cb=self._on_session),
             ]
-            log.info("trajectory manager ready (model %s, %s)", self.cfg.model, self.conn.redacted())
+            log.info("trajectory manager ready (model %s, %s%s)", self.cfg.model, self.conn.redacted(),
+                     f", metrics port {metrics.port}" if metrics.port else "")
             if ready:
                 ready.set()
             await quit.wait()
@@ -196,8 +208,8 @@ class TrajectoryService:
     async def _on_status(self, msg: Msg) -> None:
         try:
             self.table.update(decode(msg.data, WorkerStatus))
-        except msgspec.DecodeError as e:
-            _warn("bad_worker_status", "bad worker status on %s ignored: %s", msg.subject, e)
+        except msgspec.DecodeError as e:  # another version's worker, or not a worker at all
+            self.malformed(msg, subjects.ROLLOUT_STATUS, e)
 
     async def _call(self, worker: str, cmd: Generate) -> AsyncIterator[RolloutReply]:
         """Stream one Generate to `worker`. A worker that vanishes counts as a preemption."""
@@ -240,8 +252,13 @@ class TrajectoryService:
     async def _on_chat(self, msg: Msg) -> None:
         try:
             req = decode(msg.data, ChatRequest)
-        except msgspec.ValidationError as e:
-            await self.nc.publish(msg.reply, encode(ChatFailed("", 400, "invalid_request", str(e))))
+        except msgspec.DecodeError as e:  # undecodable, or another type (ValidationError)
+            self.malformed(msg, subjects.CHAT, e)
+            if msg.reply:
+                try:
+                    await self.nc.publish(msg.reply, encode(ChatFailed("", 400, "invalid_request", str(e))))
+                except Exception as pe:  # the caller times out: never worth failing the subscription
+                    _warn(f"chat-reply:{type(pe).__name__}", "answering a malformed chat request failed: %s", pe)
             return
         task = asyncio.create_task(self._chat(req, msg.reply))
         self.running[req.request_id] = task
@@ -273,7 +290,8 @@ class TrajectoryService:
     async def _on_cancel(self, msg: Msg) -> None:
         try:
             rid = decode(msg.data, ChatCancel).request_id
-        except msgspec.ValidationError:
+        except msgspec.DecodeError as e:
+            self.malformed(msg, subjects.CHAT_CANCEL, e)
             return
         task = self.running.get(rid)
         if task:
@@ -291,7 +309,12 @@ class TrajectoryService:
     async def _session(self, msg: Msg) -> None:
         try:
             req = decode(msg.data, SessionRequest)
-            reply = await self.sessions.handle(req)
+        except msgspec.DecodeError as e:  # undecodable, or another type (ValidationError)
+            self.malformed(msg, subjects.session_op("*"), e)
+            req, reply = None, SessionReply(400, message=f"bad SessionRequest: {e}")
+        try:
+            if req is not None:
+                reply = await self.sessions.handle(req)
         except msgspec.ValidationError as e:
             reply = SessionReply(400, message=str(e))
         except redis.exceptions.RedisError as e:
@@ -301,4 +324,5 @@ class TrajectoryService:
         except Exception as e:
             log.exception("session op failed")
             reply = SessionReply(500, message=f"{type(e).__name__}: {e}")
-        await msg.respond(encode(reply))
+        if msg.reply:
+            await msg.respond(encode(reply))

@@ -31,15 +31,15 @@ async def test_a_bad_worker_heartbeat_is_logged_once_and_a_good_one_is_kept(capl
     from shared.config import Connections
     from shared.messages.rollout import WorkerStatus
 
-    caplog.set_level(logging.DEBUG, logger=gw_service.log.name)
-    gw_service._warn.seen.clear()
+    caplog.set_level(logging.DEBUG, logger="shared.deadletter")
     gw = gw_service.Gateway(GatewayConfig(), Connections())
     for _ in range(3):
         await gw._on_worker_status(types.SimpleNamespace(subject="sf.rollout.status", data=b"\x93junk"))
     good = WorkerStatus("w0", "serving", 0, 0, 4, "m", 64, time.time())
     await gw._on_worker_status(types.SimpleNamespace(subject="sf.rollout.status", data=encode(good)))
-    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "bad worker status" in r.message]
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "malformed message" in r.message]
     assert len(warned) == 1 and [s.worker_id for s in gw.worker_table()] == ["w0"]
+    assert gw.metrics.value("sf_bus_malformed_total", {"service": "gateway", "subject": "sf.rollout.status"}) == 3
 
 
 async def test_a_session_op_a_dead_replica_held_is_sent_again(monkeypatch):
