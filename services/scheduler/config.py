@@ -30,6 +30,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class HostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    metrics_port: int = 0  # Prometheus /metrics (sf_bus_malformed_total); 0 = off
+    metrics_host: str = "127.0.0.1"
     id: str = ""  # one NATS subject token
     tags: str = "rollout,cpu"  # comma-separated: roles (train, rollout) and hardware (cpu, gpu:h100, ...)
     capacity: float = 1.0
@@ -48,6 +50,8 @@ class HostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def tag_list(self) -> list[str]:
         return [t.strip() for t in self.tags.split(",") if t.strip()]
+    metrics_port: int = 0  # Prometheus /metrics (sf_bus_malformed_total); 0 = off
+    metrics_host: str = "127.0.0.1"
 
 
 def load_scheduler(**overrides) -> SchedulerConfig:

@@ -44,7 +44,9 @@ from services.scheduler.policy import Step, transition_steps
 from shared import bus, subjects
 from shared.codec import decode, encode
 from shared.config import Connections, connections
+from shared.deadletter import Malformed
 from shared.lifecycle import run_until_signalled, setup_logging
+from shared.metrics import serve as serve_metrics
 from shared.messages.rollout import RolloutControl, WorkerStatus
 from shared.messages.scheduler import (
     HostAssignment,
@@ -83,6 +85,7 @@ class HostAgent:
         self.proc: asyncio.subprocess.Process | None = None
         self._assignments: list[HostAssignment] = []
         self._wake = asyncio.Event()
+        self.malformed = Malformed("host")
 
     async def run(self, quit: asyncio.Event) -> None:
         async with AsyncExitStack() as stack:
@@ -90,12 +93,18 @@ class HostAgent:
             self.nc = await bus.connect(self.conn, name=f"host-{self.cfg.id}")
             stack.push_async_callback(bus.wait_closed, self.nc)
             js = self.nc.jetstream()
-            await bus.ensure_streams(js, subjects.STREAMS)
+            streams = subjects.STREAMS
+            await bus.ensure_streams(js, streams)
+            self.malformed.attach(self.nc, streams)
+            stack.push_async_callback(self.malformed.drain)  # before the connection closes
+            metrics = serve_metrics(self.malformed.registry, self.cfg.metrics_port, self.cfg.metrics_host)
+            stack.callback(metrics.close)
             await self.nc.subscribe(subjects.ROLLOUT_STATUS, cb=self._on_worker)
             await self.nc.subscribe(subjects.sched_assign(self.cfg.id), cb=self._on_assignment)
-            last = await bus.last_value(js, subjects.HOSTS_STREAM, subjects.sched_assign(self.cfg.id))
-            if last is not None:  # a restarted agent keeps its last assignment
-                self._offer(decode(last, HostAssignment))
+            subject = subjects.sched_assign(self.cfg.id)
+            last = await bus.last_value(js, subjects.HOSTS_STREAM, subject)
+            if last is not None:  # a restarted agent keeps its last assignment (one it can read)
+                self._on_assignment_data(Msg(self.nc, subject=subject, data=last))
 
             # 2. the resident worker, the heartbeat and the assignments, until told to stop
             tasks = [asyncio.create_task(self._heartbeat_loop(quit)), asyncio.create_task(self._apply_loop(quit))]
@@ -134,7 +143,8 @@ class HostAgent:
     async def _on_worker(self, msg: Msg) -> None:
         try:
             st = decode(msg.data, WorkerStatus)
-        except msgspec.DecodeError:
+        except msgspec.DecodeError as e:
+            self.malformed(msg, subjects.ROLLOUT_STATUS, e)
             return
         if st.worker_id == self.cfg.worker_id:
             self.worker = st
@@ -142,10 +152,13 @@ class HostAgent:
     # -- assignments -----------------------------------------------------------------------------
 
     async def _on_assignment(self, msg: Msg) -> None:
+        self._on_assignment_data(msg)
+
+    def _on_assignment_data(self, msg: Msg) -> None:
         try:
             self._offer(decode(msg.data, HostAssignment))
-        except msgspec.DecodeError as e:
-            log.warning("bad HostAssignment: %s", e)
+        except msgspec.DecodeError as e:  # the HOSTS stream stored it: dead-lettered; the last good one holds
+            self.malformed(msg, subjects.sched_assign("*"), e)
 
     def _offer(self, a: HostAssignment) -> None:
         if a.host == self.cfg.id:

@@ -10,6 +10,9 @@
     sf.sched.ctl           SchedulerControl in (status, set_policy, cordon, uncordon, timeline)
     sf.sched.assign.<host> HostAssignment out, on the HOSTS stream (last value per host)
 
+A message it cannot read is counted (sf_bus_malformed_total), logged once and, when a stream stored it,
+dead-lettered (shared/deadletter.py); a control request gets a SchedulerReply error, a gate a refusal.
+
 The loop, every `tick` seconds:
 1. mark dead hosts (heartbeat age) and failed switches (switch timeout);
 2. build a policy.Snapshot from the registry and ask policy.decide();
@@ -36,6 +39,8 @@ from services.scheduler.store import Store
 from shared import bus, subjects, weightstore
 from shared.codec import decode, encode
 from shared.config import Connections
+from shared.deadletter import Malformed
+from shared.metrics import serve as serve_metrics
 from shared.messages.rollout import WorkerStatus
 from shared.messages.scheduler import (
     HostAssignment,
@@ -70,6 +75,7 @@ class SchedulerService:
                             costs=policy.Costs(cfg.lend_s, cfg.reclaim_s))
         self.gates: list[_Gate] = []
         self.weights: WeightsPublished | None = None
+        self.malformed = Malformed("scheduler")
 
     async def run(self, quit: asyncio.Event, ready: asyncio.Event | None = None) -> None:
         async with AsyncExitStack() as stack:
@@ -77,7 +83,12 @@ class SchedulerService:
             self.nc = await bus.connect(self.conn, name="sf-scheduler")
             stack.push_async_callback(bus.wait_closed, self.nc)
             self.js = self.nc.jetstream()
-            await bus.ensure_streams(self.js, subjects.STREAMS)
+            streams = subjects.STREAMS
+            await bus.ensure_streams(self.js, streams)
+            self.malformed.attach(self.nc, streams)
+            stack.push_async_callback(self.malformed.drain)  # before the connection closes
+            metrics = serve_metrics(self.malformed.registry, self.cfg.metrics_port, self.cfg.metrics_host)
+            stack.callback(metrics.close)
             self.store = Store.connect(self.conn.redis_url)
             stack.push_async_callback(self.store.close)
             await self._restore()
@@ -95,8 +106,8 @@ class SchedulerService:
             ]
             for subject, cb in subs:
                 await self.nc.subscribe(subject, cb=cb)
-            log.info("scheduler ready: policy %s, %d host(s) known (%s)", self.policy, len(self.reg.hosts),
-                     self.conn.redacted())
+            log.info("scheduler ready: policy %s, %d host(s) known (%s%s)", self.policy, len(self.reg.hosts),
+                     self.conn.redacted(), f", metrics port {metrics.port}" if metrics.port else "")
             if ready:
                 ready.set()
 
@@ -192,51 +203,63 @@ class SchedulerService:
     # -- what arrives ------------------------------------------------------------------------------
 
     async def _on_heartbeat(self, msg: Msg) -> None:
-        hb = _decode(msg, HostHeartbeat)
+        hb = self._decode(msg, HostHeartbeat, subjects.SCHED_HOST)
         if hb is not None:
             for note in self.reg.on_heartbeat(hb, time.time()):
                 log.info("%s", note)
 
     async def _on_changed(self, msg: Msg) -> None:
-        ev = _decode(msg, HostModeChanged)
+        ev = self._decode(msg, HostModeChanged, subjects.SCHED_CHANGED)
         if ev is not None and (note := self.reg.on_changed(ev, time.time())):
             (log.info if ev.ok else log.warning)("%s", note)
 
     async def _on_worker(self, msg: Msg) -> None:
-        st = _decode(msg, WorkerStatus)
+        st = self._decode(msg, WorkerStatus, subjects.ROLLOUT_STATUS)
         if st is not None:
             self.reg.on_worker(st.worker_id, st.running, time.time())
 
     async def _on_trainer(self, msg: Msg) -> None:
-        st = _decode(msg, TrainerStatus)
+        st = self._decode(msg, TrainerStatus, subjects.TRAINER_STATUS)
         if st is not None:
             self.reg.on_trainer(st, time.time())
 
-    async def _on_finished(self, msg: Msg) -> None:
+    async def _on_finished(self, msg: Msg) -> None:  # counted, not read: the trainer reads (and dead-letters)
         self.reg.on_finished(time.time())
 
     async def _on_weights(self, msg: Msg) -> None:
-        ev = _decode(msg, WeightsPublished)
+        ev = self._decode(msg, WeightsPublished, subjects.WEIGHTS_PUBLISHED)
         if ev is not None and (self.weights is None or ev.version > self.weights.version):
             self.weights = ev
 
     async def _on_gate(self, msg: Msg) -> None:
-        req = _decode(msg, TrainGate)
-        if req is None or not msg.reply:
+        req = self._decode(msg, TrainGate, subjects.SCHED_GATE)
+        if not msg.reply:
+            return
+        if req is None:  # refused at once: the trainer would otherwise wait out its gate timeout
+            try:
+                await msg.respond(encode(TrainGateReply(False, 0.0, "bad TrainGate: the scheduler cannot read it")))
+            except Exception as e:
+                log.warning("answering a bad gate request: %s", e)
             return
         self.gates.append(_Gate(msg, req, time.time()))
 
     async def _on_control(self, msg: Msg) -> None:
         try:
             ctl = decode(msg.data, SchedulerControl)
-            reply = await self._control(ctl)
-        except msgspec.DecodeError as e:
-            reply = SchedulerReply(False, error=f"bad SchedulerControl: {e}")
+        except msgspec.DecodeError as e:  # undecodable, or another type (ValidationError)
+            self.malformed(msg, subjects.SCHED_CTL, e)
+            ctl, reply = None, SchedulerReply(False, error=f"bad SchedulerControl: {e}")
+        try:
+            if ctl is not None:
+                reply = await self._control(ctl)
         except Exception as e:
             log.exception("control failed")
             reply = SchedulerReply(False, error=f"{type(e).__name__}: {e}")
         if msg.reply:
-            await msg.respond(encode(reply))
+            try:
+                await msg.respond(encode(reply))
+            except Exception as e:  # the connection is closing: the operator's request times out
+                log.warning("answering a control request: %s", e)
 
     async def _control(self, ctl: SchedulerControl) -> SchedulerReply:
         now = time.time()
@@ -265,10 +288,10 @@ class SchedulerService:
         return SchedulerReply(True, self.policy, [r.info() for r in self.reg.hosts.values()],
                               counts=dict(self.reg.counts))
 
-
-def _decode(msg: Msg, tp):
-    try:
-        return decode(msg.data, tp)
-    except msgspec.DecodeError as e:  # undecodable or of the wrong shape
-        log.warning("bad %s on %s: %s", tp.__name__, msg.subject, e)
-        return None
+    def _decode(self, msg: Msg, tp, subject: str):
+        """`msg` as a `tp`, or None once it is counted, logged and (if stored) dead-lettered."""
+        try:
+            return decode(msg.data, tp)
+        except msgspec.DecodeError as e:  # undecodable, or another type (ValidationError)
+            self.malformed(msg, subject, e)
+            return None
