@@ -182,7 +182,7 @@ class HostAgent:
         t0 = time.time()
         self.switching = True
         ok, error, migrated = True, "", 0
-        steps = transition_steps(a.mode, a.hold, self.has_worker, self.cfg.trainer)
+        steps = transition_steps(a.mode, a.hold, self.has_worker, self.cfg.trainer, self.mode)
         try:
             if self.has_worker:
                 await self._worker_up()

@@ -20,6 +20,17 @@ Tags decide what a host *may* do (`train`, `rollout`); the policy decides what i
   a host is lent only when the trainer's predicted wait, from the completion rate and the
   trajectories still missing, exceeds the switch cost (lend + reclaim) by `lend_margin`.
 
+  Two knobs trade the trainer's time for re-prefill (a reclaim vacates a lent host's running
+  sequences, which carry their whole context to prefill again where they land):
+  - `drain_margin_s`: a lent host's `lent_until` (what routers read: a lent host takes only
+    turns predicted to end by then) is set this much before the predicted reclaim, so it
+    stops admitting early and drains;
+  - `reclaim_grace_s`: once the batch is ready, a lent host that still runs sequences is
+    *drained* first: reassigned to rollout with `lent_until` = now (routers send it nothing
+    new) and reclaimed when it reports no running sequence or the grace has run out since
+    the trainer became ready (`Trainer.wants_since`). The trainer's gate waits meanwhile.
+  Both default to 0 (reclaim at once, as before); `seamlessflow plan` sweeps them.
+
 A host that is switching (its last assignment not yet applied) gets no new decision, so a
 host has one mode at a time. An unhealthy host gets none either: when it comes back it
 rejoins idle and is assigned afresh. Cordoned hosts go idle. Every decision carries the
@@ -54,6 +65,8 @@ class Host:
     epoch: int = 0  # of the last assignment issued to it
     healthy: bool = True
     cordoned: bool = False
+    running: int = 0  # sequences its rollout worker runs, as last reported (the grace's drain)
+    lent_until: float = 0.0  # of its last rollout assignment (0 = not lent, or no prediction)
 
     @property
     def can_train(self) -> bool:
@@ -72,6 +85,7 @@ class Host:
 class Trainer:
     state: TrainerState | Literal["absent"] = "absent"
     samples_needed: int = 0  # trajectories still missing for the next batch (0 when it is ready)
+    wants_since: float = 0.0  # when it began to want its hosts (ready); the reclaim grace counts from it
 
     @property
     def wants_hosts(self) -> bool:
@@ -96,6 +110,8 @@ class Snapshot:
     costs: Costs = Costs()
     lend_margin: float = 1.5  # lend only if predicted wait > lend_margin * (lend_s + reclaim_s)
     train_hosts: int = 0  # size of the train pool (first N train-tagged hosts by id); 0 = all
+    drain_margin_s: float = 0.0  # a lent host's lent_until is this much before the predicted reclaim
+    reclaim_grace_s: float = 0.0  # batch ready: a lent host still running sequences drains this long at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +121,7 @@ class Decision:
     epoch: int
     reason: str
     hold: bool = False  # to train/idle: pause in keep mode instead of vacating (colocated)
-    lent_until: float = 0.0  # to rollout on a train-pool host: predicted reclaim time
+    lent_until: float = 0.0  # to rollout on a train-pool host: take no turn predicted to end after this
 
 
 def train_pool(s: Snapshot) -> frozenset[str]:
@@ -127,11 +143,33 @@ def lend_verdict(s: Snapshot) -> tuple[bool, str]:
         return True, "no trainer running"
     if s.trainer.wants_hosts:
         return False, f"trainer {s.trainer.state}"
-    wait = predicted_wait(s.trainer, s.completion_rate)
+    # the drain margin is cut from the window: a lent host takes no turn in its last drain_margin_s
+    wait = predicted_wait(s.trainer, s.completion_rate) - s.drain_margin_s
     cost = s.costs.lend_s + s.costs.reclaim_s
+    what = "predicted wait" + (f" - drain {s.drain_margin_s:g}s" if s.drain_margin_s else "")
     if wait > s.lend_margin * cost:
-        return True, f"predicted wait {wait:.1f}s > {s.lend_margin:g} x switch {cost:.2f}s"
-    return False, f"predicted wait {wait:.1f}s <= {s.lend_margin:g} x switch {cost:.2f}s"
+        return True, f"{what} {wait:.1f}s > {s.lend_margin:g} x switch {cost:.2f}s"
+    return False, f"{what} {wait:.1f}s <= {s.lend_margin:g} x switch {cost:.2f}s"
+
+
+def draining(s: Snapshot, h: Host) -> bool:
+    """Seamless, batch ready: does this lent host finish its running sequences before the
+    reclaim? Yes while it runs any and the grace since the trainer became ready lasts."""
+    return (s.reclaim_grace_s > 0 and h.mode == "rollout" and h.target == "rollout" and h.running > 0
+            and s.now < s.trainer.wants_since + s.reclaim_grace_s)
+
+
+def _closed(h: Host, now: float) -> bool:
+    """Does the host's lent_until already keep routers from sending it a new turn?"""
+    return 0.0 < h.lent_until <= now
+
+
+def _earlier(s: Snapshot, h: Host, reclaim_at: float) -> bool:
+    """With a drain margin: has the predicted reclaim moved well before the host's lent_until?
+    (A tenth of the margin, at least 1 s, so that lent_until is not re-sent every tick.)"""
+    if s.drain_margin_s <= 0 or not math.isfinite(reclaim_at) or _closed(h, s.now):
+        return False
+    return h.lent_until <= 0 or reclaim_at < h.lent_until - max(1.0, s.drain_margin_s / 10)
 
 
 def _wanted(s: Snapshot, h: Host, pool: frozenset[str], lend: tuple[bool, str]) -> tuple[HostMode, str, bool]:
@@ -156,6 +194,8 @@ def _wanted(s: Snapshot, h: Host, pool: frozenset[str], lend: tuple[bool, str]) 
             if not h.can_rollout:
                 return "train", "train pool (no rollout tag)", False
             if s.trainer.wants_hosts:
+                if draining(s, h):
+                    return "rollout", f"drain: trainer {s.trainer.state}, {h.running} running", False
                 return "train", f"reclaim: trainer {s.trainer.state}", False
             ok, why = lend
             if h.mode == "rollout" and h.target == "rollout":
@@ -168,7 +208,8 @@ def decide(s: Snapshot) -> list[Decision]:
     """The assignments to issue now: one per settled, healthy host whose target must change."""
     pool = train_pool(s)
     lend = lend_verdict(s) if s.policy == "seamless" else (False, "")
-    reclaim_at = s.now + max(0.0, predicted_wait(s.trainer, s.completion_rate) - s.costs.reclaim_s)
+    wait = predicted_wait(s.trainer, s.completion_rate)
+    reclaim_at = s.now + max(0.0, wait - s.costs.reclaim_s - s.drain_margin_s)
     out: list[Decision] = []
     # _wanted reads a host only through this key, so hosts that share it share the answer
     # (the simulator decides for thousands of hosts; this keeps it to a few distinct calls)
@@ -176,15 +217,27 @@ def decide(s: Snapshot) -> list[Decision]:
     for h in sorted(s.hosts, key=_BY_ID):
         if not h.healthy or h.mode != h.target:  # h.switching, inlined
             continue
-        key = (h.cordoned, h.id in pool, "train" in h.tags, "rollout" in h.tags, h.mode, h.target)
+        key = (h.cordoned, h.id in pool, "train" in h.tags, "rollout" in h.tags, h.mode, h.target,
+               s.reclaim_grace_s > 0 and draining(s, h))
         got = wanted.get(key)
         if got is None:
             got = wanted[key] = _wanted(s, h, pool, lend)
         mode, reason, hold = got
+        lent = mode == "rollout" and s.policy == "seamless" and h.id in pool
+        drain = lent and s.trainer.wants_hosts
         if mode == h.target:
-            continue
+            # unchanged, but for a lent host's lent_until: a drain closes it to new turns (once);
+            # with a drain margin, a reclaim predicted earlier than its lent_until moves it earlier
+            if drain and not _closed(h, s.now):
+                reason = f"drain: trainer {s.trainer.state}, {h.running} running"
+            elif lent and not drain and _earlier(s, h, reclaim_at):
+                reason = f"drain margin {s.drain_margin_s:g}s: reclaim now predicted at {reclaim_at:.1f}"
+            else:
+                continue
         lent_until = 0.0
-        if mode == "rollout" and h.id in pool:
+        if drain:
+            lent_until = max(s.now, 1e-9)  # > 0: a lent_until of 0 means "not lent", open to every turn
+        elif mode == "rollout" and h.id in pool:
             lent_until = reclaim_at if math.isfinite(reclaim_at) else 0.0
         out.append(Decision(h.id, mode, h.epoch + 1, reason, hold, lent_until))
     return out
@@ -208,10 +261,13 @@ _HOST_FIELDS = tuple(f.name for f in fields(Host))
 
 
 def _retarget(h: Host, d: Decision) -> Host:
-    """replace(h, target=d.mode, epoch=d.epoch), several times faster (no field introspection)."""
-    if _HOST_FIELDS != ("id", "tags", "capacity", "mode", "target", "epoch", "healthy", "cordoned"):
-        return replace(h, target=d.mode, epoch=d.epoch)  # Host grew a field: stay correct
-    return Host(h.id, h.tags, h.capacity, h.mode, d.mode, d.epoch, h.healthy, h.cordoned)
+    """replace(h, target=d.mode, epoch=d.epoch, lent_until=...), several times faster (no field
+    introspection)."""
+    lent_until = d.lent_until if d.mode == "rollout" else 0.0
+    if _HOST_FIELDS != ("id", "tags", "capacity", "mode", "target", "epoch", "healthy", "cordoned", "running",
+                        "lent_until"):
+        return replace(h, target=d.mode, epoch=d.epoch, lent_until=lent_until)  # Host grew a field: stay correct
+    return Host(h.id, h.tags, h.capacity, h.mode, d.mode, d.epoch, h.healthy, h.cordoned, h.running, lent_until)
 
 
 def activity(mode: HostMode, target: HostMode, trainer_state: str, running: int) -> Activity:
@@ -239,15 +295,17 @@ Step = Literal[
 ]
 
 
-def transition_steps(mode: HostMode, hold: bool, has_worker: bool, has_trainer: bool) -> list[Step]:
-    """The ordered steps that bring a host into `mode`.
+def transition_steps(mode: HostMode, hold: bool, has_worker: bool, has_trainer: bool,
+                     current: HostMode | None = None) -> list[Step]:
+    """The ordered steps that bring a host from `current` (None: unknown) into `mode`.
 
     A lent host never serves an old version: `load` comes before `resume`. A reclaimed host
     never trains beside a serving worker: `vacate` (or `hold`) and `sleep` come before
-    `reload_trainer`."""
+    `reload_trainer`. Rollout to rollout (a drain: only `lent_until` changes) leaves the
+    trainer rank alone; wake and load are no-ops on a serving worker."""
     steps: list[Step] = []
     if mode == "rollout":
-        if has_trainer:
+        if has_trainer and current != "rollout":
             steps.append("offload_trainer")
         if has_worker:
             steps += ["wake", "load", "resume"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.scheduler import policy
 from shared.heartbeats import Heartbeats
@@ -57,10 +57,11 @@ class HostRecord:
     since: float = 0.0  # when it entered its current mode
     activity: Activity = "idle"
     activity_since: float = 0.0
+    lent_until: float = 0.0  # of its last rollout assignment (not persisted: a restart re-issues)
 
-    def view(self) -> policy.Host:
+    def view(self, running: int = 0) -> policy.Host:
         return policy.Host(self.host, frozenset(self.tags), self.capacity, self.mode, self.target, self.epoch,
-                           self.healthy and self.ready, self.cordoned)
+                           self.healthy and self.ready, self.cordoned, running, self.lent_until)
 
     def info(self) -> HostInfo:
         return HostInfo(self.host, list(self.tags), self.capacity, self.mode, self.target, self.epoch, self.healthy,
@@ -79,6 +80,7 @@ class Registry:
     trainer_seen: float = 0.0
     gate_pending: bool = False
     granted_step: int = 0  # the newest step whose gate was granted: the trainer computes until it reports it
+    wants_since: float = 0.0  # when the trainer began to want its hosts (0 = it does not): the reclaim grace
     finished: deque[float] = field(default_factory=deque)  # arrival times of finished trajectories
     costs: policy.Costs = policy.Costs()
     counts: dict[str, int] = field(default_factory=lambda: {"lends": 0, "reclaims": 0, "failed_switches": 0,
@@ -151,9 +153,10 @@ class Registry:
 
     # -- what the service does -------------------------------------------------------------------
 
-    def issued(self, host: str, mode: HostMode, epoch: int, now: float) -> None:
+    def issued(self, host: str, mode: HostMode, epoch: int, now: float, lent_until: float = 0.0) -> None:
         rec = self.hosts[host]
         rec.target, rec.epoch, rec.issued_at = mode, epoch, now
+        rec.lent_until = lent_until if mode == "rollout" else 0.0
 
     def granted(self, step: int) -> None:
         self.granted_step = max(self.granted_step, step)
@@ -204,10 +207,17 @@ class Registry:
         span = max(now - self.finished[0], 1.0)
         return len(self.finished) / span
 
-    def snapshot(self, policy_name: PolicyName, now: float, lend_margin: float, train_hosts: int) -> policy.Snapshot:
-        return policy.Snapshot(policy_name, now, tuple(r.view() for r in self.hosts.values()),
-                               self.trainer_view(now), self.completion_rate(now), self.costs, lend_margin,
-                               train_hosts)
+    def snapshot(self, policy_name: PolicyName, now: float, lend_margin: float, train_hosts: int,
+                 drain_margin_s: float = 0.0, reclaim_grace_s: float = 0.0) -> policy.Snapshot:
+        trainer = self.trainer_view(now)
+        if not trainer.wants_hosts:
+            self.wants_since = 0.0
+        elif not self.wants_since:
+            self.wants_since = now
+        trainer = replace(trainer, wants_since=self.wants_since)
+        hosts = tuple(r.view(self.workers.get(r.worker_id) or 0) for r in self.hosts.values())
+        return policy.Snapshot(policy_name, now, hosts, trainer, self.completion_rate(now), self.costs, lend_margin,
+                               train_hosts, drain_margin_s, reclaim_grace_s)
 
     def record_activity(self, now: float) -> list[tuple[str, Interval]]:
         """Close the interval of every host whose activity changed; returns the closed ones."""

@@ -28,6 +28,9 @@ Model, in order of one tick (steps numbered in `_tick`):
   sessions are; the trainer takes `groups_per_step` complete groups per step.
 - A reclaimed host vacates: its sequences keep their tokens, re-queue, and pay a prefill of
   their whole context where they land (counted as re-prefilled). Colocated holds instead.
+  With `reclaim_grace_s` the policy first drains a lent host (its `lent_until` becomes now,
+  so it takes no new turn) and reclaims it once it runs nothing or the grace is over;
+  `drain_margin_s` moves `lent_until` earlier (policy.py says how).
 - `replicas` = w > 1 makes each simulated session stand for w identical ones (w x the
   tokens, w x the slots it occupies), so 4,096 hosts x 1,000 steps fit in a minute; the
   length tail is then drawn w times more coarsely. w = 1 is exact.
@@ -83,6 +86,8 @@ class Options:
     seed: int = 0
     dt: float = 0.25  # scheduler tick (s): control decisions and dispatch happen on ticks
     lend_margin: float = 1.5
+    drain_margin_s: float = 0.0  # policy.Snapshot.drain_margin_s
+    reclaim_grace_s: float = 0.0  # policy.Snapshot.reclaim_grace_s
     rate_tau_s: float = 20.0  # completion-rate EWMA time constant, as the scheduler measures it
     replicas: int = 1
     host_group: int = 1  # m > 1: each simulated host stands for m identical hosts that move together
@@ -159,6 +164,8 @@ class Simulator:
         self.version = 0
         self.step = 0
         self.tr_end = math.inf  # end of compute or publish
+        self.wants_since = 0.0  # when the trainer last began to want its hosts
+        self.pool_idx = np.zeros(0, np.int64)  # the train pool's host indices (set by run)
         self.batch: list = []
         self.available = 0  # real samples in complete, untaken groups
         self.untrained = 0  # real completed samples not trained yet (the admission backlog)
@@ -176,9 +183,21 @@ class Simulator:
 
     def snapshot(self) -> P.Snapshot:
         needed = max(0, self.B - self.available) if self.tstate == "waiting" else 0
-        return P.Snapshot(self.policy, self.t, tuple(self.hosts), P.Trainer(self.tstate, needed),
+        hosts = tuple(self.hosts)
+        if self._draining():  # the grace reads how many sequences each host runs
+            running = np.bincount(self.s_host[self.s_state == RUNNING], minlength=len(self.mode))
+            hosts = tuple(P.Host(h.id, h.tags, h.capacity, h.mode, h.target, h.epoch, h.healthy, h.cordoned,
+                                 int(running[i]), h.lent_until) for i, h in enumerate(hosts))
+        return P.Snapshot(self.policy, self.t, hosts, P.Trainer(self.tstate, needed, self.wants_since),
                           self.rate, P.Costs(self.cal.lend_s, self.cal.reclaim_s), self.opt.lend_margin,
-                          self.train_hosts)
+                          self.train_hosts, self.opt.drain_margin_s, self.opt.reclaim_grace_s)
+
+    def _draining(self) -> bool:
+        """May the policy be draining lent hosts now (seamless, a grace, the trainer wants its
+        hosts, a pool host still rolling out)? Then it decides every tick."""
+        if self.opt.reclaim_grace_s <= 0 or self.policy != "seamless" or self.tstate not in P.TRAINER_WANTS_HOSTS:
+            return False
+        return bool(((self.mode[self.pool_idx] == 1) & (self.target[self.pool_idx] == 1)).any())
 
     def _decide(self) -> None:
         s = self.snapshot()
@@ -191,6 +210,10 @@ class Simulator:
         for d in ds:
             i = self.index[d.host]
             old, new = self.mode[i], _MODE[d.mode]
+            if old == new == self.target[i]:  # a drain: only lent_until moves, nothing switches
+                self.lent_until[i] = d.lent_until
+                self.tot.drains += 1
+                continue
             self.target[i] = new
             self.switch_end[i] = self.t + (self.cal.lend_s if new == 1 else self.cal.reclaim_s) / self.cap[i]
             # lent_until steers routing only where a reclaim vacates (seamless); colocated holds
@@ -204,6 +227,13 @@ class Simulator:
                 self.tot.lends += 1
         if vacate:
             self._vacate(vacate)
+
+    def _margin_watch(self) -> bool:
+        """With a drain margin, while the trainer waits and pool hosts are lent: the policy moves
+        their lent_until as the prediction moves."""
+        if self.opt.drain_margin_s <= 0 or self.policy != "seamless" or self.tstate != "waiting":
+            return False
+        return bool(((self.mode[self.pool_idx] == 1) & (self.target[self.pool_idx] == 1)).any())
 
     def _verdict_changed(self) -> bool:
         if self.policy != "seamless" or self.tstate != "waiting":
@@ -226,8 +256,9 @@ class Simulator:
             i = int(i)
             self.mode[i] = self.target[i]
             self.switch_end[i] = math.inf
-            self.hosts[i] = P.Host(self.hosts[i].id, self.hosts[i].tags, self.hosts[i].capacity,
-                                   MODES[self.mode[i]], MODES[self.target[i]], self.hosts[i].epoch)
+            h = self.hosts[i]
+            self.hosts[i] = P.Host(h.id, h.tags, h.capacity, MODES[self.mode[i]], MODES[self.target[i]], h.epoch,
+                                   lent_until=h.lent_until)
             if self.mode[i] == 1:
                 self.hversion[i] = self.version  # a lent host loaded the current version first
         self.dirty = True
@@ -458,6 +489,8 @@ class Simulator:
         # while it waits): computing -> publishing changes nothing it reads
         if (state in P.TRAINER_WANTS_HOSTS) != (self.tstate in P.TRAINER_WANTS_HOSTS):
             self.dirty = True
+            if state in P.TRAINER_WANTS_HOSTS:
+                self.wants_since = self.t
         self.tstate = state
         self.last_verdict = None
 
@@ -494,6 +527,7 @@ class Simulator:
         self.rate_count = 0.0
         self.pool = {self.index[h] for h in P.train_pool(self.snapshot())}
         self.pool_cap = float(self.cap[sorted(self.pool)].sum()) * self.m if self.pool else 1.0
+        self.pool_idx = np.array(sorted(self.pool), np.int64)
         self._decide()  # initial placement, applied at once: hosts start placed
         self._settle_now()
         self._admit()
@@ -515,8 +549,9 @@ class Simulator:
             # 3. switches that finished; the trainer's state machine (gate included)
             self._settle_switches()
             self._trainer()
-            # 4. the policy, whenever what it reads has changed
-            if self.dirty or self._verdict_changed():
+            # 4. the policy, whenever what it reads has changed (every tick while lent hosts drain,
+            # or, with a drain margin, while the predicted reclaim moves)
+            if self.dirty or self._verdict_changed() or self._draining() or self._margin_watch():
                 self.dirty = False
                 self._decide()
                 self._trainer()  # a reclaim may have been instant (nothing to reclaim)

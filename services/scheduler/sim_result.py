@@ -31,6 +31,7 @@ class Totals:
     trainer_wait_s: float = 0.0
     lends: int = 0
     reclaims: int = 0
+    drains: int = 0  # lent hosts drained before their reclaim (reclaim_grace_s)
     decide_calls: int = 0
     host_time: np.ndarray = field(default=None)  # [host, activity] seconds
     timeline: list = field(default_factory=list)  # (host, start, end, activity)
@@ -57,6 +58,7 @@ class Result:
     trainer_wait_fraction: float
     lends: int
     reclaims: int
+    drains: int
     switch_s: float
     generated: float
     reprefilled: float
@@ -90,7 +92,7 @@ class Result:
             switch_fraction=float(ht[:, ACTS.index("switch")].sum() / max(ht.sum(), 1e-12)),
             staleness_mean=t.staleness_sum / t.trained_samples if t.trained_samples else 0.0,
             staleness_max=t.staleness_max, trainer_wait_fraction=t.trainer_wait_s / wall,
-            lends=t.lends * sim.m, reclaims=t.reclaims * sim.m, switch_s=float(ht[:, ACTS.index("switch")].sum()) * sim.m,
+            lends=t.lends * sim.m, reclaims=t.reclaims * sim.m, drains=t.drains * sim.m, switch_s=float(ht[:, ACTS.index("switch")].sum()) * sim.m,
             generated=t.generated, reprefilled=t.reprefilled,
             reprefill_fraction=t.reprefilled / t.generated if t.generated else 0.0,
             unaccounted_generated=t.generated - t.trained_generated - in_flight_generated,
@@ -103,5 +105,5 @@ class Result:
                 "idle_host_max": round(max(self.idle_per_host), 4), "switch": round(self.switch_fraction, 4),
                 "staleness_mean": round(self.staleness_mean, 2), "staleness_max": self.staleness_max,
                 "trainer_wait": round(self.trainer_wait_fraction, 3), "lends": self.lends,
-                "reclaims": self.reclaims, "switch_s": round(self.switch_s, 1),
+                "reclaims": self.reclaims, "drains": self.drains, "switch_s": round(self.switch_s, 1),
                 "reprefill_fraction": round(self.reprefill_fraction, 4)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -201,3 +202,66 @@ def test_property_epochs_are_monotone_and_a_reclaim_vacates_before_training(s: S
                 Host(h.id, h.tags, h.capacity, h.target, h.target, h.epoch, h.healthy, h.cordoned)
                 for h in s.hosts), s.trainer, s.completion_rate, s.costs, s.lend_margin, s.train_hosts)
     assert all(math.isfinite(e) for e in last_epoch.values())
+
+
+# -- the drain trade-off: re-prefill against trainer time ---------------------------------------
+
+def lent_host(running=0, lent_until=300.0, epoch=3) -> Host:
+    return Host("host-0", BOTH, mode="rollout", target="rollout", epoch=epoch, running=running, lent_until=lent_until)
+
+
+def test_without_a_grace_a_ready_batch_reclaims_a_busy_lent_host_at_once():
+    s = Snapshot("seamless", 200.0, (lent_host(running=40),), Trainer("ready", 0, wants_since=199.0))
+    (d,) = decide(s)
+    assert (d.mode, d.hold) == ("train", False)  # vacate: its 40 sequences migrate and prefill again
+
+
+def test_the_grace_drains_a_lent_host_then_reclaims_it_when_empty_or_out_of_time():
+    def snap(now, host):
+        return Snapshot("seamless", now, (host,), Trainer("ready", 0, wants_since=200.0), reclaim_grace_s=30.0)
+
+    # 1. the batch is ready: the lent host is closed to new turns (lent_until = now), not reclaimed
+    s = snap(201.0, lent_host(running=40))
+    (d,) = decide(s)
+    assert (d.mode, d.epoch, d.lent_until) == ("rollout", 4, 201.0) and d.reason.startswith("drain")
+    assert not gate_open(s)
+    # 2. once closed, nothing more is issued while it drains
+    s = apply(s, [d])
+    assert s.hosts[0].lent_until == 201.0 and s.hosts[0].target == "rollout"
+    assert decide(replace(s, now=210.0)) == []
+    # 3. it runs nothing any more: reclaimed before the grace is out
+    (d,) = decide(replace(s, now=215.0, hosts=(replace(s.hosts[0], running=0),)))
+    assert (d.mode, d.epoch) == ("train", 5)
+    # 4. still running when the grace since the trainer became ready is out: reclaimed anyway
+    (d,) = decide(replace(s, now=230.0))
+    assert d.mode == "train"
+
+
+def test_a_host_already_closed_by_its_prediction_drains_without_a_new_assignment():
+    s = Snapshot("seamless", 201.0, (lent_host(running=40, lent_until=180.0),), Trainer("ready", 0, wants_since=200.0),
+                 reclaim_grace_s=30.0)
+    assert decide(s) == []  # lent_until 180 < now: routers already send it nothing
+
+
+def test_the_drain_margin_closes_lent_hosts_before_the_predicted_reclaim():
+    s = Snapshot("seamless", 100.0, two_hosts(), Trainer("waiting", 64), completion_rate=2.0, drain_margin_s=10.0)
+    (d,) = decide(s)
+    assert d.mode == "rollout" and d.lent_until == 100.0 + 32.0 - 1.0 - 10.0
+    # the margin comes off the lend window: a wait that no longer beats lend_margin x switch lends nothing
+    short = Snapshot("seamless", 100.0, two_hosts(), Trainer("waiting", 16), completion_rate=2.0,
+                     costs=Costs(2.0, 2.0), lend_margin=1.0, drain_margin_s=5.0)
+    assert decide(replace(short, drain_margin_s=0.0))[0].mode == "rollout"  # 8 s > 4 s
+    assert decide(short) == []  # 8 - 5 = 3 s < 4 s
+    # lent, and the reclaim is now predicted well before its lent_until: lent_until moves earlier
+    lent = Snapshot("seamless", 110.0, (lent_host(lent_until=121.0),), Trainer("waiting", 30), completion_rate=2.0,
+                    drain_margin_s=10.0)
+    (d,) = decide(lent)
+    assert (d.mode, d.epoch, d.lent_until) == ("rollout", 4, 110.0 + 15.0 - 1.0 - 10.0)
+    assert decide(replace(lent, drain_margin_s=0.0)) == []  # without a margin a lent host is left alone
+    assert decide(replace(lent, hosts=(lent_host(lent_until=114.5),))) == []  # moved less than 1 s: left alone
+
+
+def test_rollout_to_rollout_leaves_the_trainer_rank_alone():
+    assert transition_steps("rollout", False, True, True, current="rollout") == ["wake", "load", "resume"]
+    assert transition_steps("rollout", False, True, True, current="train") == ["offload_trainer", "wake", "load",
+                                                                              "resume"]
