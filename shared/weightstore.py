@@ -11,17 +11,23 @@ starts late reads the current version). Trainer and operator CLI share this modu
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 import time
 from pathlib import Path
 
+import msgspec
 from nats.js import JetStreamContext
 
 from shared import bus, subjects
 from shared.codec import decode
 from shared.checkpoint import CheckpointError, check_checkpoint
+from shared.logonce import OncePerCause
 from shared.messages import WeightsPublished
+
+log = logging.getLogger(__name__)
+_warn = OncePerCause(log)
 
 __all__ = ["CheckpointError", "check_checkpoint", "write_version", "versions_on_disk",
            "version_dir", "current", "announce", "publish_dir", "collect_garbage"]
@@ -62,8 +68,17 @@ def write_version(root: Path, version: int, src: Path) -> Path:
 
 
 async def current(js: JetStreamContext) -> WeightsPublished | None:
+    """The newest WeightsPublished; None if there is none, or the newest is unreadable (someone published
+    garbage: followers dead-letter it on its push; a trainer still starts, and its next announce replaces it)."""
     data = await bus.last_value(js, "WEIGHTS", subjects.WEIGHTS_PUBLISHED)
-    return decode(data, WeightsPublished) if data else None
+    if not data:
+        return None
+    try:
+        return decode(data, WeightsPublished)
+    except msgspec.DecodeError as e:
+        _warn(f"weights-last:{type(e).__name__}", "the WEIGHTS stream's last value is not a WeightsPublished "
+              "(%s); taken as no version announced", e)
+        return None
 
 
 async def announce(js: JetStreamContext, version: int, path: Path, step: int = 0) -> WeightsPublished:
