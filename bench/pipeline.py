@@ -1,6 +1,7 @@
 """Pipeline benchmark on SIMULATED clusters: the three placement policies side by side.
 
     .venv/bin/python bench/pipeline.py [--steps 30] [--sweep-steps 10] [--out var/bench/pipeline]
+                                       [--reclaim-grace 0] [--drain-margin 0] [--skip-scale] [--skip-drain]
 
 No GPU and no model: services/scheduler/sim.py drives the scheduler's own policy module
 (services/scheduler/policy.py) in virtual time on calibrated 8-accelerator hosts
@@ -18,7 +19,11 @@ One run measures, on the same workload and cluster for every policy:
 4. the train-heavy calibration at 8-accelerator granularity: seamless against the best
    static split;
 5. the planner's time bound (4,096 hosts x 1,000 steps);
+6. the drain trade-off: seamless at every reclaim grace x drain margin (policy.py) beside
+   disaggregated, at 16 and 64 hosts (the splits of 1) and in the fixed split: re-prefilled
+   tokens against trained tokens/s;
 and prints the goals as ratios (markdown), writing results.json and the PNGs under --out.
+`--reclaim-grace` / `--drain-margin` set the drain of every seamless run in 1-5.
 """
 
 from __future__ import annotations
@@ -63,18 +68,45 @@ def gantt(result, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+DRAIN: dict = {}  # reclaim_grace_s and drain_margin_s of every seamless run (set by main)
+GRACES, DRAIN_MARGINS = (0.0, 30.0, 60.0, 75.0, 90.0), (0.0, 60.0)  # the drain trade-off's grid
+
+
 def sweep(hosts, cal, wl, steps, grid):
     rows = []
     for t in grid:
-        rows.append({"train_hosts": t, **{p: run(p, hosts, t, cal, wl, steps).trained_tokens_per_s
+        rows.append({"train_hosts": t, **{p: run(p, hosts, t, cal, wl, steps, **DRAIN).trained_tokens_per_s
                                           for p in ("disaggregated", "seamless")}})
     return rows
+
+
+def drain_tradeoff(hosts, split, cal, wl, steps) -> dict:
+    """Seamless at every (grace, drain margin) beside disaggregated, same workload and split."""
+    dis = run("disaggregated", hosts, split, cal, wl, steps).row()
+    rows = []
+    for g in GRACES:
+        for dm in DRAIN_MARGINS:
+            r = run("seamless", hosts, split, cal, wl, steps, reclaim_grace_s=g, drain_margin_s=dm).row()
+            rows.append({"reclaim_grace_s": g, "drain_margin_s": dm, **r,
+                         "vs_disaggregated": r["trained_tok_s"] / dis["trained_tok_s"]})
+    return {"hosts": hosts, "split": split, "disaggregated": dis, "seamless": rows}
+
+
+def md_drain(title, t) -> str:
+    lines = [f"**{title}**: disaggregated {t['disaggregated']['trained_tok_s']:,} tok/s", "",
+             "| reclaim grace s | drain margin s | trained tok/s | / disaggregated | re-prefilled | trainer wait | "
+             "idle | of limit |", "|---|---|---|---|---|---|---|---|"]
+    for r in t["seamless"]:
+        lines.append(f"| {r['reclaim_grace_s']:g} | {r['drain_margin_s']:g} | {r['trained_tok_s']:,} | "
+                     f"{r['vs_disaggregated']:.3f} | {r['reprefill_fraction']:.2%} | {r['trainer_wait']:.1%} | "
+                     f"{r['idle']:.1%} | {r['limit_fraction']:.1%} |")
+    return "\n".join(lines)
 
 
 def side_by_side(hosts, split, cal, wl, steps, out: Path | None):
     res = {}
     for p in POLICIES:
-        r = run(p, hosts, split, cal, wl, steps, timeline=out is not None)
+        r = run(p, hosts, split, cal, wl, steps, timeline=out is not None, **DRAIN)
         if out is not None:
             gantt(r, out / f"gantt-{hosts}-{p}.png", f"{p}: {hosts} hosts, split {split}, {cal.name} (SIMULATED)")
         res[p] = r.row() | {"idle_per_host": [round(x, 4) for x in r.idle_per_host]}
@@ -99,13 +131,18 @@ def main() -> None:
     ap.add_argument("--sweep-steps", type=int, default=10)
     ap.add_argument("--out", type=Path, default=Path("var/bench/pipeline"))
     ap.add_argument("--skip-scale", action="store_true", help="skip the 4,096-host time bound")
+    ap.add_argument("--skip-drain", action="store_true", help="skip the drain trade-off (6)")
+    ap.add_argument("--reclaim-grace", type=float, default=0.0, help="reclaim_grace_s of every seamless run in 1-5")
+    ap.add_argument("--drain-margin", type=float, default=0.0, help="drain_margin_s of every seamless run in 1-5")
     a = ap.parse_args()
+    DRAIN.update(reclaim_grace_s=a.reclaim_grace, drain_margin_s=a.drain_margin)
     a.out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
     dh, th = CALIBRATIONS["decode-heavy"], CALIBRATIONS["train-heavy"]
     report: dict = {}
     md: list[str] = [("SIMULATED (services/scheduler/sim.py driving services/scheduler/policy.py); "
-                      f"`.venv/bin/python bench/pipeline.py --steps {a.steps} --sweep-steps {a.sweep_steps}`"), ""]
+                      f"`.venv/bin/python bench/pipeline.py --steps {a.steps} --sweep-steps {a.sweep_steps}"
+                      f" --reclaim-grace {a.reclaim_grace:g} --drain-margin {a.drain_margin:g}`"), ""]
 
     # 1 + 2: sweeps, then the three policies at seamless's best split
     for hosts in (16, 64):
@@ -124,7 +161,7 @@ def main() -> None:
 
     # 3: fixed split: train pool = half the hosts (memory), training fast next to rollout
     wl64 = sized(WORKLOADS["long-tail"], dh, 64, fill=1.0)
-    fixed = {p: run(p, 64, 32, dh, wl64, a.steps).row() for p in ("disaggregated", "seamless")}
+    fixed = {p: run(p, 64, 32, dh, wl64, a.steps, **DRAIN).row() for p in ("disaggregated", "seamless")}
     report["fixed-split"] = fixed
     md += [md_policies("fixed split: 64 hosts, 32 train (fixed by memory), decode-heavy, long tail", fixed), ""]
 
@@ -140,6 +177,16 @@ def main() -> None:
         wl4k = sized(WORKLOADS["long-tail"], dh, 4096, fill=1.0)
         big = run("seamless", 4096, 2048, dh, wl4k, 1000).row()
         report["scale"] = {"seconds": time.perf_counter() - t0, "result": big}
+
+    # 6: the drain trade-off, at the splits above and in the fixed split
+    if not a.skip_drain:
+        cases = [(16, report["long-tail-16"]["split"]), (64, report["long-tail-64"]["split"]), (64, 32)]
+        report["drain"] = []
+        for hosts, split in cases:
+            wl = sized(WORKLOADS["long-tail"], dh, hosts, fill=1.0)
+            t = drain_tradeoff(hosts, split, dh, wl, a.steps)
+            report["drain"].append(t)
+            md += [md_drain(f"Drain trade-off, {hosts} hosts, split {split}" + (" (fixed)" if split == 32 else ""), t), ""]
 
     # goals, as ratios measured in this run
     lt64 = report["long-tail-64"]
@@ -157,6 +204,15 @@ def main() -> None:
     rp = max(lt64["policies"]["seamless"]["reprefill_fraction"], fixed["seamless"]["reprefill_fraction"],
              report["long-tail-16"]["policies"]["seamless"]["reprefill_fraction"])
     g.append(("re-prefilled / generated tokens, seamless (worst of the runs above)", rp, 0.02, "<"))
+    for t in report.get("drain", []):  # the fastest drain setting under 2% re-prefill, against disaggregated
+        ok = [r for r in t["seamless"] if r["reprefill_fraction"] < 0.02]
+        name = f"drain trade-off, {t['hosts']} hosts, split {t['split']}: fastest under 2% re-prefill / disaggregated"
+        if ok:
+            b = max(ok, key=lambda r: r["trained_tok_s"])
+            g.append((f"{name} (grace {b['reclaim_grace_s']:g} s, margin {b['drain_margin_s']:g} s)",
+                      b["vs_disaggregated"], 0.99, ">="))
+        else:
+            g.append((f"{name}: none tried", 0.0, 0.99, ">="))
     if "scale" in report:
         g.append(("4,096 hosts x 1,000 steps (seamless, one policy), seconds", report["scale"]["seconds"], 60.0, "<"))
     md += ["**Goals** (ratios from this run)", "", "| goal | measured | target | met | by |", "|---|---|---|---|---|"]

@@ -3,12 +3,17 @@
     seamlessflow plan --hosts 64 [--calibration decode-heavy] [--workload long-tail] [--steps 200]
                       [--train-hosts N] [--out var/plan]
     seamlessflow plan --hosts 4096 --steps 1000          # the scale bound: under 60 s here
+    seamlessflow plan --hosts 64 --graces 0,30,60,90 --drain-margins 0,60 --max-reprefill 0.02
 
 It sweeps the train/rollout split (disaggregated against seamless, short runs), picks the
 split where seamless trains the most tokens/s, tries the lending threshold (lend_margin)
-there, then runs all three policies at that split for `--steps` steps and prints trained
-tokens/s, its fraction of the physical limit, idle and staleness for each. It writes the
-sweep as a PNG and the results as JSON under --out.
+there, then the drain trade-off: seamless at every reclaim grace x drain margin
+(policy.py), re-prefilled tokens against trained tokens/s. It recommends the fastest drain
+setting that re-prefills under `--max-reprefill` and stays >= 0.99x disaggregated (or, when
+none does, says so and keeps the fastest), runs all three policies at the split for
+`--steps` steps and prints trained tokens/s, its fraction of the physical limit, idle,
+staleness and re-prefill for each. It writes the sweep as a PNG and the results as JSON
+under --out.
 
 Every figure comes from services/scheduler/sim.py, which drives the scheduler's own policy
 module in virtual time; none is measured on hardware. Large clusters are simulated with
@@ -33,6 +38,9 @@ from services.scheduler.sim_workload import (
 
 POLICIES = ("colocated", "disaggregated", "seamless")
 DEFAULT_MARGIN = 1.5  # the scheduler's default lend_margin (SF_SCHEDULER_LEND_MARGIN)
+GRACES = (0.0, 30.0, 60.0, 90.0)  # reclaim_grace_s tried (SF_SCHEDULER_RECLAIM_GRACE_S; 0 = the default)
+DRAIN_MARGINS = (0.0, 60.0)  # drain_margin_s tried (SF_SCHEDULER_DRAIN_MARGIN_S)
+MAX_REPREFILL = 0.02  # re-prefilled / generated tokens the recommended drain setting stays under
 MAX_SIM_HOSTS = 128  # above this, hosts are simulated in identical groups
 MAX_SIM_SESSIONS = 8192  # above this, each simulated session stands for several
 
@@ -93,16 +101,36 @@ class Plan:
     margins: list[dict]
     results: list[dict]
     seconds: float
+    reclaim_grace_s: float = 0.0
+    drain_margin_s: float = 0.0
+    drains: list[dict] | None = None  # the drain trade-off: one row per (grace, drain margin)
+    drain_note: str = ""  # why this drain setting
+
+
+def pick_drain(rows: list[dict], disaggregated: float, max_reprefill: float = MAX_REPREFILL) -> tuple[dict, str]:
+    """The drain setting to recommend from the trade-off rows (each with reclaim_grace_s,
+    drain_margin_s, trained_tok_s, reprefill_fraction): the fastest that re-prefills under
+    `max_reprefill` and trains >= 0.99x disaggregated; if none, the fastest, and why."""
+    ok = [r for r in rows if r["reprefill_fraction"] < max_reprefill and r["trained_tok_s"] >= 0.99 * disaggregated]
+    if ok:
+        best = max(ok, key=lambda r: r["trained_tok_s"])
+        return best, f"fastest under {max_reprefill:.0%} re-prefill and >= 0.99x disaggregated"
+    best = max(rows, key=lambda r: r["trained_tok_s"])
+    low = min(rows, key=lambda r: r["reprefill_fraction"])
+    why = (f"no setting tried re-prefills under {max_reprefill:.0%} at >= 0.99x disaggregated (least: "
+           f"{low['reprefill_fraction']:.2%} at {low['trained_tok_s'] / disaggregated:.3f}x); the fastest is kept")
+    return best, why
 
 
 def plan(hosts: int, cal: Calibration, wl: Workload, steps: int, sweep_steps: int = 20,
          train_hosts: int | None = None, margins=(1.0, DEFAULT_MARGIN, 3.0), progress=None, workload_name: str = "",
-         workers: int = 0) -> Plan:
-    """Sweep the split, try the lending thresholds at the best one, then run the three
-    policies there for `steps` steps. Runs that do not depend on each other go to `workers`
-    processes (0 = one per core): colocated and disaggregated need the split but not the
-    threshold, so they run beside the threshold trials, and so does seamless at the default
-    threshold (run again at the winning one if that differs)."""
+         workers: int = 0, graces=GRACES, drain_margins=DRAIN_MARGINS, max_reprefill: float = MAX_REPREFILL) -> Plan:
+    """Sweep the split, try the lending thresholds at the best one, then the drain settings
+    (reclaim grace x drain margin) at the winning threshold, then run the three policies there
+    for `steps` steps. Runs that do not depend on each other go to `workers` processes (0 = one
+    per core): colocated and disaggregated need the split but not the threshold, so they run
+    beside the threshold trials, and so does seamless at the default threshold without a grace
+    (run again if another threshold or drain setting wins)."""
     t0 = time.perf_counter()
     grid = [train_hosts] if train_hosts else splits(hosts)
     tick = progress or (lambda *a, **k: None)
@@ -118,13 +146,26 @@ def plan(hosts: int, cal: Calibration, wl: Workload, steps: int, sweep_steps: in
         trials = {mg: pool.submit("seamless", hosts, best, cal, wl, sweep_steps, "margin", mg) for mg in margins}
         tried = [{"lend_margin": mg, "seamless": pool.result(f)["trained_tok_s"]} for mg, f in trials.items()]
         margin = max(tried, key=lambda r: r["seamless"])["lend_margin"]
-        if margin != DEFAULT_MARGIN:
+        # the drain trade-off at that threshold: re-prefill against trained tokens/s (short runs)
+        settings = [(g, dm) for g in graces for dm in drain_margins]
+        trials = {gd: pool.submit("seamless", hosts, best, cal, wl, sweep_steps, "drain", margin, *gd) for gd in settings}
+        disagg = next(r["disaggregated"] for r in sweep if r["train_hosts"] == best)
+        drains = [{"reclaim_grace_s": g, "drain_margin_s": dm, **_pick(pool.result(f))} for (g, dm), f in trials.items()]
+        chosen, note = pick_drain(drains, disagg, max_reprefill) if drains else ({"reclaim_grace_s": 0.0,
+                                                                                  "drain_margin_s": 0.0}, "")
+        grace, drain = chosen["reclaim_grace_s"], chosen["drain_margin_s"]
+        if (margin, grace, drain) != (DEFAULT_MARGIN, 0.0, 0.0):
             pool.result(last)
             tick("seamless", -steps)  # the bar takes those steps back
-            last = pool.submit("seamless", hosts, best, cal, wl, steps, "seamless", margin)
+            last = pool.submit("seamless", hosts, best, cal, wl, steps, "seamless", margin, grace, drain)
         rows = {pol: pool.result(f) for pol, f in static.items()} | {"seamless": pool.result(last)}
     results = [rows[pol] for pol in POLICIES]
-    return Plan(hosts, cal.name, workload_name, best, margin, sweep, tried, results, time.perf_counter() - t0)
+    return Plan(hosts, cal.name, workload_name, best, margin, sweep, tried, results, time.perf_counter() - t0,
+                grace, drain, drains, note)
+
+
+def _pick(row: dict) -> dict:
+    return {k: row[k] for k in ("trained_tok_s", "reprefill_fraction", "trainer_wait", "idle")}
 
 
 _progress_queue = None  # a worker's end of the progress queue (set by _Pool's initializer)
@@ -136,7 +177,7 @@ def _init_worker(queue) -> None:
 
 
 def _run_row(policy: str, hosts: int, train_hosts: int, cal: Calibration, wl: Workload, steps: int, label: str,
-             lend_margin: float) -> dict:
+             lend_margin: float, reclaim_grace_s: float = 0.0, drain_margin_s: float = 0.0) -> dict:
     """One simulation in a worker process; its steps go to the parent's progress bar."""
     done = [0]
 
@@ -146,7 +187,8 @@ def _run_row(policy: str, hosts: int, train_hosts: int, cal: Calibration, wl: Wo
             done[0] = k
     long_run = label in POLICIES
     row = run(policy, hosts, train_hosts, cal, wl, steps, lend_margin=lend_margin,
-              progress=on_step if long_run else None).row()
+              progress=on_step if long_run else None, reclaim_grace_s=reclaim_grace_s,
+              drain_margin_s=drain_margin_s).row()
     if not long_run:
         _progress_queue.put((label, 1))
     return row
@@ -181,8 +223,9 @@ class _Pool:
             self.ex.shutdown(wait=True, cancel_futures=True)
 
     def submit(self, policy: str, hosts: int, train_hosts: int, cal: Calibration, wl: Workload, steps: int,
-               label: str, lend_margin: float = DEFAULT_MARGIN):
-        args = (policy, hosts, train_hosts, cal, wl, steps, label, lend_margin)
+               label: str, lend_margin: float = DEFAULT_MARGIN, reclaim_grace_s: float = 0.0,
+               drain_margin_s: float = 0.0):
+        args = (policy, hosts, train_hosts, cal, wl, steps, label, lend_margin, reclaim_grace_s, drain_margin_s)
         if self.ex is None:
             row = _run_row(*args)
             self._drain()
@@ -206,13 +249,24 @@ class _Pool:
 
 def table(p: Plan) -> str:
     head = (f"SIMULATED plan: {p.hosts} hosts ({p.calibration}, workload {p.workload}); recommended split "
-            f"{p.split} train / {p.hosts - p.split} rollout, lend_margin {p.lend_margin:g}; {p.seconds:.1f} s")
+            f"{p.split} train / {p.hosts - p.split} rollout, lend_margin {p.lend_margin:g}, reclaim_grace_s "
+            f"{p.reclaim_grace_s:g}, drain_margin_s {p.drain_margin_s:g}; {p.seconds:.1f} s")
     lines = [head, "", ("| policy | trained tok/s | of physical limit | idle | max host idle | staleness mean / max | "
                   "trainer wait | lends / reclaims | re-prefilled |"), "|---|---|---|---|---|---|---|---|---|"]
     for r in p.results:
         lines.append(f"| {r['policy']} | {r['trained_tok_s']:,} | {r['limit_fraction']:.1%} | {r['idle']:.1%} | "
                      f"{r['idle_host_max']:.1%} | {r['staleness_mean']:.2f} / {r['staleness_max']} | "
                      f"{r['trainer_wait']:.1%} | {r['lends']} / {r['reclaims']} | {r['reprefill_fraction']:.2%} |")
+    if p.drains:
+        dis = next(r["disaggregated"] for r in p.sweep if r["train_hosts"] == p.split)
+        lines += ["", f"Drain trade-off (seamless at split {p.split}, short runs): {p.drain_note}", "",
+                  "| reclaim grace s | drain margin s | trained tok/s | / disaggregated | re-prefilled | trainer wait |",
+                  "|---|---|---|---|---|---|"]
+        for r in p.drains:
+            mark = " **(recommended)**" if (r["reclaim_grace_s"], r["drain_margin_s"]) == (p.reclaim_grace_s,
+                                                                                         p.drain_margin_s) else ""
+            lines.append(f"| {r['reclaim_grace_s']:g}{mark} | {r['drain_margin_s']:g} | {r['trained_tok_s']:,} | "
+                         f"{r['trained_tok_s'] / dis:.3f} | {r['reprefill_fraction']:.2%} | {r['trainer_wait']:.1%} |")
     return "\n".join(lines)
 
 
@@ -242,12 +296,13 @@ def cmd_plan(a) -> None:
     cal = CALIBRATIONS[a.calibration]
     wl = sized(WORKLOADS[a.workload], cal, a.hosts)
     grid = [a.train_hosts] if a.train_hosts else splits(a.hosts)
-    total = 2 * len(grid) + 3 + 3 * a.steps
+    graces, drains = _floats(a.graces), _floats(a.drain_margins)
+    total = 2 * len(grid) + 3 + len(graces) * len(drains) + 3 * a.steps
     with Progress() as bar:
         task = bar.add_task(f"simulating {a.hosts} hosts", total=total)
         p = plan(a.hosts, cal, wl, a.steps, a.sweep_steps, a.train_hosts,
                  progress=lambda what, k: bar.update(task, advance=k, description=f"simulating: {what}"),
-                 workload_name=a.workload)
+                 workload_name=a.workload, graces=graces, drain_margins=drains, max_reprefill=a.max_reprefill)
     print(table(p))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -265,5 +320,15 @@ def add_parser(sub) -> None:
     p.add_argument("--workload", default="long-tail", choices=sorted(WORKLOADS))
     p.add_argument("--steps", type=int, default=200, help="trainer steps per policy at the recommended split")
     p.add_argument("--sweep-steps", type=int, default=20, help="trainer steps per point of the split sweep")
+    p.add_argument("--graces", default=",".join(f"{g:g}" for g in GRACES),
+                   help="reclaim_grace_s values to try (seconds a lent host drains before its reclaim)")
+    p.add_argument("--drain-margins", default=",".join(f"{d:g}" for d in DRAIN_MARGINS),
+                   help="drain_margin_s values to try (seconds before the predicted reclaim a lent host stops taking turns)")
+    p.add_argument("--max-reprefill", type=float, default=MAX_REPREFILL,
+                   help="re-prefilled / generated tokens the recommended drain setting must stay under")
     p.add_argument("--out", default="var/plan")
     p.set_defaults(fn=cmd_plan)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())

@@ -60,3 +60,29 @@ async def test_a_worker_that_exits_takes_its_leftover_processes_with_it(tmp_path
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await agent._stop_worker()
+
+
+async def test_a_drain_assignment_only_resends_lent_until(monkeypatch):
+    """rollout -> rollout (the reclaim grace's drain, or a drain margin moving lent_until): the
+    worker is resumed with the new lent_until; the trainer rank is not offloaded again."""
+    from shared.messages.scheduler import HostAssignment
+
+    a = _agent(model="var/model", trainer=True)
+    done: list[tuple[str, float]] = []
+
+    async def step(s, asg):
+        done.append((s, asg.lent_until))
+        return 0
+
+    async def nothing(*args, **kw):
+        return None
+
+    monkeypatch.setattr(a, "_step", step)
+    monkeypatch.setattr(a, "_worker_up", nothing)
+    monkeypatch.setattr(a, "_publish", nothing)
+    await a._apply(HostAssignment("h0", "rollout", 1, lent_until=150.0))  # the lend, from idle
+    assert [s for s, _ in done] == ["offload_trainer", "wake", "load", "resume"]
+    done.clear()
+    await a._apply(HostAssignment("h0", "rollout", 2, lent_until=120.0))  # the drain
+    assert done == [("wake", 120.0), ("load", 120.0), ("resume", 120.0)]
+    assert (a.mode, a.epoch) == ("rollout", 2)

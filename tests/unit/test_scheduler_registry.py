@@ -145,3 +145,27 @@ def test_a_host_whose_worker_is_starting_is_not_placed():
     assert reg.hosts["host-1"].view().healthy is False and reg.hosts["host-1"].healthy
     notes = reg.on_heartbeat(HostHeartbeat("host-1", ["rollout"], 1.0, "idle", 0, 0.0, "host-1-rollout"), 2.0)
     assert "worker up" in notes[0] and reg.hosts["host-1"].view().healthy
+
+
+def test_the_snapshot_carries_what_the_reclaim_grace_reads():
+    """running (from the worker's status), lent_until (from the last assignment) and the time
+    the trainer began to want its hosts."""
+    reg = Registry()
+    reg.on_heartbeat(hb("host-0", "rollout", tags=("train", "rollout")), 100.0)
+    reg.issued("host-0", "rollout", 1, 100.0, lent_until=160.0)
+    reg.on_worker("host-0-rollout", 12, 100.5)
+    reg.on_trainer(trainer("waiting"), 100.0)
+    s = reg.snapshot("seamless", 101.0, 1.5, 0, drain_margin_s=5.0, reclaim_grace_s=30.0)
+    (h,) = s.hosts
+    assert (h.running, h.lent_until) == (12, 160.0)
+    assert (s.drain_margin_s, s.reclaim_grace_s, s.trainer.wants_since) == (5.0, 30.0, 0.0)
+    reg.gate_pending = True  # the batch is ready
+    assert reg.snapshot("seamless", 102.0, 1.5, 0).trainer.wants_since == 102.0
+    assert reg.snapshot("seamless", 104.0, 1.5, 0).trainer.wants_since == 102.0  # kept while it wants them
+    reg.gate_pending = False
+    reg.on_trainer(trainer("computing"), 105.0)
+    reg.granted(3)
+    reg.on_trainer(trainer("waiting"), 110.0)
+    assert reg.snapshot("seamless", 110.0, 1.5, 0).trainer.wants_since == 0.0
+    reg.issued("host-0", "train", 2, 111.0, lent_until=160.0)
+    assert reg.hosts["host-0"].lent_until == 0.0  # only a rollout assignment is lent

@@ -94,3 +94,33 @@ def test_undelivered_backlog_admits_more_than_untrained():
     assert abs(loose.unaccounted_generated) < 1e-6 * max(loose.generated, 1)
     assert loose.staleness_mean >= tight.staleness_mean
     assert loose.trained_tokens_per_s >= 0.99 * tight.trained_tokens_per_s
+
+
+def test_a_reclaim_grace_trades_trainer_time_for_re_prefill():
+    """seamless with reclaim_grace_s: lent hosts drain (take no new turn) before the reclaim, so
+    fewer sequences migrate and prefill again; the trainer waits for them meanwhile."""
+    kw = dict(steps=8, seed=1)
+    now = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", **kw)
+    short = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", reclaim_grace_s=1.0, **kw)
+    long = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", reclaim_grace_s=30.0, **kw)
+    assert now.reprefilled > 0 and now.drains == 0
+    assert 0 < short.reprefilled < now.reprefilled and short.drains > 0
+    assert long.reprefilled == 0  # every lent host ran dry within the grace
+    assert long.trainer_wait_fraction > now.trainer_wait_fraction
+    for r in (short, long):
+        assert abs(r.unaccounted_generated) < 1e-6 * r.generated
+        assert np.allclose(r.host_time.sum(axis=1), r.wall_s)
+    # a grace changes nothing for the policies that do not lend
+    for pol in ("disaggregated", "colocated"):
+        a = simulate(Cluster.uniform(4, 2), CAL, SMALL, pol, **kw).row()
+        b = simulate(Cluster.uniform(4, 2), CAL, SMALL, pol, reclaim_grace_s=30.0, drain_margin_s=5.0, **kw).row()
+        assert a == b, pol
+
+
+def test_a_drain_margin_moves_lent_until_earlier_in_the_simulator_too():
+    kw = dict(steps=8, seed=1)
+    now = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", **kw)
+    margin = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", drain_margin_s=1.0, **kw)
+    assert now.drains == 0 and margin.drains > 0  # lent_until re-sent as the predicted reclaim moved
+    assert margin.generated != now.generated
+    assert abs(margin.unaccounted_generated) < 1e-6 * margin.generated
