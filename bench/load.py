@@ -375,6 +375,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--no-drain", action="store_true", help="no stand-in trainer: trajectories stay pending")
     ap.add_argument("--profile", metavar="DIR", help="cProfile the gateway and trajectory managers into DIR")
+    ap.add_argument("--keep", action="store_true", help="keep the stacks' data dirs (their logs) in /tmp")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args()
 
@@ -389,7 +390,10 @@ def main() -> None:
     try:
         rows = [run_one(n, model, tmp, args) for n in args.replicas]
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if args.keep:
+            print(f"kept {tmp} (each stack's logs/ is under replicasN/)")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     print_table(rows)
     if args.out:
         args.out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "out"},

@@ -39,6 +39,7 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.asyncio import BlockingConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import ConstantBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -97,6 +98,8 @@ class Followed(msgspec.Struct):
 _inflight_dec = msgspec.msgpack.Decoder(InFlight)
 _delta_dec = msgspec.msgpack.Decoder(DeltaRecord)
 REQUEST_TTL = 3600
+POOL_SIZE = 64  # Redis connections per replica; more commands at once wait for one (Store.connect)
+POOL_WAIT = 5.0  # seconds a command waits for a free connection before it fails
 
 
 class SessionNotFound(KeyError):
@@ -250,15 +253,19 @@ class Store:
         self._save_turn = client.register_script(_SAVE_TURN)
 
     @classmethod
-    def connect(cls, url: str, ttl: int) -> "Store":
+    def connect(cls, url: str, ttl: int, max_connections: int = POOL_SIZE) -> "Store":
         # One retry on a fresh connection after a connection error, never after a timeout (the
         # command may have run). Without it every pooled connection, after a Redis restart, failed
         # its next command with a 503, minutes later (found by tests/faults).
-        client = aioredis.from_url(
-            url, socket_timeout=5, socket_connect_timeout=3, health_check_interval=10,
+        # A blocking pool: a command waits (up to POOL_WAIT) for one of `max_connections` connections.
+        # redis-py's default pool fails the 101st concurrent command at once ("Too many connections"):
+        # with 200 agents in flight bench/load.py saw one turn or session call in three fail with a 503.
+        pool = BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=POOL_WAIT,
+            socket_timeout=5, socket_connect_timeout=3, health_check_interval=10,
             retry=Retry(ConstantBackoff(0.05), 1, supported_errors=(RedisConnectionError,)),
         )
-        return cls(client, ttl)
+        return cls(aioredis.Redis.from_pool(pool), ttl)
 
     async def close(self) -> None:
         await self.r.aclose()
