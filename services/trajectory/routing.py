@@ -88,8 +88,13 @@ class WorkerTable(WorkerHeartbeats):
 
     def finishes_in_time(self, s: WorkerStatus, now: float, expected_tokens: float | None) -> bool:
         """Would a request of `expected_tokens` end before this lent worker is reclaimed?
-        (True when the worker is not lent, or when there is nothing to predict from.)"""
-        if s.lent_until <= 0 or not expected_tokens:
+        (True when the worker is not lent, or when there is nothing to predict from; False once
+        lent_until has passed: the scheduler drains a lent host by setting it to now.)"""
+        if s.lent_until <= 0:
+            return True
+        if s.lent_until <= now:
+            return False
+        if not expected_tokens:
             return True
         rate = self.rates.get(s.worker_id, 0.0)
         if rate <= 0:

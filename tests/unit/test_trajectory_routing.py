@@ -88,6 +88,9 @@ def test_a_lent_worker_gets_only_requests_predicted_to_end_before_its_reclaim():
     assert t.choose(101.0, expected_tokens=1000) == "lent"  # 2.5 s < 9 s left
     assert t.choose(101.0, expected_tokens=8000) == "home"  # 20 s: it would be vacated mid-way
     assert t.choose(101.0) == "lent"  # nothing to predict from: least loaded
+    # the scheduler drains it (reclaim grace): lent_until = now closes it even with nothing to predict from
+    t.update(_ws("lent", ts=102.0, tokens=800, lent_until=102.0))
+    assert t.choose(102.0) == "home" and t.choose(102.0, expected_tokens=10) == "home"
     h = LengthHistory(keep=2, per_group=4)
     assert h.expected("g1") is None
     for n in (100, 400, 120, 110):
