@@ -253,14 +253,15 @@ def _profiling(pids: list[int], on: bool) -> None:
             os.kill(pid, signal.SIGUSR1 if on else signal.SIGUSR2)
 
 
-def start_stack(replicas: int, model: Path, tmp: Path, args):
+def start_stack(replicas: int, code: str, model: Path, tmp: Path, args):
     from seamlessflow import servers
     from seamlessflow.stack import Stack, StackOptions
     from tests.integration.stack_fixture import simulated_worker_cmd
 
     hook = [str(ROOT / "bench" / "profile_hook")] if args.profile else []
-    path = os.pathsep.join(hook + [os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)
-    opts = StackOptions(model=model, data_dir=tmp / f"replicas{replicas}", workers=args.workers,
+    path = os.pathsep.join(hook + ([code] if code else []) + [os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)
+    opts = StackOptions(model=model, data_dir=Path(tempfile.mkdtemp(prefix=f"replicas{replicas}-", dir=tmp)),
+                        workers=args.workers,
                         trajectory_replicas=replicas, gateway_port=servers.free_port(),
                         admin_port=servers.free_port(), nats_port=servers.free_port(),
                         redis_port=servers.free_port(), max_model_len=2048, max_num_seqs=args.capacity,
@@ -271,11 +272,11 @@ def start_stack(replicas: int, model: Path, tmp: Path, args):
     return stack
 
 
-def run_one(replicas: int, model: Path, tmp: Path, args) -> dict:
-    stack = start_stack(replicas, model, tmp, args)
+def run_one(replicas: int, code: str, model: Path, tmp: Path, args) -> dict:
+    stack = start_stack(replicas, code, model, tmp, args)
     procs: list = []
     try:
-        return asyncio.run(_measure(stack, replicas, procs, args))
+        return {"code": code or "."} | asyncio.run(_measure(stack, replicas, procs, args))
     finally:
         for p in procs:
             if p.is_alive():
@@ -344,13 +345,13 @@ async def _measure(stack, replicas: int, procs: list, args) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     buckets = sorted({b for r in rows for b in r["cpu"]}, key=lambda b: (b == "bench", b == "generator", b))
-    print("\n| replicas | turns/s | p50 / p99 ms | errors | Redis B / session | consumer lag max (final) "
+    print("\n| code | replicas | turns/s | p50 / p99 ms | errors | Redis B / session | consumer lag max (final) "
           "| machine busy cores | " + " | ".join(buckets) + " |")
-    print("|---" * (7 + len(buckets)) + "|")
+    print("|---" * (8 + len(buckets)) + "|")
     for r in rows:
         cells = [f"{r['cpu'][b]['ms_per_turn']} ms ({r['cpu'][b]['cores']})" if b in r["cpu"] else "" for b in buckets]
         c = r["consumer"]
-        print(f"| {r['replicas']} | {r['turns_per_s']} | {r['p50_ms']} / {r['p99_ms']} | {r['error_count']} "
+        print(f"| {r['code']} | {r['replicas']} | {r['turns_per_s']} | {r['p50_ms']} / {r['p99_ms']} | {r['error_count']} "
               f"| {r['redis_bytes_per_session']} | {c['window_num_pending_max']} ({c['final_num_pending']}) "
               f"| {r['machine_busy_cores']} / {r['machine_cores']} | " + " | ".join(cells) + " |")
     print("(CPU cells: ms per turn (cores) in the measured window)")
@@ -375,6 +376,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--no-drain", action="store_true", help="no stand-in trainer: trajectories stay pending")
     ap.add_argument("--profile", metavar="DIR", help="cProfile the gateway and trajectory managers into DIR")
+    ap.add_argument("--code", help="comma-separated checkouts whose services/ and shared/ to run, one stack "
+                    "each, one after the other (default: this one)")
     ap.add_argument("--keep", action="store_true", help="keep the stacks' data dirs (their logs) in /tmp")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args()
@@ -387,11 +390,15 @@ def main() -> None:
     model = init_model(tmp / "model")
     engine = {"workers": args.workers, "capacity": args.capacity, "step_ms": args.step_ms, "per_seq_ms": 0.25,
               "max_tokens": args.max_tokens}
+    # each checkout as an absolute path, before the working directory changes
+    codes = [str(Path(c).resolve()) for c in args.code.split(",")] if args.code else [""]
+    if args.code:
+        os.chdir(tmp)  # `python -m` puts the working directory first on sys.path: keep it neutral
     try:
-        rows = [run_one(n, model, tmp, args) for n in args.replicas]
+        rows = [run_one(n, code, model, tmp, args) for n in args.replicas for code in codes]
     finally:
         if args.keep:
-            print(f"kept {tmp} (each stack's logs/ is under replicasN/)")
+            print(f"kept {tmp} (each stack: replicasN-*/logs/)")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
     print_table(rows)

@@ -194,17 +194,17 @@ class TurnHandler:
 
     async def _save(self, sid: str, turn: Turn, prompt: Prompt, gen: Generated, done: ChatDone, worker: str,
                     lease: _Lease) -> None:
-        # a fresh lease (3 s) before the save: a replica paused past its lease, whose request another
-        # took over or finished meanwhile, stops here instead of writing the turn a second time
-        if not await self.store.hold(turn.request_id, lease.owner, LEASE_MS):
-            lease.lost = True
-            raise LeaseLost(f"request {turn.request_id}: taken over by another replica before its turn was saved")
         cache = {}
         if turn.key:  # a later turn may extend this one: what finds it fast, and its token path
             cache["path_ids"] = prompt.ids + gen.token_ids
             if prompt.raw and prompt.request_key:
                 cache["alias"] = (prompt.raw, Alias(turn.turn_id, prompt.request_key, turn.key))
-        await self.store.save_turn(sid, turn, worker, result=encode(done), **cache)
+        # saved only while this replica holds the lease, checked in the same script: a replica paused past
+        # its lease, whose request another took over or finished meanwhile, stops here instead of writing
+        # the turn a second time
+        if not await self.store.save_turn(sid, turn, worker, result=encode(done), owner=lease.owner, **cache):
+            lease.lost = True
+            raise LeaseLost(f"request {turn.request_id}: taken over by another replica before its turn was saved")
 
     async def _begin(self, req: ChatRequest, look: Lookup, max_len: int,
                      owner: str) -> tuple[Prompt, Generated | None, int, str | None]:

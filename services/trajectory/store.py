@@ -155,8 +155,14 @@ return 0
 
 # KEYS: state, deltas, owner, done, then the session's parts (SESSION_PARTS: meta, turns, idx, seq, path,
 # alias). ARGV: result ('' none), request ttl, turn id, turn, key ('' none), worker, session ttl,
-# path ('' none), parent, alias digest ('' none), alias value
+# path ('' none), parent, alias digest ('' none), alias value, lease owner ('' none). With an owner, the
+# request's lease is checked as _HOLD does, in the same call: 0 and nothing written if it was lost.
 _SAVE_TURN = """
+if ARGV[12] ~= '' then
+  if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+  local holder = redis.call('GET', KEYS[3])
+  if holder and holder ~= ARGV[12] then return 0 end
+end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
 if ARGV[1] ~= '' then redis.call('SET', KEYS[4], ARGV[1], 'EX', ARGV[2]) end
 redis.call('HSET', KEYS[6], ARGV[3], ARGV[4])
@@ -168,6 +174,7 @@ if ARGV[8] ~= '' then
 end
 if ARGV[10] ~= '' then redis.call('HSET', KEYS[10], ARGV[10], ARGV[11]) end
 for i = 5, 10 do redis.call('EXPIRE', KEYS[i], ARGV[7]) end
+return 1
 """
 
 _DROP_IF_OWNER = """
@@ -392,17 +399,20 @@ class Store:
     # -- turns -------------------------------------------------------------------------------------
 
     async def save_turn(self, sid: str, turn: Turn, worker: str, result: bytes = b"",
-                        path_ids: list[int] | None = None, alias: tuple[str, Alias] | None = None) -> None:
+                        path_ids: list[int] | None = None, alias: tuple[str, Alias] | None = None,
+                        owner: str = "") -> bool:
         """The turn, its index entry, the request's result (for a retried request) and the end
         of its partial state: all or nothing. `path_ids` (the turn's whole token path) replaces
-        its parent's cached path; `alias` is (raw digest of the request messages, what it names)."""
+        its parent's cached path; `alias` is (raw digest of the request messages, what it names).
+        With `owner`, only if `owner` still holds the request's lease (or nobody does) and the request
+        still runs, as `hold` checks: False, and nothing written, if not. One round trip for both."""
         rid = turn.request_id
         keys = [f"sf:req:{rid}", f"sf:req:{rid}:deltas", f"sf:req:{rid}:owner", f"sf:done:{rid}",
                 *(_k(sid, part) for part in SESSION_PARTS)]
         digest, value = (alias[0], alias[1].encode()) if alias is not None else ("", "")
-        await self._save_turn(keys=keys, args=[
+        return bool(await self._save_turn(keys=keys, args=[
             result, REQUEST_TTL, turn.turn_id, _turn_enc.encode(turn), turn.key, worker, self.ttl,
-            _turn_enc.encode(path_ids) if path_ids is not None else b"", turn.parent, digest, value])
+            _turn_enc.encode(path_ids) if path_ids is not None else b"", turn.parent, digest, value, owner]))
 
     async def set_reward(self, sid: str, reward: float) -> None:
         meta = await self.session(sid)

@@ -105,3 +105,21 @@ async def test_a_replica_paused_past_its_lease_writes_nothing_of_a_request_taken
     assert not await store.hold(rid, "replica-a", 3_000)
     assert not await store.append_deltas(rid, [DeltaRecord("w0", True, 0, [7], [-0.5])], "replica-a")
     assert await store.r.exists(f"sf:req:{rid}:deltas") == 0
+
+
+async def test_a_turn_is_saved_only_by_its_lease_holder(store):
+    # the save checks the lease in its own script (one round trip; it was hold + save)
+    from services.trajectory.turns import Segment, Turn
+
+    sid = await store.create_session()
+    turn = Turn(0, -1, [1, 2, 3], [Segment([7], [-0.5], 0)], "stop", "lease-save", 0.0)
+    assert await store.begin_request("lease-save", state(), "replica-a", 60_000)
+    await store.r.set("sf:req:lease-save:owner", "replica-b", px=60_000)  # b took it over
+    assert not await store.save_turn(sid, turn, "w0", result=b"a's", owner="replica-a")
+    assert await store.turns(sid) == {} and await store.done("lease-save") is None
+    assert await store.save_turn(sid, turn, "w1", result=b"b's", owner="replica-b")
+    assert list(await store.turns(sid)) == [0] and await store.done("lease-save") == b"b's"
+    assert await store.r.exists("sf:req:lease-save", "sf:req:lease-save:owner") == 0
+    # the request ended (saved by b): a, continued, writes nothing
+    assert not await store.save_turn(sid, turn, "w0", result=b"a's", owner="replica-a")
+    assert await store.done("lease-save") == b"b's"

@@ -99,11 +99,14 @@ class FakeStore:
             d.pop(rid, None)
         return True
 
-    async def save_turn(self, sid, turn, worker, result=b"", **caches):
+    async def save_turn(self, sid, turn, worker, result=b"", owner="", **caches):
+        if owner and not self._holds(turn.request_id, owner):
+            return False
         self.saved.append((sid, turn, worker))
         self.done_[turn.request_id] = result
         for d in (self.requests, self.deltas, self.owners):
             d.pop(turn.request_id, None)
+        return True
 
 
 @pytest.fixture(scope="module")
@@ -323,8 +326,9 @@ class TreeStore(FakeStore):
     async def path_ids(self, sid, tid):
         return self.paths.get(tid)
 
-    async def save_turn(self, sid, turn, worker, result=b"", path_ids=None, alias=None):
-        await super().save_turn(sid, turn, worker, result)
+    async def save_turn(self, sid, turn, worker, result=b"", path_ids=None, alias=None, owner=""):
+        if not await super().save_turn(sid, turn, worker, result, owner):
+            return False
         self.turns_[turn.turn_id] = turn
         self.idx[turn.key] = turn.turn_id
         if path_ids is not None:
@@ -332,6 +336,7 @@ class TreeStore(FakeStore):
             self.paths.pop(turn.parent, None)
         if alias is not None:
             self.alias[alias[0]] = alias[1]
+        return True
 
 
 async def test_each_turn_extends_the_last_one_by_what_it_adds(renderer):
