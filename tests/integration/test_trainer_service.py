@@ -29,7 +29,7 @@ import pytest
 
 from seamlessflow import servers
 from services.trainer import audit
-from shared import bus, subjects, weightstore
+from shared import bus, deadletter, subjects, weightstore
 from shared.codec import decode, encode
 from shared.config import Connections
 from shared.messages.rollout import WorkerStatus
@@ -177,7 +177,7 @@ def load_params(path: Path) -> dict:
 async def test_sigkill_and_restart_train_every_trajectory_once(nats, tiny_model, tmp_path):
     """Two runs of the trainer, the first SIGKILLed after a step no checkpoint covers yet.
 
-    Also on the stream: a garbage message (terminated, training goes on) and two
+    Also on the stream: a garbage message (dead-lettered, terminated, training goes on) and two
     re-publishes of sessions under new msg ids (one while the original is still
     buffered, one after a checkpoint covers it): each session trains once.
     """
@@ -217,6 +217,7 @@ async def test_sigkill_and_restart_train_every_trajectory_once(nats, tiny_model,
     m = scrape(metrics_port)
     assert m["sf_trainer_steps_total"] == 3 and m["sf_trainer_weight_version"] == 3
     assert m['sf_trainer_messages_total{result="bad"}'] == 1
+    assert m['sf_bus_malformed_total{service="trainer",subject="sf.traj.completed"}'] == 1
     assert m['sf_trainer_messages_total{result="duplicate"}'] >= 1
     assert "sf_trainer_last_loss" in m and "sf_trainer_last_clip_frac" in m
     assert 'sf_trainer_phase_seconds_count{phase="compute"}' in m
@@ -226,7 +227,9 @@ async def test_sigkill_and_restart_train_every_trajectory_once(nats, tiny_model,
     assert await trainer.wait_exit(10) == -signal.SIGKILL
     adv = await terminated.next_msg(timeout=5)
     assert json.loads(adv.data)["stream_seq"] == bad.seq  # the garbage was terminated, not left to redeliver
-    assert "bad message" in trainer.text()
+    assert "malformed message on sf.traj.completed" in trainer.text()
+    [letter] = await deadletter.recent(js)  # and copied to DEAD before that
+    assert (letter.service, letter.subject, letter.size) == ("trainer", subjects.TRAJ_COMPLETED, 18)
 
     # 2. Restart. The redelivered step-3 trajectories train first; then phase 2 (older policy
     # versions, so staleness shows) and a re-publish of a session that step 1 trained.
