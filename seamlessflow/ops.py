@@ -34,7 +34,7 @@ async def worker_statuses(conn: Connections, listen: float = 1.5) -> list[Worker
     async def on(msg):
         try:
             s = decode(msg.data, WorkerStatus)
-        except msgspec.ValidationError:
+        except msgspec.DecodeError:  # undecodable, or another type (ValidationError is a DecodeError)
             return
         seen[s.worker_id] = s
 

@@ -86,7 +86,7 @@ class Telemetry:
     async def _on_status(self, msg) -> None:
         try:
             s = decode(msg.data, WorkerStatus)
-        except msgspec.ValidationError:
+        except msgspec.DecodeError:  # undecodable, or another type (ValidationError is a DecodeError)
             return
         self.workers[s.worker_id] = s
         self.samples.append(Sample(s.ts, s.worker_id, s.state, s.version, s.generated_tokens, s.host))
@@ -94,7 +94,7 @@ class Telemetry:
     async def _on_weights(self, msg) -> None:
         try:
             w = decode(msg.data, WeightsPublished)
-        except msgspec.ValidationError:
+        except msgspec.DecodeError:  # undecodable, or another type (ValidationError is a DecodeError)
             return
         self.published.append((w.published_at or time.time(), w.version))
 
