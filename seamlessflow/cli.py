@@ -277,7 +277,8 @@ def cmd_dead(a: argparse.Namespace) -> None:
             return
         letters = asyncio.run(dead.list_dead(conn, a.limit, a.timeout))
     except Exception as e:  # NATS down, a timeout: an answer, not a traceback
-        sys.exit(f"error: cannot read the dead letters: {type(e).__name__}: {e}")
+        why = f"no answer within {a.timeout:g}s" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
+        sys.exit(f"error: cannot read the dead letters (NATS {conn.redacted()['nats_url']}): {why}")
     print(dead.to_json(letters) if a.json else dead.format_letters(letters))
 
 
