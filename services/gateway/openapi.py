@@ -13,6 +13,8 @@ import msgspec
 
 from services.gateway import schemas
 from services.gateway.responses_schemas import ResponseCreateRequest
+from services.gateway.responses_translate import LOGPROBS_INCLUDE, TEXT_PARTS
+from services.gateway.translate import MAX_STOPS
 from services.gateway.config import GatewayConfig
 
 REF = "#/components/schemas/{name}"
@@ -48,12 +50,123 @@ def _errors(*statuses: int) -> dict[str, Any]:
 def _answers(ok: str, *errors: int, stream: bool = False, status: str = "200") -> dict[str, Any]:
     out: dict[str, Any] = {status: {"description": ok, "content": {"application/json": {"schema": {"type": "object"}}}}}
     if stream:
-        out[status]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+        out[status]["content"]["text/event-stream"] = {"schema": {  # one server-sent event, as parsed
+            "type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}
     return {**out, **_errors(*errors)}
+
+
+def _nullable(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}], "default": None, "description": description}
+
+
+_ONLY_NULL = {"type": "null"}
+_VALUE = REF.format(name="JsonValue")
+JSON_VALUE = {"description": "any JSON value whose integers fit in 64 bits", "anyOf": [
+    {"type": ["string", "boolean", "null"]}, {"type": "number", "not": {"type": "integer"}},
+    {"type": "integer", "minimum": -(2**63), "maximum": 2**64 - 1},
+    {"type": "array", "items": {"$ref": _VALUE}}, {"type": "object", "additionalProperties": {"$ref": _VALUE}}]}
+_NO_TOP_LOGPROBS = "only 0: the rollout workers return the sampled token's logprob alone"
+
+
+def _input_item(wide: dict[str, Any]) -> dict[str, Any]:
+    """InputItem by its `type`: each kind with the fields it needs."""
+    props = wide["properties"]
+    content = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"$ref": REF.format(name="ContentPart")}}]}
+    text = {"type": "string"}
+    kinds = [
+        ({"type": {"enum": ["message"]}, "role": props["role"]["anyOf"][0], "content": content}, ["role", "content"]),
+        ({"type": {"enum": ["function_call"]}, "call_id": text, "name": text, "arguments": text},
+         ["type", "call_id", "name", "arguments"]),
+        ({"type": {"enum": ["function_call_output"]}, "call_id": text, "output": content},
+         ["type", "call_id", "output"]),
+    ]
+    return {"title": "InputItem", "description": wide.get("description", ""),
+            "anyOf": [{"type": "object", "properties": p, "required": r} for p, r in kinds]}
+
+
+def served_subset(components: dict[str, Any], cfg: GatewayConfig) -> dict[str, Any]:
+    """Narrow the decoding Structs' schemas to what this gateway serves, so that a request valid
+    against the document is one it answers: the OpenAI fields it refuses by name (a 400 naming the
+    parameter) are published as the one value it takes, or as absent. The Structs stay wide so
+    that the refusal is an explanation, not a generic validation error. Fuzzers generate from this
+    (tests/integration/test_gateway_fuzz.py); the one rule JSON Schema cannot state, a named
+    tool_choice among `tools`, is in tests/integration/fuzz_hooks.py."""
+    chat, completion, responses = (components[n]["properties"] for n in
+                                   ("ChatCompletionRequest", "CompletionRequest", "ResponseCreateRequest"))
+    model = {"type": "string", "enum": [cfg.model], "description": "the one model this gateway serves"}
+    most = min(cfg.max_tokens_limit, cfg.max_context - 1)
+    bound = _nullable({"type": "integer", "minimum": 1, "maximum": most},
+                      f"at most {most}: SF_GATEWAY_MAX_TOKENS_LIMIT, and room for the prompt in the context")
+    for props, name in ((chat, "max_tokens"), (chat, "max_completion_tokens"), (completion, "max_tokens"),
+                        (responses, "max_output_tokens")):
+        props[name] = bound
+    for props in (chat, completion, responses):
+        props["model"] = model
+    components["JsonValue"] = JSON_VALUE
+    free = _nullable({"type": "object", "additionalProperties": {"$ref": REF.format(name="JsonValue")}},
+                     "any JSON object; integers within 64 bits (the bus is msgpack)")
+    components["FunctionDef"]["properties"]["parameters"] = free
+    components["ResponseTool"]["properties"]["parameters"] = free
+    components["SessionCreate"]["properties"]["metadata"] = free
+    _served_chat(components, chat, completion)
+    _served_responses(components, responses)
+    return components
+
+
+def _served_chat(components: dict[str, Any], chat: dict[str, Any], completion: dict[str, Any]) -> None:
+    one = _nullable({"type": "integer", "enum": [1]}, "only 1: one sample per request")
+    for props in (chat, completion):
+        props["n"] = one
+        bias = props["logit_bias"]["anyOf"][0]
+        props["logit_bias"]["anyOf"][0] = {**bias, "propertyNames": {"pattern": "^[0-9]{1,10}$"}}
+        props["stop"] = _nullable({"anyOf": [{"type": "string", "minLength": 1},  # OpenAI's limit, none empty
+                                             {"type": "array", "maxItems": MAX_STOPS,
+                                              "items": {"type": "string", "minLength": 1}}]},
+                                  f"at most {MAX_STOPS} non-empty strings")
+    chat["top_logprobs"] = _nullable({"type": "integer", "enum": [0]}, _NO_TOP_LOGPROBS)
+    chat["tool_choice"] = _nullable({"anyOf": [{"enum": ["auto", "none"]}, {"$ref": REF.format(name="ToolChoice")}]},
+                                    "'required' is not served; a named function must be one of `tools`")
+    components["ResponseFormat"]["properties"]["type"] = {"enum": ["text"]}
+    completion["logprobs"] = _nullable({"type": "integer", "enum": [0]}, _NO_TOP_LOGPROBS)
+    completion["echo"] = _nullable({"enum": [False]}, "echo is not served")
+    completion["suffix"] = _nullable({"type": "null"}, "suffix is not served")
+    completion["best_of"] = one
+
+
+def _served_responses(components: dict[str, Any], responses: dict[str, Any]) -> None:
+    responses["top_logprobs"] = _nullable({"type": "integer", "enum": [0]}, _NO_TOP_LOGPROBS)
+    responses["background"] = _nullable({"enum": [False]}, "background responses are not served")
+    responses["truncation"] = _nullable({"enum": ["disabled"]}, "a conversation past the context is a 400")
+    responses["include"] = _nullable({"type": "array", "items": {"enum": [LOGPROBS_INCLUDE]}},
+                                     "only the sampled tokens' logprobs")
+    for name in ("conversation", "prompt", "context_management", "max_tool_calls"):
+        responses[name] = {**_ONLY_NULL, "description": f"{name} is not served"}
+    responses["tool_choice"] = _nullable(
+        {"anyOf": [{"enum": ["auto", "none"]}, {"$ref": REF.format(name="ToolChoiceObject")}]},
+        "'required' is not served; a named function must be one of `tools`")
+    responses["input"] = {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1,
+                                                            "items": {"$ref": REF.format(name="InputItem")}}],
+                          "description": "the new input; with previous_response_id, what follows that response"}
+    components["ResponseCreateRequest"]["required"] = ["model", "input"]
+    components["ToolChoiceObject"]["properties"].update(type={"enum": ["function"]}, name={"type": "string"})
+    components["ToolChoiceObject"]["required"] = ["type", "name"]
+    tool = components["ResponseTool"]
+    tool["properties"].update(type={"enum": ["function"]}, name=tool["properties"]["name"]["anyOf"][0])
+    tool["required"] = ["type", "name"]
+    components["TextFormat"]["properties"]["type"] = {"enum": ["text"]}
+    components["TextConfig"]["properties"]["verbosity"] = {**_ONLY_NULL, "description": "not served"}
+    components["ReasoningConfig"]["properties"] = {
+        "effort": _nullable({"enum": ["none"]}, "this model produces no reasoning"),
+        "summary": {**_ONLY_NULL, "description": "not served"},
+        "generate_summary": {**_ONLY_NULL, "description": "not served"}}
+    components["ContentPart"]["properties"] = {"type": {"enum": list(TEXT_PARTS)}, "text": {"type": "string"}}
+    components["ContentPart"]["required"] = ["type", "text"]
+    components["InputItem"] = _input_item(components["InputItem"])
 
 
 def document(cfg: GatewayConfig) -> dict[str, Any]:
     _, components = msgspec.json.schema_components(schemas.AGENT_BODIES + (ResponseCreateRequest, ErrorResponse), ref_template=REF)
+    components = served_subset(components, cfg)
     turn = (400, 401, 404, 413, 429, 503, 504)
     session = (400, 401, 404, 409, 413, 429, 503, 504)
     sid = [{"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}]

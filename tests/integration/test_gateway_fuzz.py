@@ -24,6 +24,7 @@ from tests.integration.test_gateway_api import ADMIN_KEY, USER_KEY, FakeTrajecto
 pytestmark = pytest.mark.integration
 
 ST = Path(sys.executable).with_name("st")
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = 20  # per operation and phase: enough to find today's bugs, bounded in time
 RUN_TIMEOUT = 120  # seconds for one `st run`; it takes ~20 s on 2 cores
 
@@ -51,10 +52,10 @@ async def st_run(base: str, key: str, tmp: Path) -> tuple[int, str]:
     """`st run` against `base`/openapi.json; (exit code, its output)."""
     proc = await asyncio.create_subprocess_exec(
         str(ST), "run", f"{base}/openapi.json", "--checks", "all", "--header", f"Authorization: Bearer {key}",
-        "--max-examples", str(EXAMPLES), "--seed", "11", "--generation-database", "none", "--no-color",
+        "--max-examples", str(EXAMPLES), "--seed", os.environ.get("SF_FUZZ_SEED", "11"), "--generation-database", "none", "--no-color",
         "--workers", "1", "--request-timeout", "20", "--report-dir", str(tmp),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=tmp,
-        env={**os.environ, "SCHEMATHESIS_HOOKS": ""})
+        env={**os.environ, "SCHEMATHESIS_HOOKS": "tests.integration.fuzz_hooks", "PYTHONPATH": str(ROOT)})
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), RUN_TIMEOUT)
     except TimeoutError:
