@@ -27,7 +27,7 @@ from typing import Any
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError
 from services.gateway.responses_schemas import Content, InputItem, ResponseCreateRequest
-from services.gateway.translate import check_model
+from services.gateway.translate import apply_tool_choice, check_model
 from shared.messages.chat import ChatDone, ChatRequest
 from shared.messages.rollout import Sampling
 
@@ -146,21 +146,12 @@ def tools(req: ResponseCreateRequest) -> list[dict[str, Any]]:
         fields = {"name": t.name, "description": t.description, "parameters": t.parameters, "strict": t.strict}
         out.append({"type": "function", "function": {k: v for k, v in fields.items() if v is not None}})
     choice = req.tool_choice
-    if choice is None or choice == "auto":
-        return out
-    if choice == "none":
-        return []  # the model must not call tools: it does not see them
-    if choice == "required":
-        raise _unsupported("tool_choice 'required' is not supported; use 'auto', 'none' or a named function",
-                           "tool_choice")
+    if choice is None or isinstance(choice, str):
+        return apply_tool_choice(out, choice or "auto", None, "unsupported_parameter")
     if choice.type != "function":
         raise _unsupported(f"tool_choice of type {choice.type!r} is not supported; use 'auto', 'none' or "
                            "{'type': 'function', 'name': ...}", "tool_choice")
-    named = [t for t in out if t["function"]["name"] == choice.name]
-    if not named:
-        raise ApiError(400, f"tool_choice names function {choice.name!r}, which is not in tools",
-                       "invalid_value", "tool_choice")
-    return named  # a nudge, as for chat: the model sees only that tool
+    return apply_tool_choice(out, "function", choice.name, "unsupported_parameter")
 
 
 def sampling(req: ResponseCreateRequest, cfg: GatewayConfig) -> Sampling:

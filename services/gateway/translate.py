@@ -104,23 +104,30 @@ def _no_nulls(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
 
-def _tools(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    tools = [{"type": "function", "function": _no_nulls(msgspec.to_builtins(t.function))} for t in req.tools or []]
-    choice = req.tool_choice
-    if choice is None or choice == "auto":
+def apply_tool_choice(tools: list[dict[str, Any]], choice: str, name: str | None, code: str) -> list[dict[str, Any]]:
+    """The tools the model sees under `tool_choice` (chat and Responses alike): "auto" all of them,
+    "none" none, "function" only the named one (a nudge, not a grammar constraint); "required" is
+    not served. `code`: the error code each API uses for an unsupported value."""
+    if choice == "auto":
         return tools
     if choice == "none":
         return []  # the model must not call tools: it does not see them
     if choice == "required":
         raise ApiError(400, "tool_choice 'required' is not supported; use 'auto', 'none' or a named function",
-                       "unsupported_value", "tool_choice")
-    assert isinstance(choice, ToolChoice)
-    # A named function: the model sees only that tool (a nudge, not a grammar constraint).
-    named = [t for t in tools if t["function"]["name"] == choice.function.name]
+                       code, "tool_choice")
+    named = [t for t in tools if t["function"]["name"] == name]
     if not named:
-        raise ApiError(400, f"tool_choice names function {choice.function.name!r}, which is not in tools",
-                       "invalid_value", "tool_choice")
+        raise ApiError(400, f"tool_choice names function {name!r}, which is not in tools", "invalid_value",
+                       "tool_choice")
     return named
+
+
+def _tools(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    tools = [{"type": "function", "function": _no_nulls(msgspec.to_builtins(t.function))} for t in req.tools or []]
+    choice = req.tool_choice
+    if isinstance(choice, ToolChoice):
+        return apply_tool_choice(tools, "function", choice.function.name, "unsupported_value")
+    return apply_tool_choice(tools, choice or "auto", None, "unsupported_value")
 
 
 def chat_request(req: ChatCompletionRequest, request_id: str, session_id: str, cfg: GatewayConfig) -> ChatRequest:
