@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from seamlessflow import servers
 from tests.integration.stack_fixture import make_stack
 
 
@@ -26,3 +27,13 @@ def hf(tiny_model):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def private_nats(tmp_path_factory):
+    """A NATS server of the module's own: for modules whose fake trajectory manager answers on
+    subjects the session's real services also serve."""
+    port = servers.free_port()
+    proc = servers.start_nats(port, tmp_path_factory.mktemp("private-nats"))
+    yield f"nats://127.0.0.1:{port}"
+    servers.stop(proc)

@@ -234,14 +234,6 @@ async def run_gateway(conn: Connections, wait_nats: bool = True, **overrides):
 
 
 @pytest.fixture(scope="module")
-def private_nats(tmp_path_factory):
-    port = servers.free_port()
-    proc = servers.start_nats(port, tmp_path_factory.mktemp("gw-nats"))
-    yield f"nats://127.0.0.1:{port}"
-    servers.stop(proc)
-
-
-@pytest.fixture(scope="module")
 async def fake(private_nats):
     f = await FakeTrajectory(private_nats).start()
     yield f

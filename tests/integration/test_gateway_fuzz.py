@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from seamlessflow import servers
 from shared.config import Connections
 from tests.integration.test_gateway_api import ADMIN_KEY, USER_KEY, FakeTrajectory, run_gateway
 
@@ -30,18 +29,10 @@ RUN_TIMEOUT = 120  # seconds for one `st run`; it takes ~20 s on 2 cores
 
 
 @pytest.fixture(scope="module")
-def fuzz_nats(tmp_path_factory):
-    port = servers.free_port()
-    proc = servers.start_nats(port, tmp_path_factory.mktemp("fuzz-nats"))
-    yield f"nats://127.0.0.1:{port}"
-    servers.stop(proc)
-
-
-@pytest.fixture(scope="module")
-async def gw(fuzz_nats, redis_url):
-    fake = await FakeTrajectory(fuzz_nats).start()
+async def gw(private_nats, redis_url):
+    fake = await FakeTrajectory(private_nats).start()
     try:
-        async with run_gateway(Connections(nats_url=fuzz_nats, redis_url=redis_url), first_token_timeout=5,
+        async with run_gateway(Connections(nats_url=private_nats, redis_url=redis_url), first_token_timeout=5,
                                idle_timeout=5, silence_timeout=1.0, resend_attempts=1) as running:
             yield running
     finally:
