@@ -241,6 +241,7 @@ async def test_garbage_on_every_consumed_subject(nats, redis_url, tiny_model, tm
         listed = json.loads(out.stdout)
         assert sorted((d["service"], d["subject"]) for d in listed) == want
         assert {"time", "service", "subject", "error", "size"} <= set(listed[0])
+        assert await deadletter.purge(js) == len(want) and await deadletter.recent(js) == []  # `dead purge`
     finally:
         quit.set()
         done, pending = await asyncio.wait(tasks.values(), timeout=30)
