@@ -17,7 +17,7 @@ import uvicorn
 from services.gateway.app import build_apps
 from services.gateway.config import load_config
 from shared.config import connections, log_level
-from shared.lifecycle import quit_on_signals, run
+from shared.lifecycle import quit_on_signals, run, settle
 
 log = logging.getLogger("services.gateway")
 
@@ -45,6 +45,7 @@ async def main() -> int:
     else:
         log.info("gateway ready: agent API http://%s:%d/v1, admin http://%s:%d (NATS %s, Redis %s)",
                  cfg.host, cfg.port, cfg.host, cfg.admin_port, *conn.redacted().values())
+        settle()
     waiter = asyncio.ensure_future(quit.wait())
     await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()

@@ -12,7 +12,7 @@ import argparse
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.service import TrajectoryService
 from shared.config import connections, load
-from shared.lifecycle import run_until_signalled, setup_logging
+from shared.lifecycle import run_until_signalled, settled, setup_logging
 
 
 def main() -> None:
@@ -24,7 +24,8 @@ def main() -> None:
     if not cfg.model:
         ap.error("--model or SF_TRAJECTORY_MODEL is required")
 
-    run_until_signalled(TrajectoryService(cfg, connections()).run)
+    service = TrajectoryService(cfg, connections())
+    run_until_signalled(lambda quit: settled(lambda ready: service.run(quit, ready)))  # gc.freeze once ready
 
 
 if __name__ == "__main__":

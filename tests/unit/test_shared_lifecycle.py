@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 
@@ -15,3 +16,21 @@ def test_sigterm_sets_quit_and_the_service_returns_its_exit_code():
         return 3
 
     assert run_until_signalled(serve) == 3
+
+
+async def test_settled_freezes_the_heap_once_the_service_is_ready():
+    import gc
+
+    from shared.lifecycle import settled
+
+    async def serve(ready):
+        assert gc.get_freeze_count() == 0
+        ready.set()
+        await asyncio.sleep(0.01)  # the watcher runs
+        return gc.get_freeze_count()
+
+    gc.unfreeze()
+    try:
+        assert await settled(serve) > 0
+    finally:
+        gc.unfreeze()
