@@ -28,6 +28,7 @@ from shared.config import ConfigError, log_level
 T = TypeVar("T")
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+GEN0_THRESHOLD = 10_000  # allocations between young collections once a service has started (settle)
 
 
 def setup_logging() -> None:
@@ -39,9 +40,12 @@ def settle() -> None:
     """Call once a service has started: everything alive now (modules, the tokenizer, clients: ~400k
     objects in a trajectory manager) moves out of the garbage collector's sight (gc.freeze), so a full
     collection no longer walks it. Under load (bench/load.py) full collections of that heap took ~140 ms
-    each, and collections ~11% of the trajectory manager's CPU (BENCHMARKS.md)."""
+    each, and collections ~11% of the trajectory manager's CPU (BENCHMARKS.md).
+    Young collections run every GEN0_THRESHOLD allocations instead of 700: each walks the young objects
+    still alive (hundreds of requests in flight hold thousands), so rarer ones walk them less often."""
     gc.collect()
     gc.freeze()
+    gc.set_threshold(GEN0_THRESHOLD, *gc.get_threshold()[1:])
 
 
 async def settled(serve: Callable[[asyncio.Event], Awaitable[T]]) -> T:

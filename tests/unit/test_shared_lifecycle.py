@@ -21,7 +21,7 @@ def test_sigterm_sets_quit_and_the_service_returns_its_exit_code():
 async def test_settled_freezes_the_heap_once_the_service_is_ready():
     import gc
 
-    from shared.lifecycle import settled
+    from shared.lifecycle import GEN0_THRESHOLD, settled
 
     async def serve(ready):
         assert gc.get_freeze_count() == 0
@@ -30,7 +30,10 @@ async def test_settled_freezes_the_heap_once_the_service_is_ready():
         return gc.get_freeze_count()
 
     gc.unfreeze()
+    threshold = gc.get_threshold()
     try:
         assert await settled(serve) > 0
+        assert gc.get_threshold()[0] == GEN0_THRESHOLD
     finally:
         gc.unfreeze()
+        gc.set_threshold(*threshold)
