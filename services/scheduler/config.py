@@ -25,13 +25,16 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     switch_timeout: float = 60.0  # an assignment not applied within this is a failed switch
     lend_margin: float = 1.5  # lend only if the predicted wait > lend_margin x (lend + reclaim seconds)
     train_hosts: int = 0  # train pool size: the first N train-tagged hosts by id (0 = all)
+    # re-prefill against trainer time (seamless; docs/capacity-planning.md, `seamlessflow plan` sweeps them):
+    drain_margin_s: float = 0.0  # a lent host stops taking turns this long before its predicted reclaim
+    reclaim_grace_s: float = 0.0  # batch ready: a lent host finishes its running turns for up to this long
     lend_s: float = 1.0  # initial switch-cost estimates; measured switches replace them (running mean)
     reclaim_s: float = 1.0
+    metrics_port: int = 0  # Prometheus /metrics (sf_bus_malformed_total); 0 = off
+    metrics_host: str = "127.0.0.1"
 
 
 class HostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    metrics_port: int = 0  # Prometheus /metrics (sf_bus_malformed_total); 0 = off
-    metrics_host: str = "127.0.0.1"
     id: str = ""  # one NATS subject token
     tags: str = "rollout,cpu"  # comma-separated: roles (train, rollout) and hardware (cpu, gpu:h100, ...)
     capacity: float = 1.0
@@ -47,11 +50,11 @@ class HostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # benchmarks only: a command line run as the resident worker instead of `python -m services.rollout`
     # (e.g. bench/simulated_engine.py); `--model MODEL --worker-id ID` are appended. "" = the real worker
     worker_cmd: str = ""
+    metrics_port: int = 0  # Prometheus /metrics (sf_bus_malformed_total); 0 = off
+    metrics_host: str = "127.0.0.1"
 
     def tag_list(self) -> list[str]:
         return [t.strip() for t in self.tags.split(",") if t.strip()]
-    metrics_port: int = 0  # Prometheus /metrics (sf_bus_malformed_total); 0 = off
-    metrics_host: str = "127.0.0.1"
 
 
 def load_scheduler(**overrides) -> SchedulerConfig:

@@ -148,14 +148,14 @@ class SchedulerService:
             log.warning("%s", note)
         # 2. decide
         self.reg.gate_pending = bool(self.gates)
-        snap = self.reg.snapshot(self.policy, now, self.cfg.lend_margin, self.cfg.train_hosts)
+        snap = self._snapshot(now)
         decisions = policy.decide(snap)
         # 3. assign
         for d in decisions:
             await self._assign(d, now)
         # 4. gates
         if self.gates:
-            snap = self.reg.snapshot(self.policy, now, self.cfg.lend_margin, self.cfg.train_hosts)
+            snap = self._snapshot(now)
             is_open = policy.gate_open(snap)
             for g in list(self.gates):
                 if is_open:
@@ -167,13 +167,17 @@ class SchedulerService:
         closed = self.reg.record_activity(now)
         await self.store.append_intervals(closed)
 
+    def _snapshot(self, now: float) -> policy.Snapshot:
+        c = self.cfg
+        return self.reg.snapshot(self.policy, now, c.lend_margin, c.train_hosts, c.drain_margin_s, c.reclaim_grace_s)
+
     async def _assign(self, d: policy.Decision, now: float) -> None:
         w = self.weights
         msg = HostAssignment(d.host, d.mode, d.epoch, d.reason, w.version if w else -1, w.path if w else "",
                              d.hold, now, d.lent_until)
         # recorded before publishing: a fast host answers HostModeChanged before the publish's ack
         # arrives, and a report for an epoch not yet recorded would be dropped as an old one
-        self.reg.issued(d.host, d.mode, d.epoch, now)
+        self.reg.issued(d.host, d.mode, d.epoch, now, d.lent_until)
         for attempt in range(1, ASSIGN_RETRIES + 1):
             try:
                 await bus.publish_durable(self.js, subjects.sched_assign(d.host), msg, f"assign-{d.host}-{d.epoch}")
