@@ -164,6 +164,7 @@ class Stack:
         # the trainer's Prometheus port, which the gateway's status page scrapes: one per stack
         # (a fixed 9401 would let two stacks on one machine read each other's trainer)
         self.trainer_metrics_port = 0
+        self.metrics_urls: dict[str, str] = {}  # process name -> its Prometheus /metrics (stack.json "metrics")
 
     # -- public -----------------------------------------------------------------------------------
 
@@ -224,10 +225,10 @@ class Stack:
         self._credentials()
         self.trainer_metrics_port = servers.free_port()
         specs = host_specs(self.o.hosts, list(os.sched_getaffinity(0))) if self.o.policy else []
-        (self.data / "stack.json").write_text(json.dumps({
-            **self.public_urls(), "gateway_url": self.gateway_url,
-            "admin_url": self.admin_url, "weights_dir": str(self.weights_dir), "policy": self.o.policy,
-            "hosts": [{"id": h.id, "tags": list(h.tags), "cores": h.cores} for h in specs]}))
+        state = {**self.public_urls(), "gateway_url": self.gateway_url,
+                 "admin_url": self.admin_url, "weights_dir": str(self.weights_dir), "policy": self.o.policy,
+                 "hosts": [{"id": h.id, "tags": list(h.tags), "cores": h.cores} for h in specs]}
+        (self.data / "stack.json").write_text(json.dumps(state))
         try:
             self._spawn_infra()
             for i in range(self.o.trajectory_replicas):
@@ -243,6 +244,7 @@ class Stack:
                 for i in range(self.o.workers):
                     self.spawn_rollout(f"rollout-{i}")
             self._spawn_gateway()
+            (self.data / "stack.json").write_text(json.dumps({**state, "metrics": self.metrics_urls}))
             for p in self.procs if wait else ():
                 self._wait_ready(p)
         except BaseException:
@@ -277,6 +279,7 @@ class Stack:
 
     def spawn_trajectory(self, name: str) -> Proc:
         env = self.env() | {"SF_TRAJECTORY_MAX_MODEL_LEN": str(self.o.max_model_len)}
+        self._metrics(name, env, "SF_TRAJECTORY_METRICS_PORT")
         return self._spawn(name, [sys.executable, "-m", "services.trajectory", "--model", str(self.o.model)],
                            env, ready="trajectory manager ready")
 
@@ -289,6 +292,7 @@ class Stack:
         if self.o.workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
             index = int(name.rsplit("-", 1)[-1])
             env["VLLM_CPU_OMP_THREADS_BIND"] = split_cpus(list(os.sched_getaffinity(0)), self.o.workers)[index]
+        self._metrics(name, env, "SF_ROLLOUT_METRICS_PORT")
         cmd = shlex.split(self.o.worker_cmd) if self.o.worker_cmd else [sys.executable, "-m", "services.rollout"]
         return self._spawn(name, [*cmd, "--model", str(self.o.model), "--worker-id", name], env,
                            ready=f"rollout worker {name} ready")
@@ -297,6 +301,7 @@ class Stack:
         """The DeepSpeed trainer; `settings` become SF_TRAINER_<NAME> variables."""
         env = self.env() | {f"SF_TRAINER_{k.upper()}": str(v) for k, v in settings.items()}
         env.setdefault("SF_TRAINER_METRICS_PORT", str(self.trainer_metrics_port))
+        self.metrics_urls[name] = f"http://127.0.0.1:{env['SF_TRAINER_METRICS_PORT']}/metrics"
         env.setdefault("SF_TRAINER_TENSORBOARD_DIR", str(self.data / "trainer" / "tb"))
         env.setdefault("SF_TRAINER_AUDIT_LOG", str(self.data / "trainer" / "trained.jsonl"))
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -306,6 +311,7 @@ class Stack:
 
     def spawn_scheduler(self, name: str = "scheduler") -> Proc:
         env = self.env() | {"SF_SCHEDULER_POLICY": self.o.policy}
+        self._metrics(name, env, "SF_SCHEDULER_METRICS_PORT")
         return self._spawn(name, [sys.executable, "-m", "services.scheduler"], env, ready="scheduler ready")
 
     def spawn_host(self, h: HostSpec) -> Proc:
@@ -321,6 +327,7 @@ class Stack:
             env["SF_HOST_MODEL"] = str(self.o.model)
         if self.o.worker_cmd:
             env["SF_HOST_WORKER_CMD"] = self.o.worker_cmd
+        self._metrics(h.id, env, "SF_HOST_METRICS_PORT")
         return self._spawn(h.id, [sys.executable, "-m", "services.scheduler.host"], env,
                            ready=f"host agent {h.id} ready")
 
@@ -429,6 +436,12 @@ class Stack:
         }
         env.setdefault("SF_GATEWAY_TRAINER_METRICS_URL", f"http://127.0.0.1:{self.trainer_metrics_port}/metrics")
         self._spawn("gateway", [sys.executable, "-m", "services.gateway"], env, ready="gateway ready")
+
+    def _metrics(self, name: str, env: dict[str, str], var: str) -> None:
+        """Give the process a Prometheus port of its own (loopback), unless `var` is already set."""
+        env.setdefault(var, str(servers.free_port()))
+        if env[var] != "0":
+            self.metrics_urls[name] = f"http://127.0.0.1:{env[var]}/metrics"
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None, ready: str,
                log: Path | None = None, port: int = 0) -> Proc:

@@ -121,3 +121,17 @@ def test_a_restarted_redis_and_nats_keep_their_logins(stack):
             break
         time.sleep(0.5)
     assert r.status_code == 200, r.text
+
+
+def test_every_process_serves_its_metrics_on_a_port_of_its_own(stack):
+    """stack.json's `metrics` names each process's /metrics; each answers with the malformed-message
+    counter (so a default stack's bus errors are scrapeable) and shows no secret."""
+    urls = json.loads((stack.data / "stack.json").read_text())["metrics"]
+    expected = {p.name for p in stack.procs if p.name.startswith(("trajectory-", "rollout-", "trainer", "scheduler"))}
+    assert expected and expected <= set(urls), (expected, urls)
+    assert len(set(urls.values())) == len(urls)  # no two processes share a port
+    creds = json.loads((stack.data / "credentials.json").read_text())
+    for name in expected:
+        r = httpx.get(urls[name], timeout=10)
+        assert r.status_code == 200 and "sf_bus_malformed_total" in r.text, (name, r.status_code, r.text[:200])
+        assert creds["nats_password"] not in r.text and creds["redis_password"] not in r.text
