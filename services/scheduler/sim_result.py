@@ -31,7 +31,7 @@ class Totals:
     trainer_wait_s: float = 0.0
     lends: int = 0
     reclaims: int = 0
-    drains: int = 0  # lent hosts drained before their reclaim (reclaim_grace_s)
+    drains: int = 0  # rollout-to-rollout assignments: a drain (reclaim_grace_s) or lent_until moved (drain_margin_s)
     decide_calls: int = 0
     host_time: np.ndarray = field(default=None)  # [host, activity] seconds
     timeline: list = field(default_factory=list)  # (host, start, end, activity)
