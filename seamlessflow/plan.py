@@ -160,6 +160,10 @@ def plan(hosts: int, cal: Calibration, wl: Workload, steps: int, sweep_steps: in
             last = pool.submit("seamless", hosts, best, cal, wl, steps, "seamless", margin, grace, drain)
         rows = {pol: pool.result(f) for pol, f in static.items()} | {"seamless": pool.result(last)}
     results = [rows[pol] for pol in POLICIES]
+    final = rows["seamless"]["reprefill_fraction"]
+    if drains and final >= max_reprefill:  # short trials are noisy: say so rather than hide it
+        note += (f"; the {steps}-step run re-prefilled {final:.2%}, over the budget: try more --sweep-steps "
+                 f"or a longer grace")
     return Plan(hosts, cal.name, workload_name, best, margin, sweep, tried, results, time.perf_counter() - t0,
                 grace, drain, drains, note)
 
