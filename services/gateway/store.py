@@ -39,9 +39,8 @@ log = logging.getLogger(__name__)
 KEY_PREFIX = "sf:key:"
 OWNER_PREFIX = "sf:owner:"  # sf:owner:<session id> -> the tenant (hash of the user key) that created it
 SESSION_KEY_PREFIX = "sk-sf-"
-
-
 POOL_SIZE = 64  # Redis connections per gateway process
+
 
 class KeyRecord(msgspec.Struct, frozen=True):
     kind: Literal["user", "session"]
