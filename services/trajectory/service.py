@@ -71,6 +71,7 @@ class TrajectoryService:
         self.policy_version = -1  # newest WeightsPublished; -1 until one is seen
         self.limits = backpressure.limits_from_env()
         self.fill: Fill | None = None  # the newest reading of the TRAJECTORIES stream
+        self._upkeep: asyncio.Task | None = None  # trim and sweep (_watch_stream)
         self.high_water = HighWater(self.limits.high_water)
         self.malformed = Malformed("trajectory")
 
@@ -169,8 +170,10 @@ class TrajectoryService:
         return None
 
     async def _watch_stream(self) -> None:
-        """1. read the fill; 2. log a high-water crossing; 3. trim trained trajectories; 4. publish pending
-        ones (oldest first). Each step is best effort: the next pass retries."""
+        """1. read the fill; 2. log a high-water crossing; then, in a task of its own (one at a time), 3. trim
+        trained trajectories; 4. publish pending ones (oldest first). Each step is best effort: the next pass
+        retries. 3-4 wait for Redis connections, for seconds under load (bench/load.py, 500 agents on 2
+        cores); awaited here, they held up the next reading, the fill went stale and new sessions got 503s."""
         try:
             fill = await backpressure.read_fill(self.js, subjects.TRAJECTORIES_STREAM, self.cfg.trainer_consumer,
                                                 time.monotonic())
@@ -188,6 +191,10 @@ class TrajectoryService:
             case "cleared":
                 log.info("the %s stream is %.0f%% full, below its high-water mark: sessions are admitted again",
                          subjects.TRAJECTORIES_STREAM, 100 * fill.fraction)
+        if self._upkeep is None or self._upkeep.done():
+            self._upkeep = asyncio.create_task(self._trim_and_sweep(fill))
+
+    async def _trim_and_sweep(self, fill: Fill) -> None:
         try:
             upto = await backpressure.trim(self.js, subjects.TRAJECTORIES_STREAM, fill, self.limits.trim_above)
             if upto:
@@ -199,9 +206,13 @@ class TrajectoryService:
             _warn(f"sweep:{type(e).__name__}", "stream upkeep failed: %s: %s", type(e).__name__, e)
 
     async def _stream_loop(self, quit: asyncio.Event) -> None:
-        while not quit.is_set():
-            await asyncio.sleep(self.cfg.fill_poll)
-            await self._watch_stream()
+        try:
+            while not quit.is_set():
+                await asyncio.sleep(self.cfg.fill_poll)
+                await self._watch_stream()
+        finally:
+            if self._upkeep is not None:
+                self._upkeep.cancel()
 
     # -- rollout workers -------------------------------------------------------------------------
 
