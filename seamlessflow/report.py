@@ -181,9 +181,18 @@ def state_intervals(samples: list[Sample], t0: float) -> dict[str, list[tuple[st
     return out
 
 
+LEAD_IN = 10.0  # seconds of host activity shown before the first round (not the minutes of start-up)
+
+
+def clip_before(intervals: list[tuple[str, float, float]], start: float) -> list[tuple[str, float, float]]:
+    """The intervals from `start` on: the scheduler's timeline begins when the stack starts, minutes
+    of idle hosts (engines loading) that would squeeze the rounds into a sliver of the plot."""
+    return [(state, max(a, start), b) for state, a, b in intervals if b > start]
+
+
 def _timeline(path: Path, d: ReportData) -> Path:
     workers = state_intervals(d.samples, d.started_at)
-    hosts = {h: [(a, t0 - d.started_at, t1 - d.started_at) for a, t0, t1 in v["intervals"]]
+    hosts = {h: clip_before([(a, t0 - d.started_at, t1 - d.started_at) for a, t0, t1 in v["intervals"]], -LEAD_IN)
              for h, v in sorted((d.host_timeline or {}).get("hosts", {}).items())}
     rows = [(f"worker {w}", ivs) for w, ivs in workers.items()] + [(f"host {h}", ivs) for h, ivs in hosts.items()]
     fig = Figure(figsize=(9, max(3.2, 1.6 + 0.6 * len(rows))))

@@ -81,3 +81,10 @@ def test_helpers():
     rates = worker_rates([Sample(T0, "w", "serving", 0, 0), Sample(T0 + 1, "w", "serving", 0, 50),
                           Sample(T0 + 2, "w", "serving", 0, 5)], T0)
     assert rates == [(2.5, 10.0)]
+
+
+def test_host_activity_before_the_rounds_is_clipped_to_a_short_lead_in():
+    from seamlessflow.report import clip_before
+
+    ivs = [("idle", -250.0, -3.0), ("switch", -3.0, -1.0), ("train", -1.0, 4.0), ("idle", -400.0, -300.0)]
+    assert clip_before(ivs, -2.0) == [("switch", -2.0, -1.0), ("train", -1.0, 4.0)]
