@@ -44,7 +44,7 @@ def prepare_model(data: Path, task: str = "reverse", seed: int = 0, log=print) -
         log(f"building the small demo model in {base}")
         init_model(base, size="small")
     if not (sft / "config.json").exists():
-        log(f"supervised warm start on {task} (stops once a 64-sample check reaches reward {TARGET_REWARD[task]}) ...")
+        log(f"supervised warm start on {task} (stops once a sampled check reaches reward {TARGET_REWARD[task]}) ...")
         warm_start(base, sft, task=task, seed=seed, log=log)
     return sft
 
