@@ -106,6 +106,7 @@ class SchedulerService:
             ]
             for subject, cb in subs:
                 await self.nc.subscribe(subject, cb=cb)
+            await self.nc.flush(timeout=5)  # "ready" means the server has the subscriptions
             log.info("scheduler ready: policy %s, %d host(s) known (%s%s)", self.policy, len(self.reg.hosts),
                      self.conn.redacted(), f", metrics port {metrics.port}" if metrics.port else "")
             if ready:

@@ -110,6 +110,9 @@ class TrajectoryService:
                 await self.nc.subscribe(subjects.CHAT, queue=subjects.TRAJECTORY_QUEUE, cb=self._on_chat),
                 await self.nc.subscribe(subjects.session_op("*"), queue=subjects.TRAJECTORY_QUEUE, cb=self._on_session),
             ]
+            # "ready" means the server has the subscriptions: SUBs are buffered, and settle() (gc.collect,
+            # ~0.3 s) right after ready would otherwise delay them: a request then met "no responders" (CI)
+            await self.nc.flush(timeout=5)
             log.info("trajectory manager ready (model %s, %s%s)", self.cfg.model, self.conn.redacted(),
                      f", metrics port {metrics.port}" if metrics.port else "")
             if ready:
