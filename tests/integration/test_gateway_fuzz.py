@@ -4,8 +4,12 @@ gateway's own /openapi.json, on the agent port and on the admin port.
 The gateway is real (uvicorn, nats-py, redis-py); only the trajectory manager is faked, at the
 NATS edge (test_gateway_api.FakeTrajectory). Every check must pass and no answer may be a 5xx.
 Bounded: a fixed seed and a few examples per operation keep each run well under a minute.
+The document names the served model and what the gateway serves (openapi.served_subset), so
+schema-valid cases reach the (fake) trajectory manager; `positive_data_acceptance` holds them to
+it. The one rule JSON Schema cannot state is a hook (fuzz_hooks.py).
 
     .venv/bin/pytest tests/integration/test_gateway_fuzz.py
+    SF_FUZZ_SEED=12 .venv/bin/pytest tests/integration/test_gateway_fuzz.py   # another seed
 """
 
 from __future__ import annotations
