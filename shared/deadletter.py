@@ -34,6 +34,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Iterable
+from contextlib import AsyncExitStack
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -44,6 +45,8 @@ from nats.js.errors import NotFoundError
 from prometheus_client import CollectorRegistry, Counter
 
 from shared.logonce import OncePerCause
+from shared.metrics import Endpoint
+from shared.metrics import serve as serve_metrics
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +186,17 @@ class Malformed:
         """Wait (bounded) for the copies under way: on shutdown, before the connection closes."""
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=timeout)
+
+    def enter(self, stack: AsyncExitStack, nc: NATS, streams: Iterable[StreamConfig], metrics_port: int,
+              metrics_host: str) -> Endpoint:
+        """A service's whole wiring, once connected: `attach`, `drain` on `stack`'s exit (before the
+        connection closes, if the connection was entered first), and the counter served on
+        `metrics_port` (0 = off) until then. Returns the endpoint (its `port` for the ready line)."""
+        self.attach(nc, streams)
+        stack.push_async_callback(self.drain)
+        endpoint = serve_metrics(self.registry, metrics_port, metrics_host)
+        stack.callback(endpoint.close)
+        return endpoint
 
 
 async def publish_dead(js: JetStreamContext, service: str, msg: Msg, error: BaseException, now: float,

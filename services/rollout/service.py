@@ -36,7 +36,6 @@ from shared import bus, subjects
 from shared.codec import decode, encode
 from shared.config import Connections
 from shared.deadletter import Malformed
-from shared.metrics import serve as serve_metrics
 from shared.weightfollow import WeightFollower
 from shared.messages.rollout import (
     ErrorCode,
@@ -91,10 +90,7 @@ class RolloutService:
                 # 1. connect and subscribe
                 self.nc = await bus.connect(self.conn, name=f"rollout-{wid}")
                 stack.push_async_callback(bus.wait_closed, self.nc)
-                self.malformed.attach(self.nc, subjects.STREAMS)
-                stack.push_async_callback(self.malformed.drain)  # before the connection closes
-                metrics = serve_metrics(self.malformed.registry, self.cfg.metrics_port, self.cfg.metrics_host)
-                stack.callback(metrics.close)
+                metrics = self.malformed.enter(stack, self.nc, subjects.STREAMS, self.cfg.metrics_port, self.cfg.metrics_host)
                 gen_sub = await self.nc.subscribe(subjects.rollout_gen(wid), cb=self._on_generate)
                 await self.nc.subscribe(subjects.rollout_ctl(wid), cb=self._on_control)
                 await self.nc.flush(timeout=5)

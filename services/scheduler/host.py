@@ -46,7 +46,6 @@ from shared.codec import decode, encode
 from shared.config import Connections, connections
 from shared.deadletter import Malformed
 from shared.lifecycle import run_until_signalled, setup_logging
-from shared.metrics import serve as serve_metrics
 from shared.messages.rollout import RolloutControl, WorkerStatus
 from shared.messages.scheduler import (
     HostAssignment,
@@ -95,10 +94,7 @@ class HostAgent:
             js = self.nc.jetstream()
             streams = subjects.STREAMS
             await bus.ensure_streams(js, streams)
-            self.malformed.attach(self.nc, streams)
-            stack.push_async_callback(self.malformed.drain)  # before the connection closes
-            metrics = serve_metrics(self.malformed.registry, self.cfg.metrics_port, self.cfg.metrics_host)
-            stack.callback(metrics.close)
+            self.malformed.enter(stack, self.nc, streams, self.cfg.metrics_port, self.cfg.metrics_host)
             await self.nc.subscribe(subjects.ROLLOUT_STATUS, cb=self._on_worker)
             await self.nc.subscribe(subjects.sched_assign(self.cfg.id), cb=self._on_assignment)
             subject = subjects.sched_assign(self.cfg.id)

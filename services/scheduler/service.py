@@ -40,7 +40,6 @@ from shared import bus, subjects, weightstore
 from shared.codec import decode, encode
 from shared.config import Connections
 from shared.deadletter import Malformed
-from shared.metrics import serve as serve_metrics
 from shared.messages.rollout import WorkerStatus
 from shared.messages.scheduler import (
     HostAssignment,
@@ -85,10 +84,7 @@ class SchedulerService:
             self.js = self.nc.jetstream()
             streams = subjects.STREAMS
             await bus.ensure_streams(self.js, streams)
-            self.malformed.attach(self.nc, streams)
-            stack.push_async_callback(self.malformed.drain)  # before the connection closes
-            metrics = serve_metrics(self.malformed.registry, self.cfg.metrics_port, self.cfg.metrics_host)
-            stack.callback(metrics.close)
+            metrics = self.malformed.enter(stack, self.nc, streams, self.cfg.metrics_port, self.cfg.metrics_host)
             self.store = Store.connect(self.conn.redis_url)
             stack.push_async_callback(self.store.close)
             await self._restore()

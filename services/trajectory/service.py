@@ -41,7 +41,6 @@ from shared.config import Connections
 from shared.deadletter import Malformed
 from shared.deltas import merge_deltas
 from shared.logonce import OncePerCause
-from shared.metrics import serve as serve_metrics
 from shared.weightfollow import WeightFollower
 from shared.messages import (
     ChatCancel,
@@ -83,10 +82,7 @@ class TrajectoryService:
             js = self.nc.jetstream()
             streams = subjects.STREAMS
             await bus.ensure_streams(js, streams)
-            self.malformed.attach(self.nc, streams)
-            stack.push_async_callback(self.malformed.drain)  # before the connection closes
-            metrics = serve_metrics(self.malformed.registry, self.cfg.metrics_port, self.cfg.metrics_host)
-            stack.callback(metrics.close)
+            metrics = self.malformed.enter(stack, self.nc, streams, self.cfg.metrics_port, self.cfg.metrics_host)
             self.store = Store.connect(self.conn.redis_url, self.cfg.session_ttl)
             stack.push_async_callback(self.store.close)
             self.js = js
