@@ -44,3 +44,39 @@ def test_without_fine_checks_it_keeps_the_coarse_rule(tiny_model, tmp_path, chec
     out = warmstart.warm_start(tiny_model, tmp_path / "sft", target_reward=0.3, check_every=3, fine=False,
                                batch=4, log=lambda line: None)
     assert out["steps"] == 6 and seen == [64, 64, 64]
+
+
+@pytest.mark.parametrize("task", ["calc", "reverse", "one prompt"])
+def test_the_shared_prefix_gives_the_loss_and_gradients_of_running_every_row_in_full(tiny_model, task):
+    """calc's examples share a ~200-token system prompt: it is run once and its keys and values
+    repeated across the batch. The loss and every gradient must match the plain batch."""
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    rng = random.Random(3)
+    if task == "one prompt":  # the whole prompt is shared: its last position predicts each first answer token
+        prompt = warmstart._prompt_ids(tok, "reverse 123")
+        answers = [warmstart._enc(tok, a) + [tok.eos_token_id] for a in ("321", "12", "9", "3210")]
+        seqs = tuple(prompt + a for a in answers)
+        masks = tuple([0] * len(prompt) + [1] * len(a) for a in answers)
+        assert warmstart._common_prefix(seqs) == len(prompt)
+    else:
+        seqs, masks = zip(*(warmstart.sft_example(tok, task, rng) for _ in range(6)))
+        # calc: the tool schema is shared; reverse: "<|im_start|>user\nreverse ", too short to bother
+        assert (warmstart._common_prefix(seqs) > 150) == (task == "calc")
+
+    def loss_and_grads(min_shared):
+        model.zero_grad()
+        loss = warmstart.sft_loss(model, tok.pad_token_id, seqs, masks, min_shared=min_shared)
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in model.parameters()]
+
+    full_loss, full_grads = loss_and_grads(10**9)
+    loss, grads = loss_and_grads(1)
+    assert loss == pytest.approx(full_loss, rel=1e-5)
+    for got, want in zip(grads, full_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
