@@ -33,6 +33,7 @@ from redis.backoff import ConstantBackoff
 from redis.exceptions import RedisError
 
 from services.gateway.errors import StoreUnavailable
+from shared.redispool import FairPool
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +83,9 @@ class KeyStore:
         self.cache_seconds = cache_seconds
         self._cache: dict[str, tuple[KeyRecord, float]] = {}
         # a blocking pool: a call waits (up to `timeout`) for one of POOL_SIZE connections; redis-py's
-        # default pool failed the 101st concurrent call at once (bench/load.py, 500 agents: 463 503s)
-        self.redis = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
+        # default pool failed the 101st concurrent call at once (bench/load.py, 500 agents: 463 503s);
+        # waiters are served in order (shared/redispool.py), so no wait outlasts a short line
+        self.redis = aioredis.Redis.from_pool(FairPool.from_url(
             redis_url,
             max_connections=POOL_SIZE,
             timeout=timeout,
