@@ -67,6 +67,7 @@ class _Lease:
     def __init__(self, owner: str) -> None:
         self.owner = owner
         self.lost = False
+        self.holder: asyncio.Task | None = None  # renews the lease once this handling holds it (_hold)
 
 
 class TurnHandler:
@@ -78,22 +79,26 @@ class TurnHandler:
 
     async def handle(self, req: ChatRequest, emit: Emit) -> ChatDone:
         rid = req.request_id
-        look = await self._lookup(req)
-        # 0. a retry of a request that already finished gets the same answer
-        if look.done is not None:
-            return decode(look.done, ChatDone)
         lease = _Lease(f"{self.owner}-{secrets.token_hex(2)}")
-        keepalive = asyncio.create_task(self._keepalive(rid, emit, asyncio.current_task(), lease))
+        # keepalives from the start, whatever Redis makes the turn wait for: the gateway re-sends a request
+        # after 5 s of silence (bench/load.py, a starved replica: 125 re-sends in 45 s, each one more turn)
+        keepalive = asyncio.create_task(self._keepalive(rid, emit))
         try:
+            look = await self._lookup(req)
+            # 0. a retry of a request that already finished gets the same answer
+            if look.done is not None:
+                return decode(look.done, ChatDone)
             return await self._handle(req, emit, look, lease)
         except _FinishedElsewhere as e:  # a re-sent request whose first copy finished meanwhile
             return decode(e.done, ChatDone)
         except asyncio.CancelledError:
-            if lease.lost and asyncio.current_task().uncancel() == 0:  # our keepalive, not the agent
+            if lease.lost and asyncio.current_task().uncancel() == 0:  # our lease holder, not the agent
                 raise LeaseLost(f"request {rid}: another replica holds its lease") from None
             raise
         finally:
             keepalive.cancel()
+            if lease.holder is not None:
+                lease.holder.cancel()
 
     async def _lookup(self, req: ChatRequest) -> Lookup:
         """The request's state in one round trip; a request without a session that is not a
@@ -106,13 +111,26 @@ class TurnHandler:
             raise TurnError(404, "session_not_found", f"session {e.args[0]} does not exist") from None
         return look
 
-    async def _keepalive(self, rid: str, emit: Emit, work: asyncio.Task, lease: _Lease) -> None:
-        """Tell the gateway this replica is alive, and hold the request's lease. Once the lease
-        is lost (another replica holds it, or renewals failed until it lapsed), stop the turn."""
-        renewed = time.monotonic()
+    @staticmethod
+    async def _keepalive(rid: str, emit: Emit) -> None:
+        """Tell the gateway this replica is alive, every KEEPALIVE_INTERVAL: on its own, so a lease renewal
+        that waits for Redis does not delay it."""
         while True:
             await asyncio.sleep(KEEPALIVE_INTERVAL)
             await emit(ChatDelta(rid, "", 0))
+
+    def _held(self, rid: str, lease: _Lease) -> None:
+        """This handling holds the request's lease now (it began the request, or took it over): keep it."""
+        lease.holder = asyncio.create_task(self._hold(rid, asyncio.current_task(), lease))
+
+    async def _hold(self, rid: str, work: asyncio.Task, lease: _Lease) -> None:
+        """Renew the request's lease every KEEPALIVE_INTERVAL. Once it is lost (another replica holds it,
+        or renewals failed until it lapsed), stop the turn. Only a handling that holds the lease runs this:
+        a re-sent copy waiting for the first one to finish (_resume) holds nothing yet, and must not take
+        the first copy's lease for its own loss."""
+        renewed = time.monotonic()
+        while True:
+            await asyncio.sleep(KEEPALIVE_INTERVAL)
             try:
                 # a lease that lapsed while this replica was slow (a stalled event loop on a loaded
                 # host) but that nobody took is taken back: only another holder means it is lost
@@ -135,6 +153,7 @@ class TurnHandler:
         # 1. resume a request a dead replica was serving, or start a new one
         max_len = self.table.max_model_len(time.time(), self.cfg.max_model_len)
         prompt, partial, turn_id, sticky = await self._begin(req, look, max_len, lease.owner)
+        self._held(rid, lease)
 
         # 2. generate; each delta is persisted, then shown (turnstream.py)
         stream = TurnStream(self.renderer, req, time.monotonic())

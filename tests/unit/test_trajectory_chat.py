@@ -241,6 +241,55 @@ async def test_a_resent_copy_on_the_same_replica_waits_for_the_first(renderer):
     assert done2 == done1 and len(store.saved) == 1  # one turn, the first copy's
 
 
+async def test_a_resent_copy_waits_for_the_first_longer_than_a_keepalive(renderer, monkeypatch):
+    # bench/load.py on a starved replica: the gateway re-sent a slow turn, and its copy's keepalive, which
+    # also renewed the lease, found the first copy holding it, called the lease lost and stopped the copy
+    # silently after one interval: the gateway heard nothing more and re-sent again (then a 504)
+    monkeypatch.setattr(chat, "KEEPALIVE_INTERVAL", 0.05)
+    store = FakeStore()
+    sid = await store.create_session()
+    h = TurnHandler(TrajectoryConfig(worker_wait=2, resume_wait=10), store, renderer, table(),
+                    worker(renderer, "a long answer " * 10, delay=0.02))
+    first = asyncio.create_task(run(h, request("r9", sid)))
+    while not store.deltas.get("r9"):
+        await asyncio.sleep(0.01)
+    (done2, sent2), (done1, _) = await asyncio.wait_for(asyncio.gather(run(h, request("r9", sid)), first), 10)
+    assert done2 == done1 and len(store.saved) == 1
+    assert len([m for m in sent2 if isinstance(m, ChatDelta) and not m.text]) >= 3  # it kept the gateway told
+
+
+async def test_keepalives_keep_their_cadence_while_redis_makes_the_turn_wait(renderer, monkeypatch):
+    # the gateway re-sends after 5 s of silence: keepalives must not wait for the lookup, nor for a lease
+    # renewal that waits for a Redis connection (bench/load.py: 125 re-sends in 45 s on a starved replica)
+    monkeypatch.setattr(chat, "KEEPALIVE_INTERVAL", 0.05)
+    store = FakeStore()
+    sid = await store.create_session()
+    slow_lookup, slow_renew = store.lookup, store.renew_lease
+
+    async def lookup(*a):
+        await asyncio.sleep(0.4)
+        return await slow_lookup(*a)
+
+    async def renew(*a):
+        await asyncio.sleep(0.4)
+        return await slow_renew(*a)
+
+    store.lookup, store.renew_lease = lookup, renew
+    h = TurnHandler(TrajectoryConfig(worker_wait=2), store, renderer, table(),
+                    worker(renderer, "a long answer " * 10, delay=0.03))
+    stamps: list[float] = []
+    start = time.monotonic()
+
+    async def emit(m):
+        if isinstance(m, ChatDelta) and not m.text:
+            stamps.append(time.monotonic())
+
+    done = await asyncio.wait_for(h.handle(request("r10", sid), emit), 20)
+    assert done.text.startswith("a long answer") and store.saved
+    gaps = [b - a for a, b in zip([start, *stamps], stamps)]
+    assert stamps and max(gaps) < 0.25, gaps
+
+
 async def test_two_copies_that_both_begin_a_request_give_one_turn(renderer):
     # found by tests/faults: a replica paused before it began a request, then continued, and its copy of
     # the gateway's re-send answered the agent 409 "already running" instead of the first copy's result
