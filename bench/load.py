@@ -3,6 +3,7 @@
     flock /tmp/heavy.lock .venv/bin/python bench/load.py --replicas 1,2 --out /tmp/load.json   # 500 x 2 min each
     .venv/bin/python bench/load.py --sessions 50 --seconds 20 --replicas 1                      # a quick try
     .venv/bin/python bench/load.py --sessions 200 --seconds 30 --replicas 1 --profile DIR       # + cProfile
+    flock /tmp/heavy.lock .venv/bin/python bench/load.py --replicas 1,2 --replica-cpu 0.3        # capped replicas (root)
 
 For each trajectory-replica count in `--replicas` (one after the other, each on a fresh stack): the real
 gateway, N trajectory managers, NATS (JetStream, file store) and Redis (AOF on), started by
@@ -24,6 +25,11 @@ and the CPU each process used in the window (/proc schedstat, every thread) as m
 the generator's and the whole machine's included, so a saturated box shows as such.
 `--profile DIR` runs the gateway and trajectory managers under cProfile (bench/profile_hook) for the
 measured window only.
+
+`--replica-cpu CORES` caps each trajectory replica at CORES of CPU (a cgroup quota each, bench/cpu_cap.py;
+needs root), so that on a small box a replica, not the machine, is the bottleneck, as when each replica
+has a host of its own: a CAPPED EMULATION of that, to show how turns/s scale with replicas. The report
+then gives each replica's throttled periods (the kernel's count of how often it hit its cap).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import msgspec
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.cpu_cap import CpuCap  # noqa: E402
 from bench.gateway_overhead import MODEL_NAME, cpu_seconds, pct, use_profiler  # noqa: E402
 
 REQUEST_TIMEOUT = 120.0  # seconds: one HTTP call (the gateway's own turn timeouts are shorter)
@@ -275,16 +282,25 @@ def start_stack(replicas: int, code: str, model: Path, tmp: Path, args):
 def run_one(replicas: int, code: str, model: Path, tmp: Path, args) -> dict:
     stack = start_stack(replicas, code, model, tmp, args)
     procs: list = []
+    caps: dict[str, CpuCap] = {}
     try:
-        return {"code": code or "."} | asyncio.run(_measure(stack, replicas, procs, args))
+        if args.replica_cpu:  # each replica in a cgroup of its own, capped at --replica-cpu cores
+            for p in stack.procs:
+                if p.name.startswith("trajectory-"):
+                    caps[p.name] = CpuCap(f"sf-load-{os.getpid()}-{p.name}", args.replica_cpu).__enter__()
+                    caps[p.name].add(p.popen.pid)
+        return {"code": code or ".", "replica_cpu": args.replica_cpu} | asyncio.run(
+            _measure(stack, replicas, procs, args, caps))
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
         stack.stop()
+        for cap in caps.values():
+            cap.__exit__(None, None, None)
 
 
-async def _measure(stack, replicas: int, procs: list, args) -> dict:
+async def _measure(stack, replicas: int, procs: list, args, caps: dict[str, CpuCap]) -> dict:
     pids = {p.name: p.popen.pid for p in stack.procs}
     mem0 = _redis_memory(stack.redis_url)
     t_start = time.time() + 3.0  # the generators import and connect meanwhile
@@ -305,9 +321,11 @@ async def _measure(stack, replicas: int, procs: list, args) -> dict:
     await asyncio.sleep(spec["t_measure"] - time.time())
     _profiling(profiled, True)
     cpu0, busy0, load0 = {n: cpu_seconds(p) for n, p in pids.items()}, machine_busy(), os.getloadavg()
+    throttled0 = {n: c.throttled() for n, c in caps.items()}
     lag.clear()  # the window's samples only
     await asyncio.sleep(spec["t_end"] - time.time())
     cpu1, busy1 = {n: cpu_seconds(p) for n, p in pids.items()}, machine_busy()
+    throttled = {n: {k: v - throttled0[n][k] for k, v in c.throttled().items()} for n, c in caps.items()}
     _profiling(profiled, False)
     window_lag = list(lag)
 
@@ -338,6 +356,7 @@ async def _measure(stack, replicas: int, procs: list, args) -> dict:
         "machine_busy_cores": round((busy1[0] - busy0[0]) / seconds, 2),
         "machine_cores": os.cpu_count(), "loadavg_at_start": [round(x, 2) for x in load0],
         "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+        "replica_throttled": throttled,  # with --replica-cpu: periods, throttled periods, µs, in the window
     }
     print(json.dumps(row), flush=True)
     return row
@@ -351,7 +370,8 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         cells = [f"{r['cpu'][b]['ms_per_turn']} ms ({r['cpu'][b]['cores']})" if b in r["cpu"] else "" for b in buckets]
         c = r["consumer"]
-        print(f"| {r['code']} | {r['replicas']} | {r['turns_per_s']} | {r['p50_ms']} / {r['p99_ms']} | {r['error_count']} "
+        code = r["code"] + (f" (each replica capped at {r['replica_cpu']} core)" if r.get("replica_cpu") else "")
+        print(f"| {code} | {r['replicas']} | {r['turns_per_s']} | {r['p50_ms']} / {r['p99_ms']} | {r['error_count']} "
               f"| {r['redis_bytes_per_session']} | {c['window_num_pending_max']} ({c['final_num_pending']}) "
               f"| {r['machine_busy_cores']} / {r['machine_cores']} | " + " | ".join(cells) + " |")
     print("(CPU cells: ms per turn (cores) in the measured window)")
@@ -374,6 +394,9 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=256, help="requests each simulated engine runs at once")
     ap.add_argument("--step-ms", type=float, default=2.0, help="the simulated engine's step (+0.25 ms per request)")
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--replica-cpu", type=float, default=0.0, metavar="CORES",
+                    help="cap each trajectory replica at CORES of CPU (a cgroup quota; root): a capped emulation "
+                    "of a host per replica (0: no cap)")
     ap.add_argument("--no-drain", action="store_true", help="no stand-in trainer: trajectories stay pending")
     ap.add_argument("--profile", metavar="DIR", help="cProfile the gateway and trajectory managers into DIR")
     ap.add_argument("--code", help="comma-separated checkouts whose services/ and shared/ to run, one stack "

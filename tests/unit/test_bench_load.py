@@ -4,8 +4,13 @@ in the test suite: it runs minutes)."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
+import os
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -41,3 +46,33 @@ def test_tallies_of_the_generator_processes_add_up():
                "errors": {"http-500": 2}, "examples": {"http-500": "second"}})
     assert (total.latencies, total.turns, total.turns_total, total.sessions_finished) == ([0.1, 0.2, 0.3], 3, 5, 1)
     assert total.errors == {"http-500": 3} and total.examples == {"http-500": "first"}
+
+
+
+def _spin(seconds: float, out) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    out.put(time.process_time())
+
+
+def test_a_capped_process_gets_its_quota_and_no_more():
+    # --replica-cpu: a process in a CpuCap of 0.2 core, spinning for 1.5 s of wall time, gets ~0.3 s of CPU
+    from bench.cpu_cap import CpuCap, CpuCapUnavailable
+
+    try:
+        cap = CpuCap(f"sf-test-{os.getpid()}", 0.2).__enter__()
+    except (CpuCapUnavailable, OSError) as e:
+        pytest.skip(f"no CPU cap here (it needs root and a cgroup cpu controller): {e}")
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    try:
+        proc = ctx.Process(target=_spin, args=(1.5, out))
+        proc.start()
+        cap.add(proc.pid)
+        used = out.get(timeout=10)
+        proc.join(10)
+        throttled = cap.throttled()
+    finally:
+        cap.__exit__(None, None, None)
+    assert used < 0.6 and throttled["throttled"] > 0
