@@ -13,9 +13,10 @@ available", a 503) though the line was short (bench/load.py, BENCHMARKS.md).
 
 Here a command first takes a place in a FIFO line (an asyncio.Semaphore of `max_connections`: it
 hands a freed place to the oldest waiter, never to a newcomer), then a connection, which is then
-always free. The wait keeps its bound: past `timeout` it fails as redis-py's does (ConnectionError
-"No connection available."), a retryable 503 to the agent. The gateway's and the trajectory
-manager's stores both use it; it knows nothing of what they store.
+always free. The wait keeps its bound: past `timeout` it fails with PoolExhausted, a ConnectionError
+as redis-py's ("No connection available"), which the services answer with a retryable 503
+`overloaded` (not `redis_unavailable`: Redis is fine, the process is behind). The gateway's and the
+trajectory manager's stores both use it; it knows nothing of what they store.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ import asyncio
 
 from redis.asyncio import BlockingConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
+
+
+class PoolExhausted(RedisConnectionError):
+    """A command waited its whole bound in line for a connection: this process is overloaded (retry)."""
 
 
 class FairPool(BlockingConnectionPool):
@@ -36,7 +41,8 @@ class FairPool(BlockingConnectionPool):
             async with asyncio.timeout(self.timeout):
                 await self._line.acquire()
         except TimeoutError:
-            raise RedisConnectionError("No connection available.") from None
+            raise PoolExhausted(f"No connection available: {self.timeout:g} s in line for one of "
+                                f"{self.max_connections} Redis connections") from None
         try:
             return await super().get_connection()  # a place in line means a free connection: no wait here
         except BaseException:

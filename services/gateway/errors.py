@@ -58,6 +58,10 @@ class StoreUnavailable(ConnectionError):
     """Redis could not be reached (or did not answer within the socket timeout)."""
 
 
+class StoreBusy(StoreUnavailable):
+    """A Redis call waited its whole bound in line for a connection: this gateway is overloaded, Redis is fine."""
+
+
 _AT = re.compile(r" - at `\$\.?(.*)`$")
 _MISSING = re.compile(r"Object missing required field `([^`]+)`")
 
@@ -83,6 +87,8 @@ def from_exception(e: Exception) -> ApiError:
     """Map the failures behind the gateway to what the agent should see."""
     if isinstance(e, ApiError):
         return e
+    if isinstance(e, StoreBusy):
+        return ApiError(503, f"the gateway is overloaded: {e}; retry", "overloaded", headers={"retry-after": "1"})
     if isinstance(e, StoreUnavailable):
         return ApiError(503, f"Redis is unreachable: {e}", "redis_unavailable")
     if isinstance(e, BusUnavailable):

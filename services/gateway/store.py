@@ -32,8 +32,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ConstantBackoff
 from redis.exceptions import RedisError
 
-from services.gateway.errors import StoreUnavailable
-from shared.redispool import FairPool
+from services.gateway.errors import StoreBusy, StoreUnavailable
+from shared.redispool import FairPool, PoolExhausted
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,8 @@ class KeyStore:
         try:
             async with asyncio.timeout(self.timeout * 3 + 0.5):
                 return await coro
+        except PoolExhausted as e:
+            raise StoreBusy(f"{what} failed: {e}") from None
         except (RedisError, OSError, TimeoutError) as e:
             raise StoreUnavailable(f"{what} failed: {type(e).__name__}: {e}") from None
 

@@ -41,6 +41,7 @@ from shared.config import Connections
 from shared.deadletter import Malformed
 from shared.deltas import merge_deltas
 from shared.logonce import OncePerCause
+from shared.redispool import PoolExhausted
 from shared.weightfollow import WeightFollower
 from shared.messages import (
     ChatCancel,
@@ -288,6 +289,10 @@ class TrajectoryService:
             await emit(ChatFailed(req.request_id, e.status, e.code, e.message))
         except LeaseLost as e:  # the gateway re-sent it; the replica that holds the lease answers
             log.warning("turn %s stopped: %s", req.request_id, e)
+        except PoolExhausted as e:  # Redis is fine; this replica is behind (it waited in line, bounded)
+            log.warning("turn %s refused: %s", req.request_id, e)
+            await emit(ChatFailed(req.request_id, 503, "overloaded", f"the trajectory manager is overloaded ({e}); "
+                                  "retry"))
         except redis.exceptions.RedisError as e:
             log.warning("redis error on %s: %s", req.request_id, e)
             await emit(ChatFailed(req.request_id, 503, "redis_unavailable", f"Redis is unreachable: {e}"))
@@ -327,6 +332,9 @@ class TrajectoryService:
                 reply = await self.sessions.handle(req)
         except msgspec.ValidationError as e:
             reply = SessionReply(400, message=str(e))
+        except PoolExhausted as e:
+            reply = SessionReply(503, message=f"the trajectory manager is overloaded ({e}); retry", retry_after=1.0,
+                                 code="overloaded")
         except redis.exceptions.RedisError as e:
             reply = SessionReply(503, message=f"Redis is unreachable: {e}")
         except bus.BusUnavailable as e:

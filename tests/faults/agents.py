@@ -24,7 +24,7 @@ MODEL = "seamlessflow-tiny"
 RETRYABLE = {429, 502, 503, 504}
 # what an error event inside a stream (the stream itself answered 200) may say to mean "retry"
 RETRYABLE_CODES = {"upstream_timeout", "upstream_error", "trajectory_unavailable", "nats_unavailable",
-                   "redis_unavailable"}
+                   "redis_unavailable", "overloaded"}
 
 
 @dataclass

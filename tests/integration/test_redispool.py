@@ -95,3 +95,29 @@ async def test_a_thousand_commands_on_a_few_connections_all_get_through(redis_ur
         await client.aclose()
         await store.close()
         await keys.close()
+
+
+async def test_a_wait_that_runs_out_is_a_503_overloaded_not_redis_unavailable(redis_url, monkeypatch):
+    from services.gateway import store as gw_store
+    from services.gateway.errors import StoreBusy, from_exception
+    from services.trajectory import store as traj_store
+    from shared.redispool import PoolExhausted
+
+    monkeypatch.setattr(traj_store, "POOL_WAIT", 0.2)
+    monkeypatch.setattr(gw_store, "POOL_SIZE", 1)
+    store = Store.connect(redis_url, 60, max_connections=1)
+    keys = KeyStore(redis_url, [], timeout=0.2, session_ttl=60)
+    try:
+        held = [await store.r.connection_pool.get_connection(), await keys.redis.connection_pool.get_connection()]
+        with pytest.raises(PoolExhausted):
+            await store.lookup("r1", "")
+        with pytest.raises(StoreBusy) as e:
+            await keys.lookup("sk-sf-anything")
+        err = from_exception(e.value)
+        assert (err.status, err.code, err.headers.get("retry-after")) == (503, "overloaded", "1")
+        await store.r.connection_pool.release(held[0])
+        await keys.redis.connection_pool.release(held[1])
+        assert (await store.lookup("r1", "")).done is None  # and it serves again once the line moves
+    finally:
+        await store.close()
+        await keys.close()

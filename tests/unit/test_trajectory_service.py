@@ -145,3 +145,37 @@ async def test_a_call_to_a_worker_whose_heartbeat_stopped_ends_within_a_poll_not
     got = [r async for r in s._call("w0", Generate("r.0", [1, 2], Sampling()))]
     assert isinstance(got[-1], GenerateDone) and got[-1].finish_reason == "preempted"
     assert time.monotonic() - t0 < 2.0
+
+
+async def test_a_turn_or_session_op_that_waited_out_its_place_in_the_redis_line_is_a_503_overloaded():
+    # not `redis_unavailable`: Redis answers, this replica is behind (shared/redispool.PoolExhausted)
+    from shared.codec import decode
+    from shared.messages import ChatFailed, ChatRequest, SessionReply
+    from shared.redispool import PoolExhausted
+
+    async def busy(*a, **kw):
+        raise PoolExhausted("No connection available: 5 s in line for one of 64 Redis connections")
+
+    s = service(JS())
+    s.turns = types.SimpleNamespace(handle=busy)
+    s.sessions = types.SimpleNamespace(handle=busy)
+    sent = []
+
+    class NC:
+        async def publish(self, subject, payload):
+            sent.append(payload)
+
+    s.nc = NC()
+    await s._chat(ChatRequest("r1", "sess-1", "chat", "m", Sampling(max_tokens=4), messages=[]), "_INBOX.x")
+    failed = decode(sent[0], ChatFailed)
+    assert (failed.status, failed.code) == (503, "overloaded") and "in line" in failed.message
+
+    class Msg:
+        data, reply = encode(SessionRequest("create")), "_INBOX.y"
+
+        async def respond(self, data):
+            sent.append(data)
+
+    await s._session(Msg())
+    reply = decode(sent[1], SessionReply)
+    assert (reply.status, reply.code) == (503, "overloaded") and reply.retry_after > 0
