@@ -214,17 +214,21 @@ def decide(s: Snapshot) -> list[Decision]:
     # _wanted reads a host only through this key, so hosts that share it share the answer
     # (the simulator decides for thousands of hosts; this keeps it to a few distinct calls)
     wanted: dict[tuple, tuple[HostMode, str, bool]] = {}
+    seamless, wants = s.policy == "seamless", s.trainer.wants_hosts
+    # draining(s, h) for a settled host, with what it reads of s taken out of the loop
+    grace = s.reclaim_grace_s > 0 and s.now < s.trainer.wants_since + s.reclaim_grace_s
     for h in sorted(s.hosts, key=_BY_ID):
         if not h.healthy or h.mode != h.target:  # h.switching, inlined
             continue
-        key = (h.cordoned, h.id in pool, "train" in h.tags, "rollout" in h.tags, h.mode, h.target,
-               s.reclaim_grace_s > 0 and draining(s, h))
+        in_pool = h.id in pool
+        key = (h.cordoned, in_pool, "train" in h.tags, "rollout" in h.tags, h.mode,
+               grace and h.mode == "rollout" and h.running > 0)
         got = wanted.get(key)
         if got is None:
             got = wanted[key] = _wanted(s, h, pool, lend)
         mode, reason, hold = got
-        lent = mode == "rollout" and s.policy == "seamless" and h.id in pool
-        drain = lent and s.trainer.wants_hosts
+        lent = mode == "rollout" and seamless and in_pool
+        drain = lent and wants
         if mode == h.target:
             # unchanged, but for a lent host's lent_until: a drain closes it to new turns (once);
             # with a drain margin, a reclaim predicted earlier than its lent_until moves it earlier
@@ -237,7 +241,7 @@ def decide(s: Snapshot) -> list[Decision]:
         lent_until = 0.0
         if drain:
             lent_until = max(s.now, 1e-9)  # > 0: a lent_until of 0 means "not lent", open to every turn
-        elif mode == "rollout" and h.id in pool:
+        elif mode == "rollout" and in_pool:
             lent_until = reclaim_at if math.isfinite(reclaim_at) else 0.0
         out.append(Decision(h.id, mode, h.epoch + 1, reason, hold, lent_until))
     return out

@@ -94,6 +94,9 @@ class Options:
     timeline: bool = False  # record every host's activity intervals (for Gantt charts)
     max_time_s: float = math.inf
     progress: object = None  # callable(steps_done) or None
+    # call decide every tick while lent hosts drain, not only when what it reads there changed
+    # (the same run, many more calls: a test's reference)
+    decide_every_tick: bool = False
     # what admission counts as the backlog: "untrained" (completed, not trained yet), or
     # "undelivered", as the live trajectory manager reads it (its trainer consumer's pending
     # count): the trainer fetches until 2 x groups_per_step complete groups wait in its intake,
@@ -132,6 +135,7 @@ class Simulator:
         self.stall = np.zeros(n)  # seconds of prefill / weight load a host owes before decoding
         self.hversion = np.zeros(n, np.int64)
         self.lent_until = np.zeros(n)
+        self.k_run = np.zeros(n, np.int64)  # running sequences per host, kept as they start and stop
         self.hosts = [P.Host(host_id(i), cluster.tags[i], cluster.capacity[i]) for i in range(n)]
         self.index = {h.id: i for i, h in enumerate(self.hosts)}
         # sessions (fixed pool; admission bounds how many are open)
@@ -178,19 +182,44 @@ class Simulator:
         self.act_prev = np.full(n, -1, np.int8)
         self.act_since = np.zeros(n)
         self.act_table: dict[str, np.ndarray] = {}
+        self._host_rows = np.arange(n)
+        # hosts change only in _decide and _settle_switches; each bumps hosts_rev, which keys
+        # the gate's answer and the drain snapshot's hosts (built again only when they change)
+        self.hosts_rev = 0
+        self._gate: tuple[int, bool] = (-1, False)
+        self._drain_hosts: tuple[int, np.ndarray, list[P.Host]] = (-1, np.zeros(0, np.int64), [])
+        self._drain_seen: tuple | None = None  # _drain_state() when decide last ran
 
     # -- the policy, called as the live scheduler calls it -----------------------------------
 
     def snapshot(self) -> P.Snapshot:
         needed = max(0, self.B - self.available) if self.tstate == "waiting" else 0
-        hosts = tuple(self.hosts)
-        if self._draining():  # the grace reads how many sequences each host runs
-            running = np.bincount(self.s_host[self.s_state == RUNNING], minlength=len(self.mode))
-            hosts = tuple(P.Host(h.id, h.tags, h.capacity, h.mode, h.target, h.epoch, h.healthy, h.cordoned,
-                                 int(running[i]), h.lent_until) for i, h in enumerate(hosts))
+        hosts = tuple(self._running_hosts() if self._draining() else self.hosts)
         return P.Snapshot(self.policy, self.t, hosts, P.Trainer(self.tstate, needed, self.wants_since),
                           self.rate, P.Costs(self.cal.lend_s, self.cal.reclaim_s), self.opt.lend_margin,
                           self.train_hosts, self.opt.drain_margin_s, self.opt.reclaim_grace_s)
+
+    def _running_hosts(self) -> list[P.Host]:
+        """self.hosts with `running` filled in (the grace reads how many sequences each host
+        runs); only hosts whose count or state changed since the last call are built again."""
+        rev, counts, hosts = self._drain_hosts
+        if rev != self.hosts_rev:
+            counts, hosts = np.full(len(self.hosts), -1, np.int64), list(self.hosts)
+        for i in np.nonzero(self.k_run != counts)[0].tolist():
+            h = self.hosts[i]
+            hosts[i] = P.Host(h.id, h.tags, h.capacity, h.mode, h.target, h.epoch, h.healthy, h.cordoned,
+                              int(self.k_run[i]), h.lent_until)
+        self._drain_hosts = (self.hosts_rev, self.k_run.copy(), hosts)
+        return hosts
+
+    def _gate_open(self) -> bool:
+        """policy.gate_open, asked again only when the hosts changed (it reads nothing else
+        that moves: their modes, targets and health, and the pool)."""
+        if self._gate[0] != self.hosts_rev:
+            s = self.snapshot_light()
+            self._gate = (self.hosts_rev, P.gate_open(P.Snapshot(s.policy, s.now, tuple(self.hosts), s.trainer,
+                                                                 train_hosts=self.train_hosts)))
+        return self._gate[1]
 
     def _draining(self) -> bool:
         """May the policy be draining lent hosts now (seamless, a grace, the trainer wants its
@@ -206,6 +235,7 @@ class Simulator:
         if not ds:
             return
         self.hosts = list(P.apply(s, ds).hosts)
+        self.hosts_rev += 1
         vacate = []
         for d in ds:
             i = self.index[d.host]
@@ -227,6 +257,23 @@ class Simulator:
                 self.tot.lends += 1
         if vacate:
             self._vacate(vacate)
+
+    def _drain_state(self) -> tuple | None:
+        """What decide reads while lent hosts drain, beyond the hosts' states (hosts_rev): which
+        hosts run anything (`draining` reads `running > 0`), and whether the grace is out. The
+        trainer cannot move on meanwhile: its gate waits for the drained hosts."""
+        if not self._draining():
+            return None
+        out = self.t >= self.wants_since + self.opt.reclaim_grace_s
+        return self.hosts_rev, (self.k_run > 0).tobytes(), out
+
+    def _drain_changed(self) -> bool:
+        """Has what decide reads while lent hosts drain changed since it last ran? (Every tick
+        with Options.decide_every_tick, as the live scheduler's control loop calls it.)"""
+        state = self._drain_state()
+        if state is None:
+            return False
+        return self.opt.decide_every_tick or state != self._drain_seen
 
     def _margin_watch(self) -> bool:
         """With a drain margin, while the trainer waits and pool hosts are lent: the policy moves
@@ -262,6 +309,7 @@ class Simulator:
             if self.mode[i] == 1:
                 self.hversion[i] = self.version  # a lent host loaded the current version first
         self.dirty = True
+        self.hosts_rev += 1
 
     # -- sessions ----------------------------------------------------------------------------
 
@@ -275,6 +323,7 @@ class Simulator:
         self.s_pf[on] = self.s_ctx[on]  # the whole context is prefilled again where it lands
         self.tot.reprefilled += float(self.s_ctx[on].sum()) * self.w
         self.tot.migrated += len(on) * self.w
+        self.k_run[hosts] = 0
 
     def _admit(self) -> None:
         """Open as many sessions as `Admission.admit` allows, one simulated session (w real
@@ -322,7 +371,7 @@ class Simulator:
             return
         n = len(self.mode)
         rolling = (self.mode == 1) & (self.target == 1)
-        running = np.bincount(self.s_host[self.s_state == RUNNING], minlength=n)
+        running = self.k_run.copy()
         free = np.where(rolling, self.K - running, 0)
         lent = rolling & (self.lent_until > 0)
         if lent.any():  # route to a lent host only turns predicted to end before its reclaim
@@ -347,6 +396,7 @@ class Simulator:
         q = q[np.argsort(self.s_ready[q], kind="stable")][: len(sh)]
         self.s_state[q] = RUNNING
         self.s_host[q] = sh
+        self.k_run += np.bincount(sh, minlength=n)
         pf_s = self.s_pf[q] * self.cal.prefill_s_per_token * self.w / (self.cap[sh] * self.m)
         np.add.at(self.stall, sh, pf_s)
         self.tot.prefilled += float(self.s_pf[q].sum()) * self.w
@@ -382,7 +432,7 @@ class Simulator:
         if not len(r):
             return np.zeros(0, np.int64), np.zeros(0)
         h = self.s_host[r]
-        k = np.bincount(h, minlength=n)
+        k = self.k_run
         # m identical hosts, evenly loaded: each decodes k*w/m real sequences per step
         step = (self.cal.decode_a_s + self.cal.decode_b_s * k * self.w / self.m) / self.cap
         adv_h = np.where(rolling, (dt - use) / step, 0.0)
@@ -394,12 +444,14 @@ class Simulator:
             return np.zeros(0, np.int64), np.zeros(0)
         f, fh = r[fin], h[fin]
         ft = t0 + use[fh] + before[fin] * step[fh]
+        self.k_run -= np.bincount(fh, minlength=n)
         self._finish_turns(f, ft)
         return fh, ft
 
     def _finish_turns(self, f: np.ndarray, ft: np.ndarray) -> None:
         wl = self.wl
-        self.pred_len = 0.9 * self.pred_len + 0.1 * float(self.s_gen[f].mean() / (self.s_turn[f].mean() + 1))
+        n = len(f)  # the means, as sums (np.mean's own arithmetic, without its overhead)
+        self.pred_len = 0.9 * self.pred_len + 0.1 * float(self.s_gen[f].sum() / n / (self.s_turn[f].sum() / n + 1))
         self.s_host[f] = -1
         more = self.s_turn[f] + 1 < wl.turns
         tool = f[more]
@@ -424,11 +476,12 @@ class Simulator:
         self.s_state[done] = FREE
         self.free_slots.extend(done.tolist())
         gs = wl.group_size
-        for gg in np.unique(g[self.g_left[g] == 0]).tolist():
-            self.complete.append((gs, float(self.g_tokens[gg]), float(self.g_gen[gg]), float(self.g_v0sum[gg]),
-                                  int(self.g_v0min[gg])))
-            self.available += gs * self.w
-            self.g_free.append(gg)
+        full = np.unique(g[self.g_left[g] == 0])
+        if len(full):
+            self.complete.extend(zip([gs] * len(full), self.g_tokens[full].tolist(), self.g_gen[full].tolist(),
+                                     self.g_v0sum[full].tolist(), self.g_v0min[full].tolist()))
+            self.available += gs * self.w * len(full)
+            self.g_free.extend(full.tolist())
         self.open -= len(done) * self.w
         self.untrained += len(done) * self.w
 
@@ -451,7 +504,7 @@ class Simulator:
         if self.tstate == "waiting" and self.available >= self.B:
             self._set_trainer("ready")
             return True
-        if self.tstate == "ready" and P.gate_open(self.snapshot()):
+        if self.tstate == "ready" and self._gate_open():
             per_step = self.wl.groups_per_step // self.w
             self.batch = [self.complete.popleft() for _ in range(per_step)]
             self.available -= self.B
@@ -505,11 +558,10 @@ class Simulator:
                     for r in range(2):
                         table[a, b, r] = ACTS.index(P.activity(MODES[a], MODES[b], self.tstate, r))
             self.act_table[self.tstate] = table
-        running = np.bincount(self.s_host[self.s_state == RUNNING], minlength=len(self.mode)) > 0
-        return table[self.mode, self.target, running.astype(np.int8)]
+        return table[self.mode, self.target, (self.k_run > 0).view(np.int8)]
 
     def _account(self, t0: float, t1: float, act: np.ndarray) -> None:
-        np.add.at(self.tot.host_time, (np.arange(len(act)), act), t1 - t0)
+        self.tot.host_time[self._host_rows, act] += t1 - t0  # one cell per host: no np.add.at needed
         if self.tstate in ("waiting", "ready"):
             self.tot.trainer_wait_s += t1 - t0
         if self.opt.timeline:
@@ -549,12 +601,14 @@ class Simulator:
             # 3. switches that finished; the trainer's state machine (gate included)
             self._settle_switches()
             self._trainer()
-            # 4. the policy, whenever what it reads has changed (every tick while lent hosts drain,
-            # or, with a drain margin, while the predicted reclaim moves)
-            if self.dirty or self._verdict_changed() or self._draining() or self._margin_watch():
+            # 4. the policy, whenever what it reads has changed (while lent hosts drain: which hosts
+            # run anything, and whether the grace is out; with a drain margin, every tick while the
+            # predicted reclaim moves)
+            if self.dirty or self._verdict_changed() or self._drain_changed() or self._margin_watch():
                 self.dirty = False
                 self._decide()
                 self._trainer()  # a reclaim may have been instant (nothing to reclaim)
+                self._drain_seen = self._drain_state()
             # 5. tools return, admission opens sessions, queued turns take free slots
             self._wake_tools()
             self._admit()

@@ -124,3 +124,16 @@ def test_a_drain_margin_moves_lent_until_earlier_in_the_simulator_too():
     assert now.drains == 0 and margin.drains > 0  # lent_until re-sent as the predicted reclaim moved
     assert margin.generated != now.generated
     assert abs(margin.unaccounted_generated) < 1e-6 * margin.generated
+
+
+@pytest.mark.parametrize("grace", [1.0, 30.0])
+def test_decide_runs_only_when_a_draining_host_changes_and_the_run_is_the_same(grace):
+    """While lent hosts drain, the simulator asks the policy again only when a host's state, which
+    hosts run anything, or the grace's expiry changed; calling decide every tick (as the live
+    control loop does) must give exactly the same run."""
+    kw = dict(steps=8, seed=1, reclaim_grace_s=grace)
+    lazy = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", **kw)
+    every = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", decide_every_tick=True, **kw)
+    assert lazy.drains > 0 and lazy.decide_calls < every.decide_calls
+    assert lazy.row() == every.row()
+    assert np.array_equal(lazy.host_time, every.host_time)
