@@ -5,8 +5,9 @@
     seamlessflow plan --hosts 4096 --steps 1000          # the scale bound: under 60 s here
     seamlessflow plan --hosts 64 --graces 0,30,60,90 --drain-margins 0,60 --max-reprefill 0.02
 
-It sweeps the train/rollout split (disaggregated against seamless, short runs), picks the
-split where seamless trains the most tokens/s, tries the lending threshold (lend_margin)
+It sweeps the train/rollout split (disaggregated against seamless, short runs: every other
+split of the grid, then the two next to the best, so the split it picks is a local best of the
+whole grid), picks the split where seamless trains the most tokens/s, tries the lending threshold (lend_margin)
 there, then the drain trade-off: seamless at every reclaim grace x drain margin
 (policy.py), re-prefilled tokens against trained tokens/s. It recommends the fastest drain
 setting that re-prefills under `--max-reprefill` and stays >= 0.99x disaggregated (or, when
@@ -38,6 +39,7 @@ from services.scheduler.sim_workload import (
 
 POLICIES = ("colocated", "disaggregated", "seamless")
 DEFAULT_MARGIN = 1.5  # the scheduler's default lend_margin (SF_SCHEDULER_LEND_MARGIN)
+MARGINS = (1.0, DEFAULT_MARGIN, 3.0)  # lend_margin values tried
 GRACES = (0.0, 30.0, 60.0, 90.0)  # reclaim_grace_s tried (SF_SCHEDULER_RECLAIM_GRACE_S; 0 = the default)
 DRAIN_MARGINS = (0.0, 60.0)  # drain_margin_s tried (SF_SCHEDULER_DRAIN_MARGIN_S)
 MAX_REPREFILL = 0.02  # re-prefilled / generated tokens the recommended drain setting stays under
@@ -123,49 +125,86 @@ def pick_drain(rows: list[dict], disaggregated: float, max_reprefill: float = MA
 
 
 def plan(hosts: int, cal: Calibration, wl: Workload, steps: int, sweep_steps: int = 20,
-         train_hosts: int | None = None, margins=(1.0, DEFAULT_MARGIN, 3.0), progress=None, workload_name: str = "",
+         train_hosts: int | None = None, margins=MARGINS, progress=None, workload_name: str = "",
          workers: int = 0, graces=GRACES, drain_margins=DRAIN_MARGINS, max_reprefill: float = MAX_REPREFILL) -> Plan:
-    """Sweep the split, try the lending thresholds at the best one, then the drain settings
-    (reclaim grace x drain margin) at the winning threshold, then run the three policies there
-    for `steps` steps. Runs that do not depend on each other go to `workers` processes (0 = one
-    per core): colocated and disaggregated need the split but not the threshold, so they run
-    beside the threshold trials, and so does seamless at the default threshold without a grace
-    (run again if another threshold or drain setting wins)."""
+    """Sweep the split (every other point, then the neighbours of the best), try the lending
+    thresholds at the best split, then the drain settings (reclaim grace x drain margin) at the
+    winning threshold, then run the three policies there for `steps` steps.
+
+    Runs that do not depend on each other go to `workers` processes (0 = one per core), and no
+    run is made twice or in vain: colocated ignores the split (every host trains), so it starts
+    first; a trial whose setting an earlier stage already ran (the default threshold in the
+    sweep, no drain at the winning threshold) reuses that row; seamless runs its `steps` once,
+    with the winning settings. The progress bar's total is `jobs(...)`: work skipped ticks too."""
     t0 = time.perf_counter()
     grid = [train_hosts] if train_hosts else splits(hosts)
     tick = progress or (lambda *a, **k: None)
     with _Pool(workers, tick) as pool:
-        runs = {(t, pol): pool.submit(pol, hosts, t, cal, wl, sweep_steps, "sweep")
-                for t in grid for pol in ("disaggregated", "seamless")}
-        sweep = [{"train_hosts": t, **{pol: pool.result(runs[t, pol])["trained_tok_s"]
-                                       for pol in ("disaggregated", "seamless")}} for t in grid]
+        # 1. colocated, if the split does not change its run (the same host groups at every split)
+        w_m = {scale_factors(hosts, t, wl) for t in grid}
+        static = {"colocated": pool.submit("colocated", hosts, grid[0], cal, wl, steps, "colocated")} \
+            if len(w_m) == 1 else {}
+        # 2. the split: every other point of the grid, then the unswept neighbours of the best
+        rows: dict[tuple[int, str], dict] = {}
+        _sweep(pool, rows, grid[::2], hosts, cal, wl, sweep_steps)
+        near = _neighbours(grid, max((t for t, pol in rows if pol == "seamless"),
+                                     key=lambda t: rows[t, "seamless"]["trained_tok_s"]))
+        _sweep(pool, rows, [t for t in near if (t, "seamless") not in rows], hosts, cal, wl, sweep_steps)
+        tick("sweep", 2 * (len(grid) - len(rows) // 2))  # the points never run
+        swept = sorted({t for t, _ in rows})
+        sweep = [{"train_hosts": t, **{pol: rows[t, pol]["trained_tok_s"] for pol in ("disaggregated", "seamless")}}
+                 for t in swept]
         best = max(sweep, key=lambda r: r["seamless"])["train_hosts"]
-        static = {pol: pool.submit(pol, hosts, best, cal, wl, steps, pol) for pol in ("colocated", "disaggregated")}
-        # seamless at the default threshold starts now too; it is run again only if a trial beats it
-        last = pool.submit("seamless", hosts, best, cal, wl, steps, "seamless", DEFAULT_MARGIN)
-        trials = {mg: pool.submit("seamless", hosts, best, cal, wl, sweep_steps, "margin", mg) for mg in margins}
-        tried = [{"lend_margin": mg, "seamless": pool.result(f)["trained_tok_s"]} for mg, f in trials.items()]
+        if not static:
+            static["colocated"] = pool.submit("colocated", hosts, best, cal, wl, steps, "colocated")
+        # 3. the lending threshold at that split (the sweep ran the default one)
+        trials = {mg: rows[best, "seamless"] if mg == DEFAULT_MARGIN else
+                  pool.submit("seamless", hosts, best, cal, wl, sweep_steps, "margin", mg) for mg in margins}
+        tick("margin", sum(mg == DEFAULT_MARGIN for mg in margins))
+        by_margin = {mg: pool.result(f) for mg, f in trials.items()}
+        tried = [{"lend_margin": mg, "seamless": r["trained_tok_s"]} for mg, r in by_margin.items()]
         margin = max(tried, key=lambda r: r["seamless"])["lend_margin"]
-        # the drain trade-off at that threshold: re-prefill against trained tokens/s (short runs)
+        # 4. the drain trade-off at that threshold: re-prefill against trained tokens/s (short runs;
+        # no grace and no margin is the threshold trial's run)
         settings = [(g, dm) for g in graces for dm in drain_margins]
-        trials = {gd: pool.submit("seamless", hosts, best, cal, wl, sweep_steps, "drain", margin, *gd) for gd in settings}
-        disagg = next(r["disaggregated"] for r in sweep if r["train_hosts"] == best)
+        trials = {gd: by_margin[margin] if gd == (0.0, 0.0) else
+                  pool.submit("seamless", hosts, best, cal, wl, sweep_steps, "drain", margin, *gd) for gd in settings}
+        tick("drain", sum(gd == (0.0, 0.0) for gd in settings))
+        disagg = rows[best, "disaggregated"]["trained_tok_s"]
         drains = [{"reclaim_grace_s": g, "drain_margin_s": dm, **_pick(pool.result(f))} for (g, dm), f in trials.items()]
         chosen, note = pick_drain(drains, disagg, max_reprefill) if drains else ({"reclaim_grace_s": 0.0,
                                                                                   "drain_margin_s": 0.0}, "")
         grace, drain = chosen["reclaim_grace_s"], chosen["drain_margin_s"]
-        if (margin, grace, drain) != (DEFAULT_MARGIN, 0.0, 0.0):
-            pool.result(last)
-            tick("seamless", -steps)  # the bar takes those steps back
-            last = pool.submit("seamless", hosts, best, cal, wl, steps, "seamless", margin, grace, drain)
-        rows = {pol: pool.result(f) for pol, f in static.items()} | {"seamless": pool.result(last)}
-    results = [rows[pol] for pol in POLICIES]
-    final = rows["seamless"]["reprefill_fraction"]
-    if drains and final >= max_reprefill:  # short trials are noisy: say so rather than hide it
-        note += (f"; the {steps}-step run re-prefilled {final:.2%}, over the budget: try more --sweep-steps "
+        # 5. the three policies for `steps` steps; seamless, the last to be known, first
+        last = pool.submit("seamless", hosts, best, cal, wl, steps, "seamless", margin, grace, drain)
+        static["disaggregated"] = pool.submit("disaggregated", hosts, best, cal, wl, steps, "disaggregated")
+        final = {pol: pool.result(f) for pol, f in static.items()} | {"seamless": pool.result(last)}
+    results = [final[pol] for pol in POLICIES]
+    reprefill = final["seamless"]["reprefill_fraction"]
+    if drains and reprefill >= max_reprefill:  # short trials are noisy: say so rather than hide it
+        note += (f"; the {steps}-step run re-prefilled {reprefill:.2%}, over the budget: try more --sweep-steps "
                  f"or a longer grace")
     return Plan(hosts, cal.name, workload_name, best, margin, sweep, tried, results, time.perf_counter() - t0,
                 grace, drain, drains, note)
+
+
+def jobs(grid: list[int], margins, graces, drain_margins, steps: int) -> int:
+    """The progress bar's total for `plan`: a tick per trial, a tick per step of each final run."""
+    return 2 * len(grid) + len(margins) + len(graces) * len(drain_margins) + 3 * steps
+
+
+def _sweep(pool: _Pool, rows: dict, points: list[int], hosts: int, cal: Calibration, wl: Workload,
+           steps: int) -> None:
+    """Disaggregated and seamless at each split in `points`, into rows[(split, policy)]."""
+    runs = {(t, pol): pool.submit(pol, hosts, t, cal, wl, steps, "sweep")
+            for t in points for pol in ("disaggregated", "seamless")}
+    rows.update({k: pool.result(f) for k, f in runs.items()})
+
+
+def _neighbours(grid: list[int], t: int) -> list[int]:
+    """The splits next to t on the grid."""
+    i = grid.index(t)
+    return grid[max(0, i - 1): i + 2]
 
 
 def _pick(row: dict) -> dict:
@@ -301,7 +340,7 @@ def cmd_plan(a) -> None:
     wl = sized(WORKLOADS[a.workload], cal, a.hosts)
     grid = [a.train_hosts] if a.train_hosts else splits(a.hosts)
     graces, drains = _floats(a.graces), _floats(a.drain_margins)
-    total = 2 * len(grid) + 3 + len(graces) * len(drains) + 3 * a.steps
+    total = jobs(grid, MARGINS, graces, drains, a.steps)
     with Progress() as bar:
         task = bar.add_task(f"simulating {a.hosts} hosts", total=total)
         p = plan(a.hosts, cal, wl, a.steps, a.sweep_steps, a.train_hosts,

@@ -5,7 +5,19 @@ from __future__ import annotations
 
 from collections import Counter
 
-from seamlessflow.plan import POLICIES, pick_drain, plan, sized, splits
+import seamlessflow.plan as plan_mod
+from seamlessflow.plan import (
+    DRAIN_MARGINS,
+    GRACES,
+    MARGINS,
+    POLICIES,
+    jobs,
+    pick_drain,
+    plan,
+    run,
+    sized,
+    splits,
+)
 from services.scheduler.sim_workload import CALIBRATIONS, WORKLOADS
 
 CAL = CALIBRATIONS["decode-heavy"]
@@ -46,3 +58,45 @@ def test_the_recommended_drain_setting_meets_the_reprefill_budget_or_says_why():
     # the budget cannot be met at >= 0.99x disaggregated: the fastest is kept, and the note says so
     best, why = pick_drain(rows, disaggregated=150)
     assert best["trained_tok_s"] == 170 and why.startswith("no setting")
+
+
+def test_reused_rows_are_the_runs_they_stand_for():
+    """colocated starts before the sweep (the split does not change its run), the default threshold's
+    trial is the sweep's row, and the drain trial without grace or margin is the winning threshold's
+    row: each equals the run made directly."""
+    p, _ = _plan(workers=1)
+    wl = sized(WORKLOADS["long-tail"], CAL, 4, fill=0.5)
+    assert p.results[0] == run("colocated", 4, p.split, CAL, wl, 4).row()
+    plain = next(r for r in p.drains if (r["reclaim_grace_s"], r["drain_margin_s"]) == (0.0, 0.0))
+    direct = run("seamless", 4, p.split, CAL, wl, 2, lend_margin=p.lend_margin).row()
+    assert {k: plain[k] for k in ("trained_tok_s", "reprefill_fraction")} == \
+        {k: direct[k] for k in ("trained_tok_s", "reprefill_fraction")}
+
+
+def test_the_sweep_runs_every_other_split_then_the_neighbours_of_the_best(monkeypatch):
+    """A fake simulator whose seamless peaks at a split off the coarse grid: the plan finds it,
+    runs no split twice, leaves the far splits out, and runs each final policy once."""
+    calls: list[tuple] = []
+
+    def fake(policy, hosts, train_hosts, cal, wl, steps, label, lend_margin, grace=0.0, drain=0.0):
+        calls.append((policy, train_hosts, label, lend_margin, grace, drain))
+        tok = 1000 - 10 * abs(train_hosts - 10) if policy == "seamless" else 500
+        plan_mod._progress_queue.put((label, steps if label in POLICIES else 1))
+        return {"policy": policy, "trained_tok_s": tok - grace, "reprefill_fraction": 0.05 - grace / 1000,
+                "trainer_wait": 0.5, "idle": 0.1, "steps": steps, "train_hosts": train_hosts}
+
+    monkeypatch.setattr(plan_mod, "_run_row", fake)
+    ticks: Counter[str] = Counter()
+    wl = sized(WORKLOADS["long-tail"], CAL, 16)
+    p = plan(16, CAL, wl, steps=5, sweep_steps=2, workers=1, progress=lambda what, k: ticks.update({what: k}))
+    grid = splits(16)
+    assert grid == list(range(1, 16)) and p.split == 10
+    swept = [r["train_hosts"] for r in p.sweep]
+    assert swept == sorted(set(grid[::2]) | {8, 10})  # 9 and 11 tie; the first, 9, is refined
+    sweep_calls = [c for c in calls if c[2] == "sweep"]
+    assert len(sweep_calls) == len(set(sweep_calls)) == 2 * len(swept)
+    # the default threshold (the sweep ran it) and the drain setting (0, 0) are not run again
+    assert sorted(c[3] for c in calls if c[2] == "margin") == [1.0, 3.0]
+    assert (0.0, 0.0) not in [(c[4], c[5]) for c in calls if c[2] == "drain"]
+    assert sorted(c[0] for c in calls if c[2] in POLICIES) == sorted(POLICIES)
+    assert sum(ticks.values()) == jobs(grid, MARGINS, GRACES, DRAIN_MARGINS, 5)
