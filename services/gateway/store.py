@@ -75,20 +75,21 @@ KEY_CACHE_MAX = 100_000  # remembered keys per gateway process
 
 class KeyStore:
     def __init__(self, redis_url: str, static_keys: list[str], timeout: float, session_ttl: int,
-                 cache_seconds: float = 0.0) -> None:
+                 cache_seconds: float = 0.0, pool_wait: float | None = None) -> None:
         self.timeout = timeout
+        self.pool_wait = timeout if pool_wait is None else pool_wait  # in line for a connection, under load
         self.session_ttl = session_ttl
         # Keys found in Redis are remembered this long (an agent sends many requests with one
         # key; keys are never revoked early, so the cost is a key outliving its TTL by this much).
         self.cache_seconds = cache_seconds
         self._cache: dict[str, tuple[KeyRecord, float]] = {}
-        # a blocking pool: a call waits (up to `timeout`) for one of POOL_SIZE connections; redis-py's
+        # a blocking pool: a call waits (up to `pool_wait`) for one of POOL_SIZE connections; redis-py's
         # default pool failed the 101st concurrent call at once (bench/load.py, 500 agents: 463 503s);
         # waiters are served in order (shared/redispool.py), so no wait outlasts a short line
         self.redis = aioredis.Redis.from_pool(FairPool.from_url(
             redis_url,
             max_connections=POOL_SIZE,
-            timeout=timeout,
+            timeout=self.pool_wait,
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
             retry=Retry(ConstantBackoff(0.05), retries=1),
@@ -99,9 +100,9 @@ class KeyStore:
                        for h in map(digest, static_keys)}
 
     async def _call(self, what: str, coro):
-        # The socket timeouts bound each try; this bounds the whole call including the retry.
+        # The line and the socket timeouts bound each part; this bounds the whole call including the retry.
         try:
-            async with asyncio.timeout(self.timeout * 3 + 0.5):
+            async with asyncio.timeout(self.pool_wait + self.timeout * 3 + 0.5):
                 return await coro
         except PoolExhausted as e:
             raise StoreBusy(f"{what} failed: {e}") from None

@@ -121,3 +121,25 @@ async def test_a_wait_that_runs_out_is_a_503_overloaded_not_redis_unavailable(re
     finally:
         await store.close()
         await keys.close()
+
+
+async def test_the_gateways_line_has_its_own_bound_not_the_socket_timeout(redis_url, monkeypatch):
+    # 1,000 agents on a starved box: key lookups failed after 2 s in line, the socket timeout's value
+    from services.gateway import store as gw_store
+    from services.gateway.errors import StoreBusy
+
+    monkeypatch.setattr(gw_store, "POOL_SIZE", 1)
+    keys = KeyStore(redis_url, [], timeout=0.2, session_ttl=60, pool_wait=1.0)
+    try:
+        held = await keys.redis.connection_pool.get_connection()
+        lookup = asyncio.create_task(keys.lookup("sk-sf-anything"))
+        await asyncio.sleep(0.5)  # past the socket timeout, within the line's bound
+        assert not lookup.done()
+        await keys.redis.connection_pool.release(held)
+        assert await asyncio.wait_for(lookup, 2) is None  # served, not refused
+        held = await keys.redis.connection_pool.get_connection()
+        with pytest.raises(StoreBusy):
+            await keys.lookup("sk-sf-anything")
+        await keys.redis.connection_pool.release(held)
+    finally:
+        await keys.close()
