@@ -46,6 +46,15 @@ def test_without_fine_checks_it_keeps_the_coarse_rule(tiny_model, tmp_path, chec
     assert out["steps"] == 6 and seen == [64, 64, 64]
 
 
+def test_a_warm_start_that_hits_its_step_bound_says_so(tiny_model, tmp_path, checks):
+    script, seen = checks
+    script += [0.0, 0.01, 0.02]
+    lines: list[str] = []
+    out = warmstart.warm_start(tiny_model, tmp_path / "sft", max_steps=10, check_every=5, batch=4, log=lines.append)
+    assert out == {"steps": 10, "sampled_reward": 0.02}
+    assert any("WARNING stopped at its 10-step bound" in line and "below the target 0.5" in line for line in lines)
+    assert warmstart.MAX_STEPS["calc"] > warmstart.MAX_STEPS["reverse"]  # calc's copies are learned late
+
 @pytest.mark.parametrize("task", ["calc", "reverse", "one prompt"])
 def test_the_shared_prefix_gives_the_loss_and_gradients_of_running_every_row_in_full(tiny_model, task):
     """calc's examples share a ~200-token system prompt: it is run once and its keys and values
