@@ -436,7 +436,7 @@ class Simulator:
         # m identical hosts, evenly loaded: each decodes k*w/m real sequences per step
         step = (self.cal.decode_a_s + self.cal.decode_b_s * k * self.w / self.m) / self.cap
         adv_h = np.where(rolling, (dt - use) / step, 0.0)
-        before = self.s_rem[r].copy()
+        before = self.s_rem[r]  # a copy already (fancy indexing)
         adv = np.minimum(adv_h[h], before)
         self._generate(r, h, adv)
         fin = adv_h[h] >= before - 1e-9
@@ -476,12 +476,12 @@ class Simulator:
         self.s_state[done] = FREE
         self.free_slots.extend(done.tolist())
         gs = wl.group_size
-        full = np.unique(g[self.g_left[g] == 0])
-        if len(full):
+        full = sorted(set(g[self.g_left[g] == 0].tolist()))  # np.unique, cheaper for a few groups
+        if full:
             self.complete.extend(zip([gs] * len(full), self.g_tokens[full].tolist(), self.g_gen[full].tolist(),
                                      self.g_v0sum[full].tolist(), self.g_v0min[full].tolist()))
             self.available += gs * self.w * len(full)
-            self.g_free.extend(full.tolist())
+            self.g_free.extend(full)
         self.open -= len(done) * self.w
         self.untrained += len(done) * self.w
 
