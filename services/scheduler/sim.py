@@ -11,7 +11,9 @@ No model runs here: hosts generate and train tokens at a calibrated speed
 What it owns: virtual time, the hosts' running sequences, the trainer's state machine and
 the bookkeeping (sim_result.Result). What it borrows, never copies:
 - placement: services/scheduler/policy.py `decide`, `apply`, `gate_open`, `lend_verdict`
-  and `activity` (host timelines) are called as the live scheduler calls them;
+  and `activity` (host timelines) are called as the live scheduler calls them, but only when
+  what they read has changed (`Options.decide_every_tick` asks decide every tick during a
+  drain, as the live control loop does; a unit test checks the run is the same);
 - the staleness bound: shared/admission.py `Admission`, as the trajectory manager applies it
   on every session it creates.
 
