@@ -13,8 +13,10 @@ available", a 503) though the line was short (bench/load.py, BENCHMARKS.md).
 
 Here a command first takes a place in a FIFO line (an asyncio.Semaphore of `max_connections`: it
 hands a freed place to the oldest waiter, never to a newcomer), then a connection, which is then
-always free. The wait keeps its bound: past `timeout` it fails with PoolExhausted, a ConnectionError
-as redis-py's ("No connection available"), which the services answer with a retryable 503
+always free, so it is taken directly (redis-py's condition, lock and second timer cost ~30 µs of
+CPU a command, about half of a script call's client-side cost: BENCHMARKS.md, issue 15), and a
+free place needs no timer either. The wait keeps its bound: past `timeout` it fails with
+PoolExhausted, a ConnectionError as redis-py's ("No connection available"), which the services answer with a retryable 503
 `overloaded` (not `redis_unavailable`: Redis is fine, the process is behind). The gateway's and the
 trajectory manager's stores both use it; it knows nothing of what they store.
 """
@@ -37,22 +39,39 @@ class FairPool(BlockingConnectionPool):
         self._line = asyncio.Semaphore(self.max_connections)  # bound to a loop at its first wait
 
     async def get_connection(self, *args, **kwargs):
+        # A free place is taken at once, with no timer (Semaphore.locked() is also true while others
+        # wait, so a newcomer still queues behind them); only a wait needs its bound.
+        if self._line.locked():
+            try:
+                async with asyncio.timeout(self.timeout):
+                    await self._line.acquire()
+            except TimeoutError:
+                raise PoolExhausted(f"No connection available: {self.timeout:g} s in line for one of "
+                                    f"{self.max_connections} Redis connections") from None
+        else:
+            await self._line.acquire()  # returns without suspending
+        # A place in line means a free connection: taken directly, without the blocking pool's condition,
+        # lock and second timer, which cost ~30 µs of CPU a command (BENCHMARKS.md, issue 15); the
+        # pool's bookkeeping is plain Python with no await in between, so the event loop keeps it whole.
         try:
-            async with asyncio.timeout(self.timeout):
-                await self._line.acquire()
-        except TimeoutError:
-            raise PoolExhausted(f"No connection available: {self.timeout:g} s in line for one of "
-                                f"{self.max_connections} Redis connections") from None
-        try:
-            return await super().get_connection()  # a place in line means a free connection: no wait here
+            connection = self.get_available_connection()
         except BaseException:
             self._line.release()
             raise
+        try:
+            await self.ensure_connection(connection)  # connected, and no stale reply waiting on it
+        except BaseException:
+            await self.release(connection)
+            raise
+        return connection
 
     async def release(self, connection) -> None:
-        owned = connection in self._in_use_connections  # a second release of one connection frees no place
+        if connection not in self._in_use_connections:
+            return  # a second release of one connection frees no place
+        self._in_use_connections.remove(connection)
         try:
-            await super().release(connection)
+            if connection.should_reconnect():
+                await connection.disconnect()
         finally:
-            if owned:
-                self._line.release()
+            self._available_connections.append(connection)
+            self._line.release()

@@ -143,3 +143,31 @@ async def test_the_gateways_line_has_its_own_bound_not_the_socket_timeout(redis_
         await keys.redis.connection_pool.release(held)
     finally:
         await keys.close()
+
+
+async def test_cancelled_commands_leave_no_stale_reply_and_no_lost_place(redis_url):
+    # the pool hands connections out and takes them back without redis-py's condition and lock: commands
+    # cancelled mid-flight must neither leak a place in line nor leave a reply for the next command to read
+    pool = FairPool.from_url(redis_url, max_connections=3, timeout=2)
+    client = Redis.from_pool(pool)
+    try:
+        await client.set("sf:test:stale", "v")
+
+        async def slow(i: int) -> None:
+            await client.eval("local t = redis.call('TIME'); while redis.call('TIME')[2] - t[2] < 2000 "
+                              "and redis.call('TIME')[1] == t[1] do end return 1", 0)
+
+        for _ in range(5):
+            tasks = [asyncio.create_task(slow(i)) for i in range(6)]  # 3 running, 3 in line
+            await asyncio.sleep(0.001)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        assert not pool._in_use_connections and len(pool._available_connections) <= 3
+        assert pool._line._value == 3  # every place came back
+        got = await asyncio.wait_for(asyncio.gather(*(client.incr(f"sf:test:stale:{i}") for i in range(30))), 5)
+        assert got == [1] * 30  # each command read its own reply
+        assert await client.get("sf:test:stale") == b"v"
+    finally:
+        await client.delete("sf:test:stale", *(f"sf:test:stale:{i}" for i in range(30)))
+        await client.aclose()
