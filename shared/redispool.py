@@ -27,15 +27,53 @@ import asyncio
 
 from redis.asyncio import BlockingConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import DataError
+
+try:
+    import hiredis
+except ImportError:  # pure-Python packing, as redis-py does without it
+    hiredis = None
 
 
 class PoolExhausted(RedisConnectionError):
     """A command waited its whole bound in line for a connection: this process is overloaded (retry)."""
 
 
+class _HiredisPacking:
+    """Commands packed by hiredis in C, as redis-py's synchronous client already does when hiredis is
+    installed (redis.connection.HiredisRespSerializer: the same bytes); its asyncio connection packs
+    every argument in Python: ~30% of the trajectory manager's Redis client time (a turn's save is one
+    script call of 24 arguments; BENCHMARKS.md, issue 15)."""
+
+    def pack_command(self, *args):
+        if self.encoder.encoding.lower().replace("-", "") != "utf8" or self.encoder.encoding_errors != "strict":
+            return super().pack_command(*args)  # hiredis encodes str as strict UTF-8 only
+        if isinstance(args[0], str):
+            args = (*args[0].encode().split(), *args[1:])  # "SCRIPT LOAD" is two arguments
+        elif b" " in args[0]:
+            args = (*args[0].split(), *args[1:])
+        try:
+            return [hiredis.pack_command(tuple(bytes(a) if isinstance(a, (bytearray, memoryview)) else a
+                                               for a in args))]
+        except TypeError as e:  # a bool or None: redis-py's own error for it
+            raise DataError(str(e)) from None
+
+
+_packing: dict[type, type] = {}
+
+
+def _with_hiredis_packing(cls: type) -> type:
+    if hiredis is None or issubclass(cls, _HiredisPacking):
+        return cls
+    if cls not in _packing:
+        _packing[cls] = type(cls.__name__, (_HiredisPacking, cls), {})
+    return _packing[cls]
+
+
 class FairPool(BlockingConnectionPool):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.connection_class = _with_hiredis_packing(self.connection_class)
         self._line = asyncio.Semaphore(self.max_connections)  # bound to a loop at its first wait
 
     async def get_connection(self, *args, **kwargs):
