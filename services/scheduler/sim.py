@@ -39,6 +39,12 @@ Model, in order of one tick (steps numbered in `_tick`):
 - `host_group` = m > 1 makes each simulated host stand for m identical hosts, evenly loaded,
   that the policy moves together (as it does identical hosts: same tags, same costs, same
   trainer state). The policy then sees n/m hosts. m = 1 is exact.
+- The control plane (`Options.control_s_per_turn` > 0): every turn costs that many CPU seconds
+  outside the engine (the agent's HTTP calls, the gateway, the trajectory manager, the
+  worker's streamed deltas, NATS and Redis), on `control_cores` cores shared by all turns. A
+  turn becomes dispatchable only once a FIFO server of that capacity has done its work: at
+  least `control_s_per_turn` after it is queued, and at most `control_cores /
+  control_s_per_turn` turns per second. 0 (the default) leaves it out, as before.
 """
 
 from __future__ import annotations
@@ -104,6 +110,9 @@ class Options:
     # count): the trainer fetches until 2 x groups_per_step complete groups wait in its intake,
     # and fetched samples, the batch in training included, are no longer counted
     backlog: str = "untrained"
+    # CPU seconds a turn costs outside the engine (0: not modelled), and the cores that work shares
+    control_s_per_turn: float = 0.0
+    control_cores: float = 1.0
 
 
 def host_id(i: int) -> str:
@@ -191,6 +200,7 @@ class Simulator:
         self._gate: tuple[int, bool] = (-1, False)
         self._drain_hosts: tuple[int, np.ndarray, list[P.Host]] = (-1, np.zeros(0, np.int64), [])
         self._drain_seen: tuple | None = None  # _drain_state() when decide last ran
+        self.cp_free = 0.0  # when the control plane has done all the turns queued so far
 
     # -- the policy, called as the live scheduler calls it -----------------------------------
 
@@ -365,10 +375,13 @@ class Simulator:
         self.s_gen[js] = 0.0
         self.s_v0[js] = -1
         self.s_ready[js] = self.t
+        self._control(js)
         self.open += n * w
 
     def _dispatch(self, t0: float, freed_h: np.ndarray, freed_t: np.ndarray) -> None:
         q = np.nonzero(self.s_state == QUEUED)[0]
+        if self.opt.control_s_per_turn > 0:  # the control plane has not done these turns yet
+            q = q[self.s_ready[q] <= self.t]
         if not len(q):
             return
         n = len(self.mode)
@@ -493,6 +506,28 @@ class Simulator:
         woke = np.nonzero((self.s_state == TOOL) & (self.s_ready <= self.t))[0]
         if len(woke):
             self.s_state[woke] = QUEUED
+            self._control(woke[np.argsort(self.s_ready[woke], kind="stable")])
+
+    def _control(self, idx: np.ndarray) -> None:
+        """Queued turns `idx` (in arrival order, arrived at s_ready) wait for the control plane:
+        a FIFO server doing `control_cores` CPU seconds per second, each turn's work
+        `control_s_per_turn` x w and at least that long in wall time; s_ready becomes when the
+        turn may be dispatched."""
+        c = self.opt.control_s_per_turn * self.w
+        if c <= 0 or not len(idx):
+            return
+        service = c / self.opt.control_cores
+        arrive = self.s_ready[idx]
+        start = np.empty(len(idx))
+        free = self.cp_free
+        for j, a in enumerate(arrive.tolist()):  # a few dozen turns per call
+            start[j] = free = max(a, free)
+            free += service
+        self.cp_free = free
+        ready = start + max(c, service)
+        self.tot.control_wait_s += float((ready - arrive).sum())
+        self.tot.control_turns += len(idx)
+        self.s_ready[idx] = ready
 
     # -- the trainer -------------------------------------------------------------------------
 

@@ -33,6 +33,8 @@ class Totals:
     reclaims: int = 0
     drains: int = 0  # rollout-to-rollout assignments: a drain (reclaim_grace_s) or lent_until moved (drain_margin_s)
     decide_calls: int = 0
+    control_turns: int = 0  # simulated turns that passed through the control plane
+    control_wait_s: float = 0.0  # seconds queued turns waited for the control plane (Options.control_s_per_turn)
     host_time: np.ndarray = field(default=None)  # [host, activity] seconds
     timeline: list = field(default_factory=list)  # (host, start, end, activity)
 
@@ -67,6 +69,7 @@ class Result:
     decide_calls: int
     host_time: np.ndarray
     timeline: list
+    control_wait_s: float = 0.0  # per turn: seconds a queued turn waited for the control plane, mean
 
     @property
     def limit_fraction(self) -> float:
@@ -96,7 +99,8 @@ class Result:
             generated=t.generated, reprefilled=t.reprefilled,
             reprefill_fraction=t.reprefilled / t.generated if t.generated else 0.0,
             unaccounted_generated=t.generated - t.trained_generated - in_flight_generated,
-            decide_calls=t.decide_calls, host_time=ht, timeline=t.timeline)
+            decide_calls=t.decide_calls, host_time=ht, timeline=t.timeline,
+            control_wait_s=t.control_wait_s / max(t.control_turns, 1))
 
     def row(self) -> dict:
         return {"policy": self.policy, "hosts": self.hosts, "train_hosts": self.train_hosts, "steps": self.steps,

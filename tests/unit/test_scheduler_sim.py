@@ -137,3 +137,22 @@ def test_decide_runs_only_when_a_draining_host_changes_and_the_run_is_the_same(g
     assert lazy.drains > 0 and lazy.decide_calls < every.decide_calls
     assert lazy.row() == every.row()
     assert np.array_equal(lazy.host_time, every.host_time)
+
+
+def test_a_control_plane_cost_caps_turns_per_second_and_adds_its_latency():
+    """Options.control_s_per_turn: a turn is dispatched only once a FIFO server of
+    `control_cores` cores has spent that much CPU on it. Saturated, the pipeline finishes at
+    most cores / cost turns per second (here 1.5 / 0.1 = 15; the engine alone does
+    ~50 with the trainer's steps); unsaturated, each turn still waits its own cost. 0 is the run without it."""
+    cal, wl = CALIBRATIONS["live-mini"], WORKLOADS["live-mini"]
+    kw = dict(steps=10, dt=0.05, backlog="undelivered")
+    free = simulate(Cluster.uniform(4, 1), cal, wl, "seamless", **kw)
+    assert simulate(Cluster.uniform(4, 1), cal, wl, "seamless", control_s_per_turn=0.0, **kw).row() == free.row()
+    bound = simulate(Cluster.uniform(4, 1), cal, wl, "seamless", control_s_per_turn=0.1, control_cores=1.5, **kw)
+    turns_per_s = bound.steps * wl.batch_samples / bound.wall_s
+    assert 0.85 * 15 < turns_per_s <= 15 * 1.01, turns_per_s
+    assert free.steps * wl.batch_samples / free.wall_s > 40  # the engine was not the bound
+    assert bound.idle_fraction > free.idle_fraction + 0.3  # hosts wait for turns to arrive
+    light = simulate(Cluster.uniform(4, 1), cal, wl, "seamless", control_s_per_turn=0.01, control_cores=64, **kw)
+    assert 0.01 <= light.control_wait_s < 0.02  # its own cost, and a short queue at admission
+    assert bound.control_wait_s > 0.1  # a queue
