@@ -30,8 +30,10 @@ from services.gateway.schemas import (
     CompletionRequest,
     DeveloperMessage,
     SamplingParams,
+    SystemMessage,
     ToolChoice,
     ToolMessage,
+    UserMessage,
     text_of,
 )
 from shared.messages.chat import ChatRequest
@@ -88,15 +90,24 @@ def stop_strings(p: SamplingParams) -> list[str]:
     return stops
 
 
+_ROLES: dict[type, str] = {SystemMessage: "system", DeveloperMessage: "system", UserMessage: "user",
+                           AssistantMessage: "assistant", ToolMessage: "tool"}
+
+
 def _message(m: ChatMessage) -> dict[str, Any]:
-    role = "system" if isinstance(m, DeveloperMessage) else type(m).__struct_config__.tag
-    out: dict[str, Any] = {"role": role, "content": text_of(m.content)}
-    if getattr(m, "name", None):
-        out["name"] = m.name
-    if isinstance(m, AssistantMessage) and m.tool_calls:
-        out["tool_calls"] = [msgspec.to_builtins(c) for c in m.tool_calls]
-    if isinstance(m, ToolMessage):
+    # Runs for every message of every request (a 200-turn session resends 400): one dict lookup for the
+    # role and no attribute a message type lacks; the keys keep their order (role, content, name,
+    # tool_calls, tool_call_id), which the trajectory manager's raw digests of the messages hash.
+    tp = type(m)
+    content = m.content
+    out: dict[str, Any] = {"role": _ROLES[tp], "content": content if type(content) is str else text_of(content)}
+    if tp is ToolMessage:
         out["tool_call_id"] = m.tool_call_id
+        return out
+    if m.name:
+        out["name"] = m.name
+    if tp is AssistantMessage and m.tool_calls:
+        out["tool_calls"] = [msgspec.to_builtins(c) for c in m.tool_calls]
     return out
 
 

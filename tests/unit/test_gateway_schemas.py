@@ -118,6 +118,27 @@ def test_chat_request_fields():
                                     logit_bias={7: -100.0})
 
 
+def test_forwarded_messages_keep_their_bytes_key_order_included():
+    # the trajectory manager finds a session's last turn by a raw digest of the resent messages' exact
+    # bytes (conversation.raw_digest): a gateway that ordered the keys differently would miss it
+    req = chat(messages=[
+        {"role": "system", "content": "s", "name": "sys"},
+        {"role": "user", "content": "u", "name": "n"},
+        {"role": "assistant", "content": "a", "name": "x", "refusal": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "r"}]},
+        {"role": "assistant", "content": None, "tool_calls": []},
+        {"role": "user", "content": "", "name": ""},
+    ])
+    out = translate.chat_request(req, "rid", "sess", CFG).messages
+    assert [list(m) for m in out] == [["role", "content", "name"], ["role", "content", "name"],
+                                      ["role", "content", "name", "tool_calls"], ["role", "content", "tool_call_id"],
+                                      ["role", "content"], ["role", "content"]]
+    assert msgspec.msgpack.encode(out[2]) == msgspec.msgpack.encode(
+        {"role": "assistant", "content": "a", "name": "x",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})
+
+
 def test_defaults_and_max_tokens_precedence():
     assert translate.chat_request(chat(), "r", "", CFG).sampling == Sampling(max_tokens=100)
     both = chat(max_tokens=10, max_completion_tokens=20)
