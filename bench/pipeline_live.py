@@ -21,6 +21,13 @@ Compared over the same steps (warmup+1 .. steps; the simulator is run to `warmup
 tokens of the trained samples, per second) and the overall idle fraction (the scheduler's
 timeline, services/scheduler/registry.py `fractions`; policy.activity in both). Also the
 live run's wall-clock overrun: its time for the same steps over the simulator's.
+
+The simulator runs twice: as before, and "sim + control" with the control plane's CPU
+(sim.Options.control_s_per_turn on control_cores): the CPU seconds per turn of every live
+process but the trainer and the scheduler (agents, gateway, trajectory manager, NATS, Redis,
+host agents with their workers), measured over the run (/proc), on the cores that other
+processes left free meanwhile (/proc/stat). --control-ms and --control-cores set them instead
+(e.g. the cost measured in another run).
 """
 
 from __future__ import annotations
@@ -140,13 +147,42 @@ class Agents:
                     self.failures.append(repr(t.exception()))
 
 
-def _cpu_s(pid: int) -> float:
-    """utime + stime of a process and its waited-for children (/proc), in seconds; 0 once it is gone."""
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _cpu_s(pid: int, tree: bool = True) -> float:
+    """utime + stime of a process, and with `tree` of its waited-for children and its live
+    descendants (a host agent's resident worker: RolloutService and the simulated engine), in
+    seconds (/proc); 0 once it is gone."""
     try:
-        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        own = _stat(pid)
     except OSError:
         return 0.0
-    return sum(int(x) for x in f[11:15]) / os.sysconf("SC_CLK_TCK")
+    total = sum(int(x) for x in own[11:15 if tree else 13])
+    if tree:
+        children: dict[int, list[int]] = {}
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    children.setdefault(int(_stat(int(d.name))[1]), []).append(int(d.name))
+                except OSError:
+                    pass
+        todo = list(children.get(pid, []))
+        while todo:
+            c = todo.pop()
+            todo += children.get(c, [])
+            try:
+                total += sum(int(x) for x in _stat(c)[11:15])
+            except OSError:
+                pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds the whole machine has been busy since boot (/proc/stat: all but idle and iowait)."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(f) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -181,11 +217,13 @@ def live(a, tmp: Path) -> dict:
         agents = Agents(stack.gateway_url, stack.api_key, a.tokens, WL.group_size, a.slots)
         n_steps = lambda: sum(1 for r in _jsonl(audit) if r["event"] == "step")  # noqa: E731
         pids = {p.name: p.popen.pid for p in stack.procs} | {"bench agents": os.getpid()}
-        cpu0, t_start = {k: _cpu_s(v) for k, v in pids.items()}, time.time()
+        own = lambda k, v: _cpu_s(v, tree=k != "bench agents")  # noqa: E731  (the stack is this process's children)
+        cpu0, t_start, busy0 = {k: own(k, v) for k, v in pids.items()}, time.time(), _machine_busy_s()
         load0 = os.getloadavg()[0]
         asyncio.run(agents.run(lambda: n_steps() >= a.steps, a.timeout))
-        t_end = time.time()
-        cpu = {k: round((_cpu_s(v) - cpu0[k]) / (t_end - t_start), 3) for k, v in pids.items()}
+        t_end, busy = time.time(), _machine_busy_s() - busy0
+        cpu_s = {k: own(k, v) - cpu0[k] for k, v in pids.items()}
+        cpu = {k: round(v / (t_end - t_start), 3) for k, v in cpu_s.items()}
         load = (load0 + os.getloadavg()[0]) / 2
         reply = asyncio.run(hostops.ask(conn, "timeline"))
     finally:
@@ -218,20 +256,29 @@ def live(a, tmp: Path) -> dict:
         "failures": len(agents.failures), "agent_prompt_tokens": statistics.mean(agents.prompt_tokens or [0]),
         "turns": len(agents.prompt_tokens), "turns_per_s": len(agents.prompt_tokens) / (t_end - t_start),
         "cpu_core_share": cpu, "machine_load": round(load, 1), "cores": os.cpu_count(),
+        # the control plane's CPU per turn: everything of the stack but the trainer and the
+        # scheduler (their work is per step, not per turn), the agents and workers included
+        "control_s_per_turn": sum(v for k, v in cpu_s.items() if k not in ("trainer", "scheduler"))
+        / max(len(agents.prompt_tokens), 1),
+        # cores the stack could have had: the machine's, less what other processes used meanwhile
+        "free_cores": os.cpu_count() - (busy - sum(cpu_s.values())) / (t_end - t_start),
+        "machine_busy_cores": busy / (t_end - t_start),
     }
 
 
-def simulated(a, m: dict) -> dict:
+def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0)) -> dict:
+    """The simulator on the live run's measured costs; `control` = (CPU s per turn, cores) of
+    the control plane (Options.control_s_per_turn, control_cores), (0, 1) to leave it out."""
     cal = replace(CALIBRATIONS["live-mini"], decode_a_s=a.step_ms / 1000, decode_b_s=a.per_seq_ms / 1000,
-                  max_seqs=a.capacity, lend_s=m["lend_s"] or CALIBRATIONS["live-mini"].lend_s,
-                  reclaim_s=m["reclaim_s"] or CALIBRATIONS["live-mini"].reclaim_s, weight_sync_s=m["publish_s"],
+                  max_seqs=a.capacity, lend_s=m["lend_s"] or a.switch_s, reclaim_s=m["reclaim_s"] or a.switch_s, weight_sync_s=m["publish_s"],
                   train_s_per_token=m["train_s_per_token"],
                   prefill_s_per_token=a.step_ms / 1000 / max(m["prompt_tokens"], 1))  # a prefill costs one step
     prompt = round(m["prompt_tokens"])
     wl = replace(WL, prompt_tokens=prompt, length_median=round(m["gen_tokens"]), length_cap=round(m["gen_tokens"]))
     runs = {}
     for n in (a.warmup, a.steps):
-        opt = Options(steps=n, dt=a.tick, seed=0, backlog=a.backlog)
+        opt = Options(steps=n, dt=a.tick, seed=0, backlog=a.backlog, control_s_per_turn=control[0],
+                      control_cores=control[1], route=a.route)
         sim = Simulator(Cluster.uniform(a.hosts, 1), cal, wl, a.policy, opt)
         runs[n] = sim.run()
     r0, r1 = runs[a.warmup], runs[a.steps]
@@ -239,6 +286,7 @@ def simulated(a, m: dict) -> dict:
     ht = r1.host_time - (r0.host_time if a.warmup else 0)
     window = r1.wall_s - (r0.wall_s if a.warmup else 0)
     return {"wall_s": r1.wall_s, "window_s": window, "trained_tokens_per_s": tok / window,
+            "control": {"s_per_turn": control[0], "cores": control[1], "wait_s": r1.control_wait_s},
             "idle": float(ht[:, ACTS.index("idle")].sum() / ht.sum()),
             "fractions": {k: float(ht[:, i].sum() / ht.sum()) for i, k in enumerate(ACTS)},
             "lends": r1.lends - r0.lends, "reclaims": r1.reclaims - r0.reclaims,
@@ -264,32 +312,52 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--backlog", default="undelivered", choices=["undelivered", "untrained"],
                     help="simulator's admission backlog: as the live trajectory manager counts it, or the older model")
+    ap.add_argument("--route", default="least_loaded", choices=["least_loaded", "refill"],
+                    help="simulator's routing of turns: as the live trajectory manager routes, or the default refill")
+    ap.add_argument("--switch-s", type=float, default=0.02,
+                    help="simulator's lend / reclaim cost where the live run made none of that kind (no weights "
+                         "move with the simulated engine: p50 10-25 ms measured 2026-12-01)")
+    ap.add_argument("--control-ms", type=float, default=None,
+                    help="sim + control: CPU ms per turn outside the engine (default: measured in this live run)")
+    ap.add_argument("--control-cores", type=float, default=None,
+                    help="sim + control: cores that work shares (default: the cores other processes left free)")
     ap.add_argument("--out", type=Path, default=Path("var/bench/pipeline_live.json"))
     a = ap.parse_args()
     a.slots = a.slots or (WL.max_staleness + 1) * WL.batch_samples + 8
     tmp = Path(tempfile.mkdtemp(prefix="sf-live-"))
     m = live(a, tmp)
     s = simulated(a, m)
+    control = (a.control_ms / 1000 if a.control_ms is not None else m["control_s_per_turn"],
+               a.control_cores if a.control_cores is not None else m["free_cores"])
+    c = simulated(a, m, control)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "live": m, "sim": s}, indent=1))
+    a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "live": m, "sim": s,
+                                 "sim_control": c}, indent=1))
     print(f"\nSIMULATED engines and trainer, {a.hosts} hosts, {a.policy}, steps {a.warmup + 1}-{a.steps} "
           f"(engine {a.step_ms} ms + {a.per_seq_ms} ms/request, capacity {a.capacity}); measured live: "
           f"lend p50 {m['lend_s']}, reclaim p50 {m['reclaim_s']}, publish {m['publish_s']:.3f} s, "
           f"train {1 / m['train_s_per_token']:.0f} tok/s, prompt {m['prompt_tokens']:.1f} tok")
-    print("\n| | live | simulator | sim / live |\n|---|---|---|---|")
+    print(f"control plane (sim + control): {control[0] * 1000:.1f} ms of CPU per turn on {control[1]:.2f} cores "
+          f"(measured live: {m['control_s_per_turn'] * 1000:.1f} ms per turn; {m['free_cores']:.2f} of "
+          f"{m['cores']} cores left by other processes, the machine busy {m['machine_busy_cores']:.2f})")
+    print("\n| | live | simulator | sim / live | sim + control | / live |\n|---|---|---|---|---|---|")
     for key, fmt in (("trained_tokens_per_s", "{:.0f}"), ("idle", "{:.1%}"), ("window_s", "{:.2f}"),
                      ("wall_s", "{:.2f}")):
-        ratio = s[key] / m[key] if m[key] else float("nan")
-        print(f"| {key} | {fmt.format(m[key])} | {fmt.format(s[key])} | {ratio:.3f} |")
+        r = [x[key] / m[key] if m[key] else float("nan") for x in (s, c)]
+        print(f"| {key} | {fmt.format(m[key])} | {fmt.format(s[key])} | {r[0]:.3f} | {fmt.format(c[key])} | {r[1]:.3f} |")
     for act in ("train", "rollout", "switch"):
-        print(f"| {act} fraction | {m['fractions'][act]:.1%} | {s['fractions'][act]:.1%} | |")
-    print(f"| lends / reclaims | {m['lends']} / {m['reclaims']} | {s['lends']} / {s['reclaims']} | |")
+        print(f"| {act} fraction | {m['fractions'][act]:.1%} | {s['fractions'][act]:.1%} | | "
+              f"{c['fractions'][act]:.1%} | |")
+    print(f"| lends / reclaims | {m['lends']} / {m['reclaims']} | {s['lends']} / {s['reclaims']} | | "
+          f"{c['lends']} / {c['reclaims']} | |")
     busy = sorted(m["cpu_core_share"].items(), key=lambda kv: -kv[1])
-    print("\nlive CPU (share of one core) over the run: " + ", ".join(f"{k} {v:.2f}" for k, v in busy)
+    print("\nlive CPU (share of one core; host-N with its worker) over the run: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in busy)
           + f"; {m['turns_per_s']:.1f} turns/s; machine load average {m['machine_load']} on {m['cores']} cores")
-    print(f"\nlive wall-clock overrun: {m['window_s'] / s['window_s'] - 1:+.1%} over the compared steps, "
-          f"{m['wall_s'] / s['wall_s'] - 1:+.1%} from the start; failed turns {m['failures']}; wrote {a.out}")
-
+    for name, x in (("simulator", s), ("sim + control", c)):
+        print(f"live wall-clock overrun over the {name}: {m['window_s'] / x['window_s'] - 1:+.1%} over the compared "
+              f"steps, {m['wall_s'] / x['wall_s'] - 1:+.1%} from the start")
+    print(f"failed turns {m['failures']}; wrote {a.out}")
 
 if __name__ == "__main__":
     main()

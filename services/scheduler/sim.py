@@ -45,6 +45,10 @@ Model, in order of one tick (steps numbered in `_tick`):
   turn becomes dispatchable only once a FIFO server of that capacity has done its work: at
   least `control_s_per_turn` after it is queued, and at most `control_cores /
   control_s_per_turn` turns per second. 0 (the default) leaves it out, as before.
+- Routing (`Options.route`): by default a queued turn takes a slot freed this tick first, so
+  a host that finishes turns gets the next ones; "least_loaded" routes each turn to the host
+  with the fewest running sequences per capacity, as the live trajectory manager does. With
+  fixed-length turns the two differ: refilling keeps hosts unevenly loaded.
 """
 
 from __future__ import annotations
@@ -113,6 +117,9 @@ class Options:
     # CPU seconds a turn costs outside the engine (0: not modelled), and the cores that work shares
     control_s_per_turn: float = 0.0
     control_cores: float = 1.0
+    # where a queued turn goes: "refill" (slots freed this tick first, then the others by rank;
+    # fast, the default) or "least_loaded", as the live trajectory manager routes (per turn)
+    route: str = "refill"
 
 
 def host_id(i: int) -> str:
@@ -406,7 +413,10 @@ class Simulator:
         sh = np.concatenate([freed_h[keep], ph])
         st = np.concatenate([freed_t[keep], np.full(len(ph), t0)])
         sr = np.concatenate([np.zeros(int(keep.sum())), rank])
-        order = np.lexsort((sh, sr, st))[: min(total, len(q))]
+        if self.opt.route == "least_loaded":
+            order = self._least_loaded(sh, st, running, min(total, len(q)))
+        else:
+            order = np.lexsort((sh, sr, st))[: min(total, len(q))]
         sh, st = sh[order], st[order]
         q = q[np.argsort(self.s_ready[q], kind="stable")][: len(sh)]
         self.s_state[q] = RUNNING
@@ -424,6 +434,23 @@ class Simulator:
             adv = np.minimum(credit / step, self.s_rem[q] - 1e-9)
             adv = np.maximum(adv, 0.0)
             self._generate(q, sh, adv)
+
+    def _least_loaded(self, sh: np.ndarray, st: np.ndarray, running: np.ndarray, want: int) -> np.ndarray:
+        """Which of the free slots (host sh, free since st) `want` queued turns take, routed as
+        the live trajectory manager routes a new turn (services/trajectory/routing.py): to the
+        least loaded host (running / capacity), the earliest free slot there."""
+        by_host: dict[int, list[int]] = {}
+        for j in np.lexsort((st, sh)).tolist():
+            by_host.setdefault(int(sh[j]), []).append(j)
+        load = {h: float(running[h]) / self.cap[h] for h in by_host}
+        out = []
+        for _ in range(want):
+            h = min(load, key=lambda x: (load[x], x))
+            out.append(by_host[h].pop(0))
+            load[h] += 1.0 / self.cap[h]
+            if not by_host[h]:
+                del load[h]
+        return np.array(out, np.int64)
 
     def _generate(self, idx: np.ndarray, hosts: np.ndarray, adv: np.ndarray) -> None:
         self.s_rem[idx] -= adv

@@ -4,6 +4,7 @@ determinism, and that it runs the real policy module (a policy change changes th
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -156,3 +157,20 @@ def test_a_control_plane_cost_caps_turns_per_second_and_adds_its_latency():
     light = simulate(Cluster.uniform(4, 1), cal, wl, "seamless", control_s_per_turn=0.01, control_cores=64, **kw)
     assert 0.01 <= light.control_wait_s < 0.02  # its own cost, and a short queue at admission
     assert bound.control_wait_s > 0.1  # a queue
+
+
+def test_least_loaded_routing_spreads_turns_over_the_rolling_hosts():
+    """Options.route="least_loaded" (the live trajectory manager's routing): each queued turn
+    goes to the host running the fewest. With a step cost mostly per sequence (b*k), fixed
+    turn lengths and 64 sessions over 4 hosts, the default refilling keeps some hosts far
+    busier than others; least-loaded keeps every rolling host busy and finishes sooner."""
+    cal = replace(CALIBRATIONS["live-mini"], decode_a_s=0.02, decode_b_s=0.0025, prefill_s_per_token=0.02 / 15,
+                  weight_sync_s=0.0065, lend_s=0.005, reclaim_s=0.0055)  # bench/pipeline_live.py, 10x slower engine
+    wl = replace(WORKLOADS["live-mini"], prompt_tokens=15)
+    kw = {"steps": 14, "dt": 0.05, "backlog": "undelivered"}
+    refill = simulate(Cluster.uniform(4, 1), cal, wl, "seamless", **kw)
+    spread = simulate(Cluster.uniform(4, 1), cal, wl, "seamless", route="least_loaded", **kw)
+    assert max(refill.idle_per_host[1:]) > 0.2  # some rollout host waits while another is packed
+    assert max(spread.idle_per_host[1:]) < 0.1
+    assert spread.trained_tokens_per_s > 1.2 * refill.trained_tokens_per_s
+    assert abs(spread.unaccounted_generated) < 1e-6 * spread.generated
