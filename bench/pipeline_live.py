@@ -314,9 +314,10 @@ def main() -> None:
                     help="simulator's admission backlog: as the live trajectory manager counts it, or the older model")
     ap.add_argument("--route", default="least_loaded", choices=["least_loaded", "refill"],
                     help="simulator's routing of turns: as the live trajectory manager routes, or the default refill")
-    ap.add_argument("--switch-s", type=float, default=0.02,
-                    help="simulator's lend / reclaim cost where the live run made none of that kind (no weights "
-                         "move with the simulated engine: p50 10-25 ms measured 2026-12-01)")
+    ap.add_argument("--switch-s", type=float, default=1.0,
+                    help="simulator's lend / reclaim cost where the live run made none of that kind: the live "
+                         "scheduler's initial estimate (services/scheduler/config.py), which its policy then read "
+                         "all along, as the simulator's policy reads this")
     ap.add_argument("--control-ms", type=float, default=None,
                     help="sim + control: CPU ms per turn outside the engine (default: measured in this live run)")
     ap.add_argument("--control-cores", type=float, default=None,
