@@ -1,11 +1,13 @@
 """A short supervised warm start on a built-in task, so RL starts from a policy that
 sometimes succeeds (pure RL from random init rises very slowly: see ENV-NOTES).
 
-    seamlessflow warm-start var/model var/model-sft
+    warm_start(Path("var/model-small"), Path("var/model-small-reverse-sft-s0"), task="reverse")
 
-Plain torch, a few seconds on a laptop CPU: teacher-forced cross-entropy on the assistant
-tokens of chat-formatted examples, stopped as soon as the *sampled* (temperature 1) mean
-reward reaches `target_reward`, so RL still has room to improve.
+`seamlessflow demo` runs it before its first round (demo.prepare_model), as does the learning
+test. Plain torch: about a minute on 2 CPU cores for reverse, 7-20 minutes for calc (its
+examples share a ~200-token tool prompt, run once per batch: `sft_loss`). Teacher-forced
+cross-entropy on the assistant tokens of chat-formatted examples, stopped as soon as the
+*sampled* (temperature 1) mean reward reaches `target_reward`, so RL still has room to improve.
 
 - reverse: "reverse DIGITS" -> the digits reversed.
 - calc: the whole two-turn conversation: the question (with the `calculator` tool in the
