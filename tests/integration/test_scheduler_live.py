@@ -104,12 +104,15 @@ def run_policy(stack, policy: str, steps: int, timeout: float = 240):
 
 
 def test_seamless_lends_and_reclaims_while_agents_never_notice(cluster):
-    agents, after, delta = run_policy(cluster, "seamless", steps=6)
+    # 8 steps for 5 lends: a step whose batch is already there when the last one ends leaves nothing
+    # to lend, and seamless rightly keeps the host (on a fast box, CI: 4 lends in 6 steps)
+    steps = 8
+    agents, after, delta = run_policy(cluster, "seamless", steps=steps)
     assert agents.failures == []
     assert delta["reclaims"] >= 5 and delta["lends"] >= 5, delta
     # every step started after its reclaim: no step computed without a granted gate, and each step of
     # the window but the one already running when it opened had its gate granted inside it
-    assert gates_refused(cluster) == 0 and delta["gates_granted"] >= 6 - 1 and delta["gates_timed_out"] == 0, delta
+    assert gates_refused(cluster) == 0 and delta["gates_granted"] >= steps - 1 and delta["gates_timed_out"] == 0, delta
     moved = versions = 0
     for t in agents.trajectories():
         for turn in t["turns"]:
