@@ -167,7 +167,7 @@ CHECK_EVERY = {"reverse": 5, "calc": 25}
 FINE_CHECK_EVERY = {"reverse": 1, "calc": 5}
 # a bound, not a schedule: reverse stops after ~50 steps; calc's two copies (the expression into
 # the call's JSON, the tool's result into the answer) are learned late, in a jump (the small model
-# passed 0.3 after ~640 steps, ~11 min here: BENCHMARKS.md, "Learning")
+# passed 0.3 after 340 (seed 1) and ~640 (seed 0) steps, 7-20 min here: BENCHMARKS.md, "Learning")
 MAX_STEPS = {"reverse": 400, "calc": 2000}
 
 
