@@ -155,8 +155,16 @@ def lend_verdict(s: Snapshot) -> tuple[bool, str]:
 def draining(s: Snapshot, h: Host) -> bool:
     """Seamless, batch ready: does this lent host finish its running sequences before the
     reclaim? Yes while it runs any and the grace since the trainer became ready lasts."""
-    return (s.reclaim_grace_s > 0 and h.mode == "rollout" and h.target == "rollout" and h.running > 0
-            and s.now < s.trainer.wants_since + s.reclaim_grace_s)
+    return _drains(_grace_lasts(s), h)
+
+
+def _grace_lasts(s: Snapshot) -> bool:
+    """draining's part that reads only the snapshot (decide asks it once, not once per host)."""
+    return s.reclaim_grace_s > 0 and s.now < s.trainer.wants_since + s.reclaim_grace_s
+
+
+def _drains(grace_lasts: bool, h: Host) -> bool:
+    return grace_lasts and h.mode == "rollout" and h.target == "rollout" and h.running > 0
 
 
 def _closed(h: Host, now: float) -> bool:
@@ -215,14 +223,13 @@ def decide(s: Snapshot) -> list[Decision]:
     # (the simulator decides for thousands of hosts; this keeps it to a few distinct calls)
     wanted: dict[tuple, tuple[HostMode, str, bool]] = {}
     seamless, wants = s.policy == "seamless", s.trainer.wants_hosts
-    # draining(s, h) for a settled host, with what it reads of s taken out of the loop
-    grace = s.reclaim_grace_s > 0 and s.now < s.trainer.wants_since + s.reclaim_grace_s
+    grace = _grace_lasts(s)  # draining(s, h), its snapshot part asked once
     for h in sorted(s.hosts, key=_BY_ID):
         if not h.healthy or h.mode != h.target:  # h.switching, inlined
             continue
         in_pool = h.id in pool
         key = (h.cordoned, in_pool, "train" in h.tags, "rollout" in h.tags, h.mode,
-               grace and h.mode == "rollout" and h.running > 0)
+               _drains(grace, h))
         got = wanted.get(key)
         if got is None:
             got = wanted[key] = _wanted(s, h, pool, lend)
