@@ -228,16 +228,23 @@ async def test_a_replica_paused_past_its_lease_stops_at_its_next_write(renderer)
     assert store.saved == [] and store.deltas["r6"] == before and calls[-1] == "closed"
 
 
-async def test_a_resent_copy_on_the_same_replica_waits_for_the_first(renderer):
-    # a re-sent request that lands on the replica still serving it must not share its lease
+async def resend_while_serving(renderer, rid: str, answer: str, delay: float):
+    """Serve `rid`, and once its first delta is stored send it again to the same replica (as the
+    gateway re-sends a silent turn). Returns (copy's done, copy's messages, first's done, store)."""
     store = FakeStore()
     sid = await store.create_session()
     h = TurnHandler(TrajectoryConfig(worker_wait=2, resume_wait=10), store, renderer, table(),
-                    worker(renderer, "a long answer " * 5, delay=0.005))
-    first = asyncio.create_task(run(h, request("r7", sid)))
-    while not store.deltas.get("r7"):
+                    worker(renderer, answer, delay=delay))
+    first = asyncio.create_task(run(h, request(rid, sid)))
+    while not store.deltas.get(rid):
         await asyncio.sleep(0.01)
-    (done2, _), (done1, _) = await asyncio.wait_for(asyncio.gather(run(h, request("r7", sid)), first), 10)
+    (done2, sent2), (done1, _) = await asyncio.wait_for(asyncio.gather(run(h, request(rid, sid)), first), 10)
+    return done2, sent2, done1, store
+
+
+async def test_a_resent_copy_on_the_same_replica_waits_for_the_first(renderer):
+    # a re-sent request that lands on the replica still serving it must not share its lease
+    done2, _, done1, store = await resend_while_serving(renderer, "r7", "a long answer " * 5, 0.005)
     assert done2 == done1 and len(store.saved) == 1  # one turn, the first copy's
 
 
@@ -246,14 +253,7 @@ async def test_a_resent_copy_waits_for_the_first_longer_than_a_keepalive(rendere
     # also renewed the lease, found the first copy holding it, called the lease lost and stopped the copy
     # silently after one interval: the gateway heard nothing more and re-sent again (then a 504)
     monkeypatch.setattr(chat, "KEEPALIVE_INTERVAL", 0.05)
-    store = FakeStore()
-    sid = await store.create_session()
-    h = TurnHandler(TrajectoryConfig(worker_wait=2, resume_wait=10), store, renderer, table(),
-                    worker(renderer, "a long answer " * 10, delay=0.02))
-    first = asyncio.create_task(run(h, request("r9", sid)))
-    while not store.deltas.get("r9"):
-        await asyncio.sleep(0.01)
-    (done2, sent2), (done1, _) = await asyncio.wait_for(asyncio.gather(run(h, request("r9", sid)), first), 10)
+    done2, sent2, done1, store = await resend_while_serving(renderer, "r9", "a long answer " * 10, 0.02)
     assert done2 == done1 and len(store.saved) == 1
     assert len([m for m in sent2 if isinstance(m, ChatDelta) and not m.text]) >= 3  # it kept the gateway told
 
