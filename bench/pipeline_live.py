@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from bench.load import machine_busy  # noqa: E402
 from scheduler_ab import switches  # noqa: E402
 
 from seamlessflow import hosts as hostops  # noqa: E402
@@ -179,12 +180,6 @@ def _cpu_s(pid: int, tree: bool = True) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def _machine_busy_s() -> float:
-    """CPU seconds the whole machine has been busy since boot (/proc/stat: all but idle and iowait)."""
-    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(f) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")
-
-
 def _jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
@@ -218,10 +213,10 @@ def live(a, tmp: Path) -> dict:
         n_steps = lambda: sum(1 for r in _jsonl(audit) if r["event"] == "step")  # noqa: E731
         pids = {p.name: p.popen.pid for p in stack.procs} | {"bench agents": os.getpid()}
         own = lambda k, v: _cpu_s(v, tree=k != "bench agents")  # noqa: E731  (the stack is this process's children)
-        cpu0, t_start, busy0 = {k: own(k, v) for k, v in pids.items()}, time.time(), _machine_busy_s()
+        cpu0, t_start, busy0 = {k: own(k, v) for k, v in pids.items()}, time.time(), machine_busy()[0]
         load0 = os.getloadavg()[0]
         asyncio.run(agents.run(lambda: n_steps() >= a.steps, a.timeout))
-        t_end, busy = time.time(), _machine_busy_s() - busy0
+        t_end, busy = time.time(), machine_busy()[0] - busy0
         cpu_s = {k: own(k, v) - cpu0[k] for k, v in pids.items()}
         cpu = {k: round(v / (t_end - t_start), 3) for k, v in cpu_s.items()}
         load = (load0 + os.getloadavg()[0]) / 2
