@@ -90,8 +90,9 @@ def stop_strings(p: SamplingParams) -> list[str]:
     return stops
 
 
-_ROLES: dict[type, str] = {SystemMessage: "system", DeveloperMessage: "system", UserMessage: "user",
-                           AssistantMessage: "assistant", ToolMessage: "tool"}
+# each message type's role is its tag; a developer message reaches the template as a system one
+_ROLES: dict[type, str] = {tp: tp.__struct_config__.tag for tp in (SystemMessage, UserMessage, AssistantMessage,
+                                                                    ToolMessage)} | {DeveloperMessage: "system"}
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:
