@@ -425,9 +425,21 @@ async def test_load_during_generation_switches_version_mid_stream(worker, nc, ti
 
 async def test_shutdown_preempts_in_flight_and_exits_cleanly(worker, nc, tiny_model):
     """Runs last: it stops the module's worker."""
+    import psutil
+
     task, r = start(nc, PROMPTS[0], "at-shutdown", max_tokens=LONG, logit_bias={eos_id(tiny_model): -100.0})
     await asyncio.wait_for(r.first.wait(), 30)
-    os.kill(worker.proc.pid, signal.SIGTERM)
+    # freeze the engine processes (vLLM's engine core and its worker) so the request is surely still
+    # running when the SIGTERM is handled: a slow test process could otherwise see it end by length
+    engine = psutil.Process(worker.proc.pid).children(recursive=True)
+    for p in engine:
+        p.suspend()
+    try:
+        os.kill(worker.proc.pid, signal.SIGTERM)
+        await asyncio.sleep(1.0)
+    finally:
+        for p in engine:
+            p.resume()
     await asyncio.wait_for(task, 30)
     assert r.done.finish_reason == "preempted" and 0 < len(r.tokens) < LONG
     assert await asyncio.to_thread(worker.proc.wait, 30) == 0
