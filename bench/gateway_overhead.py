@@ -219,9 +219,12 @@ async def long_rows(sides: list[Side], args) -> list[dict]:
         messages = {s.label: [] for s in sides}
         per = {k: [] for k in cpu}
         times = {s.label: [] for s in sides}
-        for s in sides:
-            s.profiling(True)
+        # with --profile: two profiles per service, turns 11-30 and the last 20 (what grows with the session)
+        windows = {11: True, 31: False, args.turns - 19: True} if args.turns >= 60 else {1: True}
         for t in range(1, args.turns + 1):
+            if t in windows:
+                for s in sides:
+                    s.profiling(windows[t])
             for s in sides:
                 msgs = messages[s.label]
                 msgs.append({"role": "user", "content": f"step {t}: run the tests again and say what failed"})
