@@ -28,6 +28,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # re-prefill against trainer time (seamless; docs/capacity-planning.md, `seamlessflow plan` sweeps them):
     drain_margin_s: float = 0.0  # a lent host stops taking turns this long before its predicted reclaim
     reclaim_grace_s: float = 0.0  # batch ready: a lent host finishes its running turns for up to this long
+    lend_settle_s: float = 30.0  # with a grace: lend only once the trainer has waited this long for data
     lend_s: float = 1.0  # initial switch-cost estimates; measured switches replace them (running mean)
     reclaim_s: float = 1.0
     metrics_port: int = 0  # Prometheus /metrics (sf_bus_malformed_total); 0 = off

@@ -31,6 +31,16 @@ Tags decide what a host *may* do (`train`, `rollout`); the policy decides what i
     the trainer became ready (`Trainer.wants_since`). The trainer's gate waits meanwhile.
   Both default to 0 (reclaim at once, as before); `seamlessflow plan` sweeps them.
 
+  With a grace, a lend the prediction got wrong costs the trainer up to the grace, so the
+  lend verdict is stricter (docs/capacity-planning.md, "Lending with a grace", has the runs):
+  - the grace counts as part of the switch: lend only if the predicted wait >
+    `lend_margin` x (lend + reclaim + grace);
+  - `lend_settle_s`: lend only once the trainer has waited this long for data
+    (`Trainer.waiting_since`). Right after a publish the completion rate still measures the
+    previous batch's tail, and the predicted wait is several times too long (SIMULATED, 16
+    hosts, 5 train: 360-425 s predicted at the publish, 58-82 s actual; within ~20% 20 s on).
+  Without a grace (the default) neither applies: lending is as before.
+
 A host that is switching (its last assignment not yet applied) gets no new decision, so a
 host has one mode at a time. An unhealthy host gets none either: when it comes back it
 rejoins idle and is assigned afresh. Cordoned hosts go idle. Every decision carries the
@@ -86,6 +96,7 @@ class Trainer:
     state: TrainerState | Literal["absent"] = "absent"
     samples_needed: int = 0  # trajectories still missing for the next batch (0 when it is ready)
     wants_since: float = 0.0  # when it began to want its hosts (ready); the reclaim grace counts from it
+    waiting_since: float = 0.0  # when it last began to wait for data; the lend settle counts from it
 
     @property
     def wants_hosts(self) -> bool:
@@ -108,10 +119,13 @@ class Snapshot:
     trainer: Trainer = Trainer()
     completion_rate: float = 0.0  # finished trajectories per second, recently
     costs: Costs = Costs()
-    lend_margin: float = 1.5  # lend only if predicted wait > lend_margin * (lend_s + reclaim_s)
+    lend_margin: float = 1.5  # lend only if predicted wait > lend_margin * (lend_s + reclaim_s + reclaim_grace_s)
     train_hosts: int = 0  # size of the train pool (first N train-tagged hosts by id); 0 = all
     drain_margin_s: float = 0.0  # a lent host's lent_until is this much before the predicted reclaim
     reclaim_grace_s: float = 0.0  # batch ready: a lent host still running sequences drains this long at most
+    # with a grace: lend only once the trainer has waited this long for data (30 s: the live completion
+    # rate's window, registry.RATE_WINDOW, so that the rate then counts only this wait's completions)
+    lend_settle_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,9 +157,12 @@ def lend_verdict(s: Snapshot) -> tuple[bool, str]:
         return True, "no trainer running"
     if s.trainer.wants_hosts:
         return False, f"trainer {s.trainer.state}"
+    if s.reclaim_grace_s > 0 and s.now < s.trainer.waiting_since + s.lend_settle_s:
+        return False, (f"settling: waited {s.now - s.trainer.waiting_since:.1f}s < {s.lend_settle_s:g}s "
+                       f"(grace {s.reclaim_grace_s:g}s)")
     # the drain margin is cut from the window: a lent host takes no turn in its last drain_margin_s
     wait = predicted_wait(s.trainer, s.completion_rate) - s.drain_margin_s
-    cost = s.costs.lend_s + s.costs.reclaim_s
+    cost = s.costs.lend_s + s.costs.reclaim_s + s.reclaim_grace_s  # a lend may hold the trainer the grace
     what = "predicted wait" + (f" - drain {s.drain_margin_s:g}s" if s.drain_margin_s else "")
     if wait > s.lend_margin * cost:
         return True, f"{what} {wait:.1f}s > {s.lend_margin:g} x switch {cost:.2f}s"

@@ -81,6 +81,7 @@ class Registry:
     gate_pending: bool = False
     granted_step: int = 0  # the newest step whose gate was granted: the trainer computes until it reports it
     wants_since: float = 0.0  # when the trainer began to want its hosts (0 = it does not): the reclaim grace
+    waiting_since: float = 0.0  # when the trainer began to wait for data (0 = it does not): the lend settle
     finished: deque[float] = field(default_factory=deque)  # arrival times of finished trajectories
     costs: policy.Costs = policy.Costs()
     counts: dict[str, int] = field(default_factory=lambda: {"lends": 0, "reclaims": 0, "failed_switches": 0,
@@ -208,16 +209,21 @@ class Registry:
         return len(self.finished) / span
 
     def snapshot(self, policy_name: PolicyName, now: float, lend_margin: float, train_hosts: int,
-                 drain_margin_s: float = 0.0, reclaim_grace_s: float = 0.0) -> policy.Snapshot:
+                 drain_margin_s: float = 0.0, reclaim_grace_s: float = 0.0,
+                 lend_settle_s: float = 30.0) -> policy.Snapshot:
         trainer = self.trainer_view(now)
         if not trainer.wants_hosts:
             self.wants_since = 0.0
         elif not self.wants_since:
             self.wants_since = now
-        trainer = replace(trainer, wants_since=self.wants_since)
+        if trainer.state != "waiting":
+            self.waiting_since = 0.0
+        elif not self.waiting_since:
+            self.waiting_since = now
+        trainer = replace(trainer, wants_since=self.wants_since, waiting_since=self.waiting_since)
         hosts = tuple(r.view(self.workers.get(r.worker_id) or 0) for r in self.hosts.values())
         return policy.Snapshot(policy_name, now, hosts, trainer, self.completion_rate(now), self.costs, lend_margin,
-                               train_hosts, drain_margin_s, reclaim_grace_s)
+                               train_hosts, drain_margin_s, reclaim_grace_s, lend_settle_s)
 
     def record_activity(self, now: float) -> list[tuple[str, Interval]]:
         """Close the interval of every host whose activity changed; returns the closed ones."""

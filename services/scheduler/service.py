@@ -166,7 +166,8 @@ class SchedulerService:
 
     def _snapshot(self, now: float) -> policy.Snapshot:
         c = self.cfg
-        return self.reg.snapshot(self.policy, now, c.lend_margin, c.train_hosts, c.drain_margin_s, c.reclaim_grace_s)
+        return self.reg.snapshot(self.policy, now, c.lend_margin, c.train_hosts, c.drain_margin_s, c.reclaim_grace_s,
+                                 c.lend_settle_s)
 
     async def _assign(self, d: policy.Decision, now: float) -> None:
         w = self.weights

@@ -100,6 +100,7 @@ class Options:
     lend_margin: float = 1.5
     drain_margin_s: float = 0.0  # policy.Snapshot.drain_margin_s
     reclaim_grace_s: float = 0.0  # policy.Snapshot.reclaim_grace_s
+    lend_settle_s: float = 30.0  # policy.Snapshot.lend_settle_s (read only with a grace)
     rate_tau_s: float = 20.0  # completion-rate EWMA time constant, as the scheduler measures it
     replicas: int = 1
     host_group: int = 1  # m > 1: each simulated host stands for m identical hosts that move together
@@ -187,6 +188,7 @@ class Simulator:
         self.step = 0
         self.tr_end = math.inf  # end of compute or publish
         self.wants_since = 0.0  # when the trainer last began to want its hosts
+        self.waiting_since = 0.0  # when the trainer last began to wait for data (the lend settle)
         self.pool_idx = np.zeros(0, np.int64)  # the train pool's host indices (set by run)
         self.batch: list = []
         self.available = 0  # real samples in complete, untaken groups
@@ -214,9 +216,10 @@ class Simulator:
     def snapshot(self) -> P.Snapshot:
         needed = max(0, self.B - self.available) if self.tstate == "waiting" else 0
         hosts = tuple(self._running_hosts() if self._draining() else self.hosts)
-        return P.Snapshot(self.policy, self.t, hosts, P.Trainer(self.tstate, needed, self.wants_since),
+        return P.Snapshot(self.policy, self.t, hosts, P.Trainer(self.tstate, needed, self.wants_since,
+                                                                 self.waiting_since),
                           self.rate, P.Costs(self.cal.lend_s, self.cal.reclaim_s), self.opt.lend_margin,
-                          self.train_hosts, self.opt.drain_margin_s, self.opt.reclaim_grace_s)
+                          self.train_hosts, self.opt.drain_margin_s, self.opt.reclaim_grace_s, self.opt.lend_settle_s)
 
     def _running_hosts(self) -> list[P.Host]:
         """self.hosts with `running` filled in (the grace reads how many sequences each host
@@ -309,10 +312,12 @@ class Simulator:
         return changed
 
     def snapshot_light(self) -> P.Snapshot:
-        """lend_verdict reads only the trainer, the rate and the costs: no host tuple needed."""
+        """lend_verdict reads only the trainer, the rate, the costs and the drain knobs: no host tuple
+        needed."""
         needed = max(0, self.B - self.available)
-        return P.Snapshot(self.policy, self.t, (), P.Trainer(self.tstate, needed), self.rate,
-                          P.Costs(self.cal.lend_s, self.cal.reclaim_s), self.opt.lend_margin, self.train_hosts)
+        return P.Snapshot(self.policy, self.t, (), P.Trainer(self.tstate, needed, self.wants_since, self.waiting_since),
+                          self.rate, P.Costs(self.cal.lend_s, self.cal.reclaim_s), self.opt.lend_margin,
+                          self.train_hosts, self.opt.drain_margin_s, self.opt.reclaim_grace_s, self.opt.lend_settle_s)
 
     def _settle_switches(self) -> None:
         done = np.nonzero(self.switch_end <= self.t + 1e-12)[0]
@@ -604,6 +609,8 @@ class Simulator:
     def _set_trainer(self, state: str) -> None:
         # decide() reads the trainer's state only through wants_hosts (and the lend verdict
         # while it waits): computing -> publishing changes nothing it reads
+        if state == "waiting" and self.tstate != "waiting":
+            self.waiting_since = self.t
         if (state in P.TRAINER_WANTS_HOSTS) != (self.tstate in P.TRAINER_WANTS_HOSTS):
             self.dirty = True
             if state in P.TRAINER_WANTS_HOSTS:

@@ -243,6 +243,21 @@ def test_a_host_already_closed_by_its_prediction_drains_without_a_new_assignment
     assert decide(s) == []  # lent_until 180 < now: routers already send it nothing
 
 
+def test_with_a_grace_lending_waits_for_the_settle_and_counts_the_grace_as_switch():
+    costs = Costs(lend_s=2.0, reclaim_s=3.0)  # switch 5 s; lend_margin 1.5: a wait over 7.5 s lends
+    waiting = Trainer("waiting", 200, waiting_since=100.0)  # predicted wait 200 / 2 = 100 s
+    s = Snapshot("seamless", 110.0, two_hosts(), waiting, completion_rate=2.0, costs=costs, reclaim_grace_s=20.0,
+                 lend_settle_s=30.0)
+    ok, why = lend_verdict(s)
+    assert not ok and why.startswith("settling") and decide(s) == []  # waited 10 s of 30
+    assert modes(decide(replace(s, now=130.0))) == {"host-0": "rollout"}  # 100 s > 1.5 x (5 + 20)
+    assert modes(decide(replace(s, reclaim_grace_s=0.0))) == {"host-0": "rollout"}  # no grace: no settle
+    # the grace is part of the switch: 30 s of predicted wait lends without a grace, not with 20 s of it
+    short = replace(s, now=130.0, trainer=replace(waiting, samples_needed=60))
+    assert decide(short) == [] and "switch 25.00s" in lend_verdict(short)[1]
+    assert modes(decide(replace(short, reclaim_grace_s=0.0))) == {"host-0": "rollout"}
+
+
 def test_the_drain_margin_closes_lent_hosts_before_the_predicted_reclaim():
     s = Snapshot("seamless", 100.0, two_hosts(), Trainer("waiting", 64), completion_rate=2.0, drain_margin_s=10.0)
     (d,) = decide(s)

@@ -99,15 +99,18 @@ def test_undelivered_backlog_admits_more_than_untrained():
 
 def test_a_reclaim_grace_trades_trainer_time_for_re_prefill():
     """seamless with reclaim_grace_s: lent hosts drain (take no new turn) before the reclaim, so
-    fewer sequences migrate and prefill again; the trainer waits for them meanwhile."""
+    fewer sequences migrate and prefill again; the trainer waits for them meanwhile, so a lend
+    must promise more to be worth it. (Steps
+    here last seconds: the lend settle, made for minutes-long waits, is off.)"""
     kw = dict(steps=8, seed=1)
     now = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", **kw)
-    short = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", reclaim_grace_s=1.0, **kw)
-    long = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", reclaim_grace_s=30.0, **kw)
+    short = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", reclaim_grace_s=1.0, lend_settle_s=0.0, **kw)
+    long = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", reclaim_grace_s=30.0, lend_settle_s=0.0, **kw)
     assert now.reprefilled > 0 and now.drains == 0
     assert 0 < short.reprefilled < now.reprefilled and short.drains > 0
     assert long.reprefilled == 0  # every lent host ran dry within the grace
-    assert long.trainer_wait_fraction > now.trainer_wait_fraction
+    # the grace counts as part of a lend's switch cost (policy.lend_verdict): the longer it is, the fewer lends
+    assert long.lends < short.lends < now.lends
     for r in (short, long):
         assert abs(r.unaccounted_generated) < 1e-6 * r.generated
         assert np.allclose(r.host_time.sum(axis=1), r.wall_s)
@@ -132,12 +135,24 @@ def test_decide_runs_only_when_a_draining_host_changes_and_the_run_is_the_same(g
     """While lent hosts drain, the simulator asks the policy again only when a host's state, which
     hosts run anything, or the grace's expiry changed; calling decide every tick (as the live
     control loop does) must give exactly the same run."""
-    kw = dict(steps=8, seed=1, reclaim_grace_s=grace)
+    kw = dict(steps=8, seed=1, reclaim_grace_s=grace, lend_settle_s=0.0)
     lazy = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", **kw)
     every = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", decide_every_tick=True, **kw)
     assert lazy.drains > 0 and lazy.decide_calls < every.decide_calls
     assert lazy.row() == every.row()
     assert np.array_equal(lazy.host_time, every.host_time)
+
+
+def test_with_a_grace_the_simulator_lends_only_after_the_settle():
+    """policy.Snapshot.lend_settle_s reaches the policy through the simulator (Options and the
+    trainer's waiting_since): with a grace, no lend before the trainer has waited that long."""
+    kw = {"steps": 6, "seed": 1, "reclaim_grace_s": 1.0}
+    eager = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", lend_settle_s=0.0, **kw)
+    never = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", lend_settle_s=1e9, **kw)
+    assert eager.lends > 0 and never.lends == 0 and never.reprefilled == 0
+    no_grace = {**kw, "reclaim_grace_s": 0.0}  # without a grace the settle is not read
+    assert (simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", lend_settle_s=1e9, **no_grace).row()
+            == simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", lend_settle_s=0.0, **no_grace).row())
 
 
 def test_a_control_plane_cost_caps_turns_per_second_and_adds_its_latency():
