@@ -24,7 +24,7 @@ from msgspec.structs import replace
 
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.generation import Call, Generated, GenerationFailed, generate
-from services.trajectory.prompts import PromptBuilder
+from services.trajectory.prompts import PromptBuilder, follow_digest
 from services.trajectory.record import Prompt, last_worker, record
 from services.trajectory.rendering import Renderer, RenderError
 from services.trajectory.routing import LengthHistory, Picker, WorkerTable
@@ -104,7 +104,7 @@ class TurnHandler:
         """The request's state in one round trip; a request without a session that is not a
         resume gets a new anonymous one (a resume continues in the session it began in)."""
         try:
-            look = await self.store.lookup(req.request_id, req.session_id)
+            look = await self.store.lookup(req.request_id, req.session_id, follow_digest(req))
             if look.done is None and look.state is None and not req.session_id:
                 look = await self.store.lookup(req.request_id, await self.store.create_session(anonymous=True))
         except SessionNotFound as e:
@@ -215,9 +215,10 @@ class TurnHandler:
                     lease: _Lease) -> None:
         cache = {}
         if turn.key:  # a later turn may extend this one: what finds it fast, and its token path
-            cache["path_ids"] = prompt.ids + gen.token_ids
+            cache["path"] = path = prompt.ids + gen.token_ids
             if prompt.raw and prompt.request_key:
-                cache["alias"] = (prompt.raw, Alias(turn.turn_id, prompt.request_key, turn.key))
+                cache["alias"] = (prompt.raw, Alias(turn.turn_id, prompt.request_key, turn.key,
+                                                    path.last if path.last is not None else -1))
         # saved only while this replica holds the lease, checked in the same script: a replica paused past
         # its lease, whose request another took over or finished meanwhile, stops here instead of writing
         # the turn a second time
@@ -235,7 +236,7 @@ class TurnHandler:
         assert look.meta is not None
         if look.meta["status"] != "open":  # finishing (its trajectory is being published) or finished
             raise TurnError(409, "session_finished", f"session {look.session_id} is finished; start a new one")
-        prompt = await self._prompt(look.session_id, req)
+        prompt = await self._prompt(look, req)
         if len(prompt.ids) >= max_len:
             raise TurnError(400, "context_length_exceeded",
                             f"the prompt is {len(prompt.ids)} tokens; this model's context window is "
@@ -244,7 +245,7 @@ class TurnHandler:
             raise TurnError(400, "prompt_too_long",
                             f"the prompt is {len(prompt.ids)} tokens; this gateway accepts at most "
                             f"{req.max_prompt_tokens} (SF_GATEWAY_MAX_PROMPT_TOKENS)")
-        state = InFlight(look.session_id, look.turn_id, prompt.ids, prompt.new_ids, prompt.parent,
+        state = InFlight(look.session_id, look.turn_id, prompt.ids.wire(), prompt.new_ids, prompt.parent,
                          prompt.new_messages, prompt.request_key, prompt.raw)
         if not await self.store.begin_request(rid, state, owner, LEASE_MS):
             # another copy began it first (the gateway re-sent it while this replica was paused before
@@ -289,8 +290,8 @@ class TurnHandler:
                         state.raw)
         return prompt, partial, state.turn_id
 
-    async def _prompt(self, sid: str, req: ChatRequest) -> Prompt:
+    async def _prompt(self, look: Lookup, req: ChatRequest) -> Prompt:
         try:
-            return await self.prompts.build(sid, req)
+            return await self.prompts.build(look.session_id, req, (look.follow, look.followed))
         except RenderError as e:
             raise TurnError(400, "invalid_messages", str(e)) from None

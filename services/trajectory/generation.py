@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from services.trajectory.tokenpath import TokenPath
 from services.trajectory.turns import Segment
 from shared.messages import Generate, GenerateDone, RolloutReply, Sampling, TokenDelta
 
@@ -91,7 +92,7 @@ async def generate(
     pick: Pick,
     request_id: str,
     session_id: str,
-    prompt_ids: list[int],
+    prompt_ids: TokenPath,
     sampling: Sampling,
     on_tokens: OnTokens,
     max_redispatch: int,
@@ -112,7 +113,7 @@ async def generate(
         worker = await pick(frozenset(preempted_on))
         cmd = Generate(
             request_id=f"{request_id}.{out.dispatches}",
-            prompt_ids=prompt_ids + out.token_ids,
+            prompt_ids=(prompt_ids + out.token_ids).wire(),  # msgpack bytes spliced (tokenpath.py)
             sampling=msgspec.structs.replace(sampling, max_tokens=remaining),
             session_id=session_id,
         )

@@ -8,9 +8,10 @@
    computed in one pass (chained keys) and the longest stored one wins (store.find_turn).
 
 Either way the prompt is the turn's token path plus the tokens the chat template adds for
-the new messages (Renderer.continuation); the work grows with what the request adds, not with
-the session. A request that extends nothing, or that the template does not render as an
-extension, starts a new root. Redis goes through store.py; the rest is pure.
+the new messages (Renderer.continuation), spliced as msgpack bytes (tokenpath.py); the work
+grows with what the request adds, not with the session. A request that extends nothing, or
+that the template does not render as an extension, starts a new root. Redis goes through
+store.py; the rest is pure.
 """
 
 from __future__ import annotations
@@ -27,17 +28,28 @@ from services.trajectory.conversation import (
 )
 from services.trajectory.record import Prompt
 from services.trajectory.rendering import Renderer, RenderError
-from services.trajectory.store import Store
+from services.trajectory.store import Followed, Store
+from services.trajectory.tokenpath import TokenPath
 from services.trajectory.turns import path, token_ids
 from shared.messages import ChatRequest
+
+
+def follow_digest(req: ChatRequest) -> str:
+    """The raw digest step 1 looks up for this request ("" where step 1 does not apply): the part
+    before its last assistant message, which the turn that reply came from was saved under."""
+    if req.kind != "chat" or not req.messages or not (k := last_reply(req.messages)):
+        return ""
+    return raw_digest(req.tools, req.messages[:k - 1])
 
 
 class PromptBuilder:
     def __init__(self, store: Store, renderer: Renderer):
         self.store, self.renderer = store, renderer
 
-    async def build(self, sid: str, req: ChatRequest) -> Prompt:
-        """Raises RenderError for messages the template cannot render."""
+    async def build(self, sid: str, req: ChatRequest, looked: tuple[str, Followed | None] = ("", None)) -> Prompt:
+        """Raises RenderError for messages the template cannot render. `looked`: (follow_digest(req),
+        what it found), when the request's lookup asked it already (Store.lookup): step 1 then
+        costs no round trip of its own."""
         if req.kind == "completion":
             ids = self.renderer.encode(req.prompt)
             return Prompt(ids, ids, -1, [{"role": "user", "content": req.prompt}])
@@ -46,41 +58,44 @@ class PromptBuilder:
         msgs, tools = req.messages, req.tools
         raw = raw_digest(tools, msgs)
         if k := last_reply(msgs):
-            if (found := await self._follow(sid, req, k, raw)) is not None:
+            if (found := await self._follow(sid, req, k, raw, looked)) is not None:
                 return found
             ks = candidate_prefixes(msgs)
             keys = prefix_keys(tools, msgs, ks)
             if hit := await self.store.find_turn(sid, [keys[k] for k in ks]):
                 key, tid = hit
                 k = next(k for k in ks if keys[k] == key)
-                ids = await self.store.path_ids(sid, tid) or await self._walk(sid, tid)
+                ids = await self.store.path(sid, tid) or await self._walk(sid, tid)
                 return self._extend(ids, tid, msgs, k, tools, keys[len(msgs)], raw)
             return self._root(msgs, tools, keys[len(msgs)], raw)
         return self._root(msgs, tools, conversation_key(tools, msgs), raw)
 
-    async def _follow(self, sid: str, req: ChatRequest, k: int, raw: str) -> Prompt | None:
+    async def _follow(self, sid: str, req: ChatRequest, k: int, raw: str,
+                      looked: tuple[str, Followed | None]) -> Prompt | None:
         """Step 1; None if the fast way does not apply (then step 2 decides)."""
         msgs, tools = req.messages, req.tools
-        followed = await self.store.follow(sid, raw_digest(tools, msgs[:k - 1]))
+        digest, followed = looked
+        if not digest:
+            followed = await self.store.follow(sid, raw_digest(tools, msgs[:k - 1]))
         if followed is None:
             return None
         alias = followed.alias
         key = extend_key(alias.request_key, msgs[k - 1:k])  # the resent request + the reply
         if key != alias.turn_key:  # the agent changed the reply: not this turn
             return None
-        ids = followed.path_ids or await self._walk(sid, alias.turn_id)
+        ids = followed.path or await self._walk(sid, alias.turn_id)
         return self._extend(ids, alias.turn_id, msgs, k, tools, extend_key(key, msgs[k:]), raw)
 
-    async def _walk(self, sid: str, tid: int) -> list[int]:
+    async def _walk(self, sid: str, tid: int) -> TokenPath:
         """The token path of a turn whose cached path is gone (a turn that already has a child)."""
-        return token_ids(path(await self.store.turns(sid), tid))
+        return TokenPath.of(token_ids(path(await self.store.turns(sid), tid)))
 
-    def _extend(self, ids: list[int], tid: int, msgs: list[dict[str, Any]], k: int, tools: list[dict[str, Any]],
+    def _extend(self, ids: TokenPath, tid: int, msgs: list[dict[str, Any]], k: int, tools: list[dict[str, Any]],
                 request_key: str, raw: str) -> Prompt:
         # the stored path ends with the reply's last generated token: its end-of-turn token unless
         # max_tokens cut it (a turn always generates at least one token)
         cont = self.renderer.continuation(msgs[:k], msgs[k:], tools,
-                                          history_ends_with_eos=bool(ids) and ids[-1] == self.renderer.eos_id)
+                                          history_ends_with_eos=ids.last == self.renderer.eos_id)
         if cont is None:
             return self._root(msgs, tools, request_key, raw)
         return Prompt(ids + cont, cont, tid, msgs[k:], request_key, raw)

@@ -15,6 +15,7 @@ from typing import Any
 from services.trajectory import toolcalls
 from services.trajectory.conversation import conversation_key, extend_key
 from services.trajectory.generation import Generated
+from services.trajectory.tokenpath import TokenPath
 from services.trajectory.turns import Turn
 from shared.messages import ChatDone, ChatRequest, TokenLogprob, Usage
 
@@ -24,12 +25,16 @@ TokenTexts = Callable[[list[int]], list[tuple[int, str]]]
 
 @dataclass
 class Prompt:
-    ids: list[int]  # everything the engine reads
+    ids: TokenPath  # everything the engine reads (a list is taken as one)
     new_ids: list[int]  # the part this turn adds after its parent's tokens
     parent: int
     new_messages: list[dict[str, Any]]
     request_key: str = ""  # conversation key of the request's messages ("": hash them all when needed)
     raw: str = ""  # raw digest of the request's messages: the next request finds the turn by it
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ids, TokenPath):
+            self.ids = TokenPath.of(list(self.ids))
 
 
 def reply_message(content: str, calls: list) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import msgspec
 import redis.exceptions
 from nats.aio.msg import Msg
 
+from services.trajectory import tokenpath
 from services.trajectory.chat import LeaseLost, TurnError, TurnHandler
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.finishing import Publisher
@@ -245,7 +246,7 @@ class TrajectoryService:
         except (bus.ReplyTimeout, bus.BusUnavailable) as e:
             log.warning("worker %s lost request %s (%s); re-dispatching", worker, cmd.request_id, e)
             finished, timed_out = True, isinstance(e, bus.ReplyTimeout)
-            yield GenerateDone(cmd.request_id, "preempted", len(cmd.prompt_ids), -1, worker)
+            yield GenerateDone(cmd.request_id, "preempted", tokenpath.count(cmd.prompt_ids), -1, worker)
         finally:
             self.table.inflight[worker] -= 1
             # cancelled (the agent left, a stop string, a lost lease) or timed out (the worker may be alive

@@ -43,6 +43,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ConstantBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from services.trajectory.tokenpath import TokenPath
 from services.trajectory.turns import Turn
 from shared.redispool import FairPool
 
@@ -55,7 +56,7 @@ _turn_dec = msgspec.msgpack.Decoder(Turn)
 class InFlight(msgspec.Struct, array_like=True):
     session_id: str
     turn_id: int
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # written as TokenPath.wire(): the same msgpack array
     new_ids: list[int]
     parent: int
     new_messages: list[dict[str, Any]]
@@ -71,8 +72,6 @@ class DeltaRecord(msgspec.Struct, array_like=True):
     logprobs: list[float]
 
 
-_ids_dec = msgspec.msgpack.Decoder(list[int])
-
 
 class Alias(msgspec.Struct, frozen=True):
     """What the raw digest of a turn's request messages leads to (conversation.raw_digest)."""
@@ -80,19 +79,20 @@ class Alias(msgspec.Struct, frozen=True):
     turn_id: int
     request_key: str  # conversation key of the request's messages
     turn_key: str  # ... and of them plus the reply: the turn's own key
+    last_id: int = -1  # the last id of the turn's token path (-1: unknown, decode the path to learn it)
 
     def encode(self) -> str:
-        return f"{self.turn_id} {self.request_key} {self.turn_key}"
+        return f"{self.turn_id} {self.request_key} {self.turn_key} {self.last_id}"
 
     @classmethod
     def decode(cls, raw: bytes) -> "Alias":
-        tid, request_key, turn_key = raw.decode().split(" ")
-        return cls(int(tid), request_key, turn_key)
+        tid, request_key, turn_key, *last = raw.decode().split(" ")  # written before last_id: 3 parts
+        return cls(int(tid), request_key, turn_key, int(last[0]) if last else -1)
 
 
 class Followed(msgspec.Struct):
     alias: Alias
-    path_ids: list[int] | None  # None: not cached (a branch point); walk the turns
+    path: TokenPath | None  # None: not cached (a branch point); walk the turns
 
 
 _inflight_dec = msgspec.msgpack.Decoder(InFlight)
@@ -116,6 +116,13 @@ class Lookup(msgspec.Struct):
     meta: dict[str, Any] | None
     turn_id: int
     session_id: str  # the request's session: where a running request began, else the one asked for
+    follow: str = ""  # the raw digest looked up with it ("": none was asked) ...
+    followed: Followed | None = None  # ... and the turn it names, as Store.follow returns it
+
+
+def _followed(raw_alias: bytes, path: bytes | None) -> Followed:
+    alias = Alias.decode(raw_alias)
+    return Followed(alias, TokenPath.from_raw(path, alias.last_id if alias.last_id >= 0 else None) if path else None)
 
 
 def _meta(sid: str, raw: dict[bytes, bytes]) -> dict[str, Any]:
@@ -135,12 +142,20 @@ def _k(sid: str, part: str = "") -> str:
 # command for the client to pack and parse instead of up to 16 (redis-py spends tens of microseconds
 # of CPU per command; BENCHMARKS.md).
 
-# GET done, GET state; with a session: HGETALL it, INCR its turn counter
+# GET done, GET state; with a session: HGETALL it, INCR its turn counter; with its alias and path
+# hashes too (KEYS 5, 6): _FOLLOW's work for the raw digest ARGV[1], in the same round trip
 _LOOKUP = """
 local out = {redis.call('GET', KEYS[1]) or false, redis.call('GET', KEYS[2]) or false}
 if #KEYS > 2 then
   out[3] = redis.call('HGETALL', KEYS[3])
   out[4] = redis.call('INCR', KEYS[4])
+  if #KEYS > 4 then
+    local a = redis.call('HGET', KEYS[5], ARGV[1])
+    if a then
+      out[5] = a
+      out[6] = redis.call('HGET', KEYS[6], string.match(a, '^(%S+)')) or false
+    end
+  end
 end
 return out
 """
@@ -304,12 +319,16 @@ class Store:
     async def count_open(self, newer_than: float) -> int:
         return int(await self.r.zcount(OPEN, newer_than, "+inf"))
 
-    async def lookup(self, rid: str, sid: str) -> "Lookup":
+    async def lookup(self, rid: str, sid: str, follow: str = "") -> "Lookup":
         """Everything a new request needs to know, in one round trip: a finished result (a
-        retry), a running request's state (a resume), the session, and a fresh turn id (ids
-        of requests that fail or turn out to be retries are skipped: ids only increase)."""
+        retry), a running request's state (a resume), the session, a fresh turn id (ids of
+        requests that fail or turn out to be retries are skipped: ids only increase) and, given
+        a raw digest to `follow`, what `follow` would find for it."""
         keys = [f"sf:done:{rid}", f"sf:req:{rid}"] + ([_k(sid), _k(sid, "seq")] if sid else [])
-        out = await self._lookup(keys=keys)
+        follow = follow if sid else ""
+        if follow:
+            keys += [_k(sid, "alias"), _k(sid, "path")]
+        out = await self._lookup(keys=keys, args=[follow] if follow else [])
         done, raw_state = out[:2]
         state = _inflight_dec.decode(raw_state) if raw_state is not None else None
         return Lookup(
@@ -318,6 +337,8 @@ class Store:
             meta=_meta(sid, dict(zip(out[2][::2], out[2][1::2]))) if sid else None,
             turn_id=int(out[3]) - 1 if sid else -1,
             session_id=state.session_id if state is not None else sid,
+            follow=follow,
+            followed=_followed(out[4], out[5]) if len(out) > 4 else None,
         )
 
     async def session(self, sid: str) -> dict[str, Any]:
@@ -327,15 +348,12 @@ class Store:
     async def follow(self, sid: str, raw: str) -> Followed | None:
         """The turn whose request messages had raw digest `raw`, with its cached token path."""
         found = await self._follow(keys=[_k(sid, "alias"), _k(sid, "path")], args=[raw])
-        if not found:
-            return None
-        alias, ids = found
-        return Followed(Alias.decode(alias), _ids_dec.decode(ids) if ids else None)
+        return _followed(*found) if found else None
 
-    async def path_ids(self, sid: str, tid: int) -> list[int] | None:
+    async def path(self, sid: str, tid: int) -> TokenPath | None:
         """The cached token path of a leaf turn (None: walk the turns)."""
         raw = await self.r.hget(_k(sid, "path"), str(tid))
-        return _ids_dec.decode(raw) if raw else None
+        return TokenPath.from_raw(raw) if raw else None
 
     async def turns(self, sid: str) -> dict[int, Turn]:
         raw = await self.r.hgetall(_k(sid, "turns"))
@@ -401,10 +419,10 @@ class Store:
     # -- turns -------------------------------------------------------------------------------------
 
     async def save_turn(self, sid: str, turn: Turn, worker: str, result: bytes = b"",
-                        path_ids: list[int] | None = None, alias: tuple[str, Alias] | None = None,
+                        path: TokenPath | None = None, alias: tuple[str, Alias] | None = None,
                         owner: str = "") -> bool:
         """The turn, its index entry, the request's result (for a retried request) and the end
-        of its partial state: all or nothing. `path_ids` (the turn's whole token path) replaces
+        of its partial state: all or nothing. `path` (the turn's whole token path) replaces
         its parent's cached path; `alias` is (raw digest of the request messages, what it names).
         With `owner`, only if `owner` still holds the request's lease (or nobody does) and the request
         still runs, as `hold` checks: False, and nothing written, if not. One round trip for both."""
@@ -414,7 +432,7 @@ class Store:
         digest, value = (alias[0], alias[1].encode()) if alias is not None else ("", "")
         return bool(await self._save_turn(keys=keys, args=[
             result, REQUEST_TTL, turn.turn_id, _turn_enc.encode(turn), turn.key, worker, self.ttl,
-            _turn_enc.encode(path_ids) if path_ids is not None else b"", turn.parent, digest, value, owner]))
+            path.raw if path is not None else b"", turn.parent, digest, value, owner]))
 
     async def set_reward(self, sid: str, reward: float) -> None:
         meta = await self.session(sid)

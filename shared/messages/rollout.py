@@ -29,6 +29,8 @@ class Generate(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     """Command: generate up to `sampling.max_tokens` tokens after `prompt_ids`."""
 
     request_id: str
+    # a sender may pass msgspec.Raw holding the msgpack array itself (the trajectory manager splices a
+    # session's cached path that way, services/trajectory/tokenpath.py): the same bytes on the wire
     prompt_ids: list[int]
     sampling: Sampling
     session_id: str = ""

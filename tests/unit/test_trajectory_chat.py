@@ -15,8 +15,8 @@ from services.trajectory.config import TrajectoryConfig
 from services.trajectory.rendering import Renderer
 from services.trajectory.routing import WorkerTable
 from services.trajectory.store import DeltaRecord, InFlight, Lookup, SessionNotFound
-from shared.codec import decode
-from shared.messages import ChatDelta, ChatDone, ChatRequest, GenerateDone, Sampling, TokenDelta, WorkerStatus
+from shared.codec import decode, encode
+from shared.messages import ChatDelta, ChatDone, ChatRequest, Generate, GenerateDone, Sampling, TokenDelta, WorkerStatus
 
 
 class FakeStore:
@@ -39,7 +39,7 @@ class FakeStore:
         self.sessions[sid] = {"status": "open", "anonymous": anonymous}
         return sid
 
-    async def lookup(self, rid, sid):
+    async def lookup(self, rid, sid, follow=""):
         if sid and sid not in self.sessions:
             raise SessionNotFound(sid)
         turn_id = -1
@@ -125,6 +125,7 @@ def worker(renderer, text: str, delay: float = 0.0, calls: list | None = None):
     ids = renderer.encode(text) + [renderer.eos_id]
 
     async def call(w, cmd):
+        cmd = decode(encode(cmd), Generate)  # as the worker reads it off the wire
         if calls is not None:
             calls.append(cmd)
         try:
@@ -354,7 +355,7 @@ class TreeStore(FakeStore):
         self.turns_: dict[int, object] = {}
         self.idx: dict[str, int] = {}
         self.alias: dict[str, object] = {}
-        self.paths: dict[int, list[int]] = {}
+        self.paths: dict[int, object] = {}  # turn id -> its TokenPath
         self.followed = 0
 
     async def find_turn(self, sid, keys):
@@ -372,16 +373,23 @@ class TreeStore(FakeStore):
         alias = self.alias[raw]
         return Followed(alias, self.paths.get(alias.turn_id))
 
-    async def path_ids(self, sid, tid):
+    async def lookup(self, rid, sid, follow=""):
+        """As Store.lookup: the follow in the same call (counted once, like a separate follow)."""
+        from msgspec.structs import replace
+
+        look = await super().lookup(rid, sid)
+        return replace(look, follow=follow, followed=await self.follow(sid, follow)) if sid and follow else look
+
+    async def path(self, sid, tid):
         return self.paths.get(tid)
 
-    async def save_turn(self, sid, turn, worker, result=b"", path_ids=None, alias=None, owner=""):
+    async def save_turn(self, sid, turn, worker, result=b"", path=None, alias=None, owner=""):
         if not await super().save_turn(sid, turn, worker, result, owner):
             return False
         self.turns_[turn.turn_id] = turn
         self.idx[turn.key] = turn.turn_id
-        if path_ids is not None:
-            self.paths[turn.turn_id] = path_ids
+        if path is not None:
+            self.paths[turn.turn_id] = path
             self.paths.pop(turn.parent, None)
         if alias is not None:
             self.alias[alias[0]] = alias[1]
