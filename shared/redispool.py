@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 
 from redis.asyncio import BlockingConnectionPool
+from redis.driver_info import DriverInfo
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError
 
@@ -70,8 +71,16 @@ def _with_hiredis_packing(cls: type) -> type:
     return _packing[cls]
 
 
+# What each new connection tells Redis (CLIENT SETINFO), made once: redis-py otherwise looks its own
+# version up in the package metadata (importlib.metadata, an email-header parse) for every connection
+# it opens, ~2.7 ms of CPU each: 12% of the trajectory manager's CPU while its pool grew to 64 under
+# bench/gateway_overhead.py (BENCHMARKS.md, issue 15).
+DRIVER_INFO = DriverInfo()
+
+
 class FairPool(BlockingConnectionPool):
     def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("driver_info", DRIVER_INFO)
         super().__init__(*args, **kwargs)
         self.connection_class = _with_hiredis_packing(self.connection_class)
         self._line = asyncio.Semaphore(self.max_connections)  # bound to a loop at its first wait
