@@ -37,3 +37,13 @@ def private_nats(tmp_path_factory):
     proc = servers.start_nats(port, tmp_path_factory.mktemp("private-nats"))
     yield f"nats://127.0.0.1:{port}"
     servers.stop(proc)
+
+
+@pytest.fixture
+async def store(redis_url):
+    """The trajectory manager's Redis store on the session's Redis, for modules that test it directly."""
+    from services.trajectory.store import Store
+
+    s = Store.connect(redis_url, ttl=60)
+    yield s
+    await s.close()

@@ -15,13 +15,6 @@ from services.trajectory.store import DeltaRecord, InFlight, Store
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-async def store(redis_url):
-    s = Store.connect(redis_url, ttl=60)
-    yield s
-    await s.close()
-
-
 def handler(store: Store, resume_wait: float = 5.0) -> TurnHandler:
     return TurnHandler(TrajectoryConfig(resume_wait=resume_wait), store, renderer=None, table=None, call=None)
 

@@ -12,13 +12,6 @@ from services.trajectory.turns import Segment, Turn
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-async def store(redis_url):
-    s = Store.connect(redis_url, ttl=60)
-    yield s
-    await s.close()
-
-
 async def saved_turn(store: Store, sid: str, rid: str, prompt: TokenPath, reply: list[int], digest: str) -> TokenPath:
     look = await store.lookup(rid, sid)
     assert await store.begin_request(rid, InFlight(sid, look.turn_id, prompt.wire(), prompt.ids, -1, []), "me", 5_000)
