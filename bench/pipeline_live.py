@@ -28,6 +28,15 @@ process but the trainer and the scheduler (agents, gateway, trajectory manager, 
 host agents with their workers), measured over the run (/proc), on the cores that other
 processes left free meanwhile (/proc/stat). --control-ms and --control-cores set them instead
 (e.g. the cost measured in another run).
+
+A third simulator column, "sim + latency", adds the latency a turn spends outside the engine
+(sim.Options.turn_latency_s), measured in the live run from two independent clocks: each
+session's wall time as the agents see it (POST /sessions sent -> /finish answered: one turn,
+its HTTP calls, the gateway, the trajectory manager's Redis and NATS hops, the streamed
+deltas) and each request's time inside the simulated engine (generate() called -> last delta,
+logged by the engine itself: bench/simulated_engine.py --timing-dir), both over the sessions
+the compared steps' window opened; latency = mean of the first - mean of the second. Never
+fitted: --turn-latency-ms sets it instead.
 """
 
 from __future__ import annotations
@@ -92,6 +101,7 @@ class Agents:
     def __init__(self, base_url: str, api_key: str, tokens: int, group_size: int, slots: int):
         self.base_url, self.api_key, self.tokens, self.group_size, self.slots = base_url, api_key, tokens, group_size, slots
         self.prompt_tokens: list[int] = []
+        self.timings: list[tuple[float, float, float, float]] = []  # per turn: open sent, opened, reply, finished
         self.failures: list[str] = []
         self.closed = False
         self._probe = asyncio.Lock()
@@ -102,12 +112,13 @@ class Agents:
     async def _try(self, http: httpx.AsyncClient) -> dict | None:
         idx = heapq.heappop(self._free) if self._free else self._next
         self._next = max(self._next, idx + 1)
+        sent = time.time()
         r = await http.post("/sessions", json={"group_id": f"g{idx // self.group_size}"})
         if r.status_code in (429, 503):  # admission paused, or the trainer not seen yet
             heapq.heappush(self._free, idx)
             return None
         r.raise_for_status()
-        return r.json()
+        return r.json() | {"_sent": sent, "_opened": time.time()}
 
     async def _open(self, http: httpx.AsyncClient) -> dict:
         while True:
@@ -128,12 +139,15 @@ class Agents:
             body = {"model": "seamlessflow-tiny", "max_tokens": self.tokens, "temperature": 1.0,
                     "messages": [{"role": "user", "content": f"count {self.rng.randint(0, 999)}"}]}
             r = await http.post("/chat/completions", json=body, headers={"Authorization": f"Bearer {s['api_key']}"})
+            replied = time.time()
             if r.status_code != 200:
                 self.failures.append(f"{r.status_code}: {r.text[:200]}")
             else:
                 self.prompt_tokens.append(r.json()["usage"]["prompt_tokens"])
             f = await http.post(f"/sessions/{s['id']}/finish", json={"reward": self.rng.random()})
             f.raise_for_status()
+            if r.status_code == 200:
+                self.timings.append((s["_sent"], s["_opened"], replied, time.time()))
 
     async def run(self, stop, timeout: float) -> None:
         async with httpx.AsyncClient(base_url=self.base_url, headers={"Authorization": f"Bearer {self.api_key}"},
@@ -187,7 +201,7 @@ def _jsonl(path: Path) -> list[dict]:
 def live(a, tmp: Path) -> dict:
     model = init_model(tmp / "model", size="tiny")
     engine = f"{sys.executable} {ROOT / 'bench' / 'simulated_engine.py'} --capacity {a.capacity} " \
-             f"--step-ms {a.step_ms} --per-seq-ms {a.per_seq_ms} --follow-weights"
+             f"--step-ms {a.step_ms} --per-seq-ms {a.per_seq_ms} --follow-weights --timing-dir {tmp / 'engine_timing'}"
     trainer = {"group_size": WL.group_size, "groups_per_step": WL.groups_per_step, "publish_every": 1,
                "checkpoint_every": 5, "keep_versions": 3, "gate_timeout": 60}
     opts = StackOptions(model=model, data_dir=tmp, gateway_port=servers.free_port(), admin_port=servers.free_port(),
@@ -238,6 +252,16 @@ def live(a, tmp: Path) -> dict:
             spent[k] += v / len(reply.hosts)
     sw = switches(stack, t_k, t_n)
     publish = [s["ts"] - sims[s["step"]]["ts"] for s in steps[a.warmup:a.steps]]
+    # latency outside the engine: the agents' time per turn less the engine's own, over the turns
+    # begun in the compared window (two clocks of one machine, two independent records)
+    turns = [x for x in agents.timings if t_k <= x[0] < t_n]
+    engine = [r for f in sorted((tmp / "engine_timing").glob("*.jsonl")) for r in _jsonl(f)
+              if t_k <= r["t0"] < t_n and r["finish"] == "length"]
+    agent_s = statistics.mean(x[3] - x[0] for x in turns) if turns else float("nan")
+    engine_s = statistics.mean(r["t1"] - r["t0"] for r in engine) if engine else float("nan")
+    parts = {"open_s": statistics.mean(x[1] - x[0] for x in turns) if turns else float("nan"),
+             "chat_s": statistics.mean(x[2] - x[1] for x in turns) if turns else float("nan"),
+             "finish_s": statistics.mean(x[3] - x[2] for x in turns) if turns else float("nan")}
     samples = sum(r["samples"] for r in window)
     return {
         "wall_s": t_n - t_start, "window_s": t_n - t_k, "trained_tokens_per_s": tokens / (t_n - t_k),
@@ -248,6 +272,8 @@ def live(a, tmp: Path) -> dict:
         "train_s_per_token": sum(r["compute_s"] for r in window) / tokens,
         "prompt_tokens": (tokens - sum(r["tokens_loss"] for r in window)) / samples,
         "gen_tokens": sum(r["tokens_loss"] for r in window) / samples,
+        "turn_latency_s": agent_s - engine_s, "agent_turn_s": agent_s, "engine_turn_s": engine_s,
+        "agent_turns": len(turns), "engine_turns": len(engine), "agent_parts": parts,
         "failures": len(agents.failures), "agent_prompt_tokens": statistics.mean(agents.prompt_tokens or [0]),
         "turns": len(agents.prompt_tokens), "turns_per_s": len(agents.prompt_tokens) / (t_end - t_start),
         "cpu_core_share": cpu, "machine_load": round(load, 1), "cores": os.cpu_count(),
@@ -261,9 +287,10 @@ def live(a, tmp: Path) -> dict:
     }
 
 
-def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0)) -> dict:
+def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0), latency: float = 0.0) -> dict:
     """The simulator on the live run's measured costs; `control` = (CPU s per turn, cores) of
-    the control plane (Options.control_s_per_turn, control_cores), (0, 1) to leave it out."""
+    the control plane (Options.control_s_per_turn, control_cores), (0, 1) to leave it out;
+    `latency` = wall seconds per turn outside the engine (Options.turn_latency_s), 0 to leave it out."""
     cal = replace(CALIBRATIONS["live-mini"], decode_a_s=a.step_ms / 1000, decode_b_s=a.per_seq_ms / 1000,
                   max_seqs=a.capacity, lend_s=m["lend_s"] or a.switch_s, reclaim_s=m["reclaim_s"] or a.switch_s, weight_sync_s=m["publish_s"],
                   train_s_per_token=m["train_s_per_token"],
@@ -273,7 +300,7 @@ def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0)) -> dict:
     runs = {}
     for n in (a.warmup, a.steps):
         opt = Options(steps=n, dt=a.tick, seed=0, backlog=a.backlog, control_s_per_turn=control[0],
-                      control_cores=control[1], route=a.route)
+                      control_cores=control[1], route=a.route, turn_latency_s=latency)
         sim = Simulator(Cluster.uniform(a.hosts, 1), cal, wl, a.policy, opt)
         runs[n] = sim.run()
     r0, r1 = runs[a.warmup], runs[a.steps]
@@ -282,6 +309,7 @@ def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0)) -> dict:
     window = r1.wall_s - (r0.wall_s if a.warmup else 0)
     return {"wall_s": r1.wall_s, "window_s": window, "trained_tokens_per_s": tok / window,
             "control": {"s_per_turn": control[0], "cores": control[1], "wait_s": r1.control_wait_s},
+            "turn_latency_s": latency,
             "idle": float(ht[:, ACTS.index("idle")].sum() / ht.sum()),
             "fractions": {k: float(ht[:, i].sum() / ht.sum()) for i, k in enumerate(ACTS)},
             "lends": r1.lends - r0.lends, "reclaims": r1.reclaims - r0.reclaims,
@@ -317,6 +345,8 @@ def main() -> None:
                     help="sim + control: CPU ms per turn outside the engine (default: measured in this live run)")
     ap.add_argument("--control-cores", type=float, default=None,
                     help="sim + control: cores that work shares (default: the cores other processes left free)")
+    ap.add_argument("--turn-latency-ms", type=float, default=None,
+                    help="sim + latency: wall ms per turn outside the engine (default: measured in this live run)")
     ap.add_argument("--out", type=Path, default=Path("var/bench/pipeline_live.json"))
     a = ap.parse_args()
     a.slots = a.slots or (WL.max_staleness + 1) * WL.batch_samples + 8
@@ -326,9 +356,11 @@ def main() -> None:
     control = (a.control_ms / 1000 if a.control_ms is not None else m["control_s_per_turn"],
                a.control_cores if a.control_cores is not None else m["free_cores"])
     c = simulated(a, m, control)
+    latency = a.turn_latency_ms / 1000 if a.turn_latency_ms is not None else m["turn_latency_s"]
+    lt = simulated(a, m, latency=latency)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "live": m, "sim": s,
-                                 "sim_control": c}, indent=1))
+                                 "sim_control": c, "sim_latency": lt}, indent=1))
     print(f"\nSIMULATED engines and trainer, {a.hosts} hosts, {a.policy}, steps {a.warmup + 1}-{a.steps} "
           f"(engine {a.step_ms} ms + {a.per_seq_ms} ms/request, capacity {a.capacity}); measured live: "
           f"lend p50 {m['lend_s']}, reclaim p50 {m['reclaim_s']}, publish {m['publish_s']:.3f} s, "
@@ -336,21 +368,28 @@ def main() -> None:
     print(f"control plane (sim + control): {control[0] * 1000:.1f} ms of CPU per turn on {control[1]:.2f} cores "
           f"(measured live: {m['control_s_per_turn'] * 1000:.1f} ms per turn; {m['free_cores']:.2f} of "
           f"{m['cores']} cores left by other processes, the machine busy {m['machine_busy_cores']:.2f})")
-    print("\n| | live | simulator | sim / live | sim + control | / live |\n|---|---|---|---|---|---|")
+    p = m["agent_parts"]
+    print(f"latency outside the engine (sim + latency): {latency * 1000:.1f} ms per turn (measured live: "
+          f"{m['turn_latency_s'] * 1000:.1f} ms = agents {m['agent_turn_s'] * 1000:.1f} ms per turn over "
+          f"{m['agent_turns']} turns (open {p['open_s'] * 1000:.1f}, chat {p['chat_s'] * 1000:.1f}, finish "
+          f"{p['finish_s'] * 1000:.1f}) - engine {m['engine_turn_s'] * 1000:.1f} ms over {m['engine_turns']} requests)")
+    print("\n| | live | simulator | sim / live | sim + control | / live | sim + latency | / live |\n"
+          "|---|---|---|---|---|---|---|---|")
     for key, fmt in (("trained_tokens_per_s", "{:.0f}"), ("idle", "{:.1%}"), ("window_s", "{:.2f}"),
                      ("wall_s", "{:.2f}")):
-        r = [x[key] / m[key] if m[key] else float("nan") for x in (s, c)]
-        print(f"| {key} | {fmt.format(m[key])} | {fmt.format(s[key])} | {r[0]:.3f} | {fmt.format(c[key])} | {r[1]:.3f} |")
+        r = [x[key] / m[key] if m[key] else float("nan") for x in (s, c, lt)]
+        print(f"| {key} | {fmt.format(m[key])} | {fmt.format(s[key])} | {r[0]:.3f} | {fmt.format(c[key])} | {r[1]:.3f} "
+              f"| {fmt.format(lt[key])} | {r[2]:.3f} |")
     for act in ("train", "rollout", "switch"):
         print(f"| {act} fraction | {m['fractions'][act]:.1%} | {s['fractions'][act]:.1%} | | "
-              f"{c['fractions'][act]:.1%} | |")
+              f"{c['fractions'][act]:.1%} | | {lt['fractions'][act]:.1%} | |")
     print(f"| lends / reclaims | {m['lends']} / {m['reclaims']} | {s['lends']} / {s['reclaims']} | | "
-          f"{c['lends']} / {c['reclaims']} | |")
+          f"{c['lends']} / {c['reclaims']} | | {lt['lends']} / {lt['reclaims']} | |")
     busy = sorted(m["cpu_core_share"].items(), key=lambda kv: -kv[1])
     print("\nlive CPU (share of one core; host-N with its worker) over the run: "
           + ", ".join(f"{k} {v:.2f}" for k, v in busy)
           + f"; {m['turns_per_s']:.1f} turns/s; machine load average {m['machine_load']} on {m['cores']} cores")
-    for name, x in (("simulator", s), ("sim + control", c)):
+    for name, x in (("simulator", s), ("sim + control", c), ("sim + latency", lt)):
         print(f"live wall-clock overrun over the {name}: {m['window_s'] / x['window_s'] - 1:+.1%} over the compared "
               f"steps, {m['wall_s'] / x['wall_s'] - 1:+.1%} from the start")
     print(f"failed turns {m['failures']}; wrote {a.out}")

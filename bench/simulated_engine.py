@@ -25,9 +25,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import sys
+import time
 import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -50,8 +52,12 @@ TOKEN_CYCLE = (69, 70, 71, 72, 73, 74, 75, 76)  # "a" .. "h" in the tiny model's
 class SimulatedEngine:
     """The Engine interface RolloutService uses, with a simulated step clock."""
 
-    def __init__(self, capacity: int, step_ms: float = STEP_MS, per_seq_ms: float = PER_SEQ_MS):
+    def __init__(self, capacity: int, step_ms: float = STEP_MS, per_seq_ms: float = PER_SEQ_MS,
+                 timing_log: Path | None = None):
         self.capacity = capacity
+        # one line per finished request: when generate() was called and when it yielded the last
+        # delta (wall clock), the engine's own time for that turn (bench/pipeline_live.py)
+        self.timing = timing_log.open("a", buffering=1) if timing_log else None
         self.step_ms, self.per_seq_ms = step_ms, per_seq_ms
         self.version = 0
         self.dead = ""
@@ -91,9 +97,12 @@ class SimulatedEngine:
         self._start[request_id] = zlib.crc32(request_id.encode())
         self._waiting.append(request_id)
         self._wake.set()
+        t0 = time.time()
         try:
             while True:
                 d = await q.get()
+                if d.finish is not None and self.timing:
+                    self.timing.write(json.dumps({"t0": t0, "t1": time.time(), "finish": d.finish}) + "\n")
                 yield d
                 if d.finish is not None:
                     return
@@ -187,6 +196,9 @@ def main() -> int:
     ap.add_argument("--per-seq-ms", type=float, default=PER_SEQ_MS)
     ap.add_argument("--start-s", type=float, default=0.0,
                     help="seconds before the worker serves, as a real engine takes to load (vLLM-CPU: 20 s to minutes)")
+    ap.add_argument("--timing-dir", type=Path, default=None,
+                    help="append each finished request's engine time (wall clock in, last delta out) to "
+                         "DIR/<worker-id>.jsonl")
     ap.add_argument("--follow-weights", action="store_true",
                     help="load each published version (a version bump, instant), as a real worker follows them")
     a = ap.parse_args()
@@ -205,7 +217,11 @@ def main() -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, quit.set)
-        engine = SimulatedEngine(a.capacity, a.step_ms, a.per_seq_ms)
+        timing = None
+        if a.timing_dir:
+            a.timing_dir.mkdir(parents=True, exist_ok=True)
+            timing = a.timing_dir / f"{a.worker_id}.jsonl"
+        engine = SimulatedEngine(a.capacity, a.step_ms, a.per_seq_ms, timing)
         if a.start_s > 0:  # "loading": a signal meanwhile quits at once, as during a real engine's start
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(quit.wait(), a.start_s)

@@ -45,6 +45,14 @@ Model, in order of one tick (steps numbered in `_tick`):
   turn becomes dispatchable only once a FIFO server of that capacity has done its work: at
   least `control_s_per_turn` after it is queued, and at most `control_cores /
   control_s_per_turn` turns per second. 0 (the default) leaves it out, as before.
+- Latency outside the engine (`Options.turn_latency_s` > 0): every turn takes that many
+  seconds of wall time outside the engine (the agent's HTTP calls, the gateway, the trajectory
+  manager's Redis and NATS round trips, the streamed deltas), spent waiting, not computing: a
+  queued turn becomes dispatchable that long after it is queued (its session stays open
+  meanwhile, so admission counts it), whatever the load. It is a measured input
+  (bench/pipeline_live.py measures it as the agents' time per turn less the engine's own).
+  With the control plane as well, a turn waits for the later of the two. 0 (the default)
+  leaves it out, as before.
 - Routing (`Options.route`): by default a queued turn takes a slot freed this tick first, so
   a host that finishes turns gets the next ones; "least_loaded" routes each turn to the host
   with the fewest running sequences per capacity, as the live trajectory manager does. With
@@ -118,6 +126,8 @@ class Options:
     # CPU seconds a turn costs outside the engine (0: not modelled), and the cores that work shares
     control_s_per_turn: float = 0.0
     control_cores: float = 1.0
+    # wall seconds a turn spends outside the engine, waiting (0: not modelled): a measured input
+    turn_latency_s: float = 0.0
     # where a queued turn goes: "refill" (slots freed this tick first, then the others by rank;
     # fast, the default) or "least_loaded", as the live trajectory manager routes (per turn)
     route: str = "refill"
@@ -392,7 +402,7 @@ class Simulator:
 
     def _dispatch(self, t0: float, freed_h: np.ndarray, freed_t: np.ndarray) -> None:
         q = np.nonzero(self.s_state == QUEUED)[0]
-        if self.opt.control_s_per_turn > 0:  # the control plane has not done these turns yet
+        if self.opt.control_s_per_turn > 0 or self.opt.turn_latency_s > 0:  # not through the control plane yet
             q = q[self.s_ready[q] <= self.t]
         if not len(q):
             return
@@ -543,22 +553,26 @@ class Simulator:
     def _control(self, idx: np.ndarray) -> None:
         """Queued turns `idx` (in arrival order, arrived at s_ready) wait for the control plane:
         a FIFO server doing `control_cores` CPU seconds per second, each turn's work
-        `control_s_per_turn` x w and at least that long in wall time; s_ready becomes when the
-        turn may be dispatched."""
+        `control_s_per_turn` x w and at least that long in wall time, and at least
+        `turn_latency_s` after it arrived; s_ready becomes when the turn may be dispatched."""
         c = self.opt.control_s_per_turn * self.w
-        if c <= 0 or not len(idx):
+        lat = self.opt.turn_latency_s
+        if (c <= 0 and lat <= 0) or not len(idx):
             return
-        service = c / self.opt.control_cores
         arrive = self.s_ready[idx]
-        start = np.empty(len(idx))
-        free = self.cp_free
-        for j, a in enumerate(arrive.tolist()):  # a few dozen turns per call
-            start[j] = free = max(a, free)
-            free += service
-        self.cp_free = free
-        ready = start + max(c, service)
-        self.tot.control_wait_s += float((ready - arrive).sum())
-        self.tot.control_turns += len(idx)
+        ready = arrive + lat  # the latency outside the engine (wall time, not per replica)
+        if c > 0:
+            service = c / self.opt.control_cores
+            start = np.empty(len(idx))
+            free = self.cp_free
+            for j, a in enumerate(arrive.tolist()):  # a few dozen turns per call
+                start[j] = free = max(a, free)
+                free += service
+            self.cp_free = free
+            ready_c = start + max(c, service)
+            self.tot.control_wait_s += float((ready_c - arrive).sum())
+            self.tot.control_turns += len(idx)
+            ready = np.maximum(ready, ready_c)
         self.s_ready[idx] = ready
 
     # -- the trainer -------------------------------------------------------------------------

@@ -189,3 +189,29 @@ def test_least_loaded_routing_spreads_turns_over_the_rolling_hosts():
     assert max(spread.idle_per_host[1:]) < 0.1
     assert spread.trained_tokens_per_s > 1.2 * refill.trained_tokens_per_s
     assert abs(spread.unaccounted_generated) < 1e-6 * spread.generated
+
+
+def test_a_latency_per_turn_lengthens_sessions_by_that_much_and_lowers_throughput_by_littles_law():
+    """Options.turn_latency_s: each turn waits that long outside the engine, its session open
+    meanwhile. With admission holding N = 64 sessions open and an engine step that does not
+    depend on the batch (b = 0), the time per session N / (turns/s) (Little's law) grows by the
+    latency, less at most one tick (a turn that arrived mid-tick waited for the next one
+    anyway): 1.12 s without it, 1.57 s at 0.5 s, 2.08 s at 1.0 s; throughput falls in
+    proportion. 0 is the run without it, to the last figure."""
+    cal = replace(CALIBRATIONS["live-mini"], decode_b_s=0.0, decode_a_s=0.009)
+    wl = WORKLOADS["live-mini"]
+    kw = dict(steps=20, dt=0.05, backlog="undelivered", route="least_loaded")
+    free = simulate(Cluster.uniform(4, 1), cal, wl, "seamless", **kw)
+    assert simulate(Cluster.uniform(4, 1), cal, wl, "seamless", turn_latency_s=0.0, **kw).row() == free.row()
+    n_open = 2 * wl.batch_samples  # Admission(max_staleness 1).capacity
+
+    def session_s(r):
+        return n_open / (r.steps * wl.batch_samples / r.wall_s)
+
+    for lat in (0.5, 1.0):
+        slow = simulate(Cluster.uniform(4, 1), cal, wl, "seamless", turn_latency_s=lat, **kw)
+        grew = session_s(slow) - session_s(free)
+        assert lat - kw["dt"] - 1e-6 <= grew <= lat + 1e-6, (lat, grew)
+        ratio = slow.trained_tokens_per_s / free.trained_tokens_per_s
+        assert abs(ratio / (session_s(free) / session_s(slow)) - 1) < 0.01, ratio
+        assert slow.idle_fraction > free.idle_fraction + 0.25  # hosts wait for turns to come back
