@@ -72,7 +72,6 @@ class DeltaRecord(msgspec.Struct, array_like=True):
     logprobs: list[float]
 
 
-
 class Alias(msgspec.Struct, frozen=True):
     """What the raw digest of a turn's request messages leads to (conversation.raw_digest)."""
 
@@ -81,13 +80,17 @@ class Alias(msgspec.Struct, frozen=True):
     turn_key: str  # ... and of them plus the reply: the turn's own key
     last_id: int = -1  # the last id of the turn's token path (-1: unknown, decode the path to learn it)
 
+    # "<turn id> <request key> <turn key>[:<last id>]": a replica from before last_id reads three fields
+    # still, finds its turn key unequal and takes the slow way (prompts.py step 2), rather than failing
     def encode(self) -> str:
-        return f"{self.turn_id} {self.request_key} {self.turn_key} {self.last_id}"
+        last = f":{self.last_id}" if self.last_id >= 0 else ""
+        return f"{self.turn_id} {self.request_key} {self.turn_key}{last}"
 
     @classmethod
     def decode(cls, raw: bytes) -> "Alias":
-        tid, request_key, turn_key, *last = raw.decode().split(" ")  # written before last_id: 3 parts
-        return cls(int(tid), request_key, turn_key, int(last[0]) if last else -1)
+        tid, request_key, turn_key = raw.decode().split(" ")
+        turn_key, _, last = turn_key.partition(":")
+        return cls(int(tid), request_key, turn_key, int(last) if last else -1)
 
 
 class Followed(msgspec.Struct):
