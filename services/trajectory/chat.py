@@ -217,8 +217,7 @@ class TurnHandler:
         if turn.key:  # a later turn may extend this one: what finds it fast, and its token path
             cache["path"] = path = prompt.ids + gen.token_ids
             if prompt.raw and prompt.request_key:
-                cache["alias"] = (prompt.raw, Alias(turn.turn_id, prompt.request_key, turn.key,
-                                                    path.last if path.last is not None else -1))
+                cache["alias"] = (prompt.raw, Alias(turn.turn_id, prompt.request_key, turn.key, path.last))
         # saved only while this replica holds the lease, checked in the same script: a replica paused past
         # its lease, whose request another took over or finished meanwhile, stops here instead of writing
         # the turn a second time

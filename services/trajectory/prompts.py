@@ -76,7 +76,7 @@ class PromptBuilder:
         msgs, tools = req.messages, req.tools
         digest, followed = looked
         if not digest:
-            followed = await self.store.follow(sid, raw_digest(tools, msgs[:k - 1]))
+            followed = await self.store.follow(sid, follow_digest(req))
         if followed is None:
             return None
         alias = followed.alias

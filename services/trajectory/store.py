@@ -78,19 +78,19 @@ class Alias(msgspec.Struct, frozen=True):
     turn_id: int
     request_key: str  # conversation key of the request's messages
     turn_key: str  # ... and of them plus the reply: the turn's own key
-    last_id: int = -1  # the last id of the turn's token path (-1: unknown, decode the path to learn it)
+    last_id: int | None = None  # the last id of the turn's token path (None: unknown, decode the path to learn it)
 
     # "<turn id> <request key> <turn key>[:<last id>]": a replica from before last_id reads three fields
     # still, finds its turn key unequal and takes the slow way (prompts.py step 2), rather than failing
     def encode(self) -> str:
-        last = f":{self.last_id}" if self.last_id >= 0 else ""
+        last = f":{self.last_id}" if self.last_id is not None else ""
         return f"{self.turn_id} {self.request_key} {self.turn_key}{last}"
 
     @classmethod
     def decode(cls, raw: bytes) -> "Alias":
         tid, request_key, turn_key = raw.decode().split(" ")
         turn_key, _, last = turn_key.partition(":")
-        return cls(int(tid), request_key, turn_key, int(last) if last else -1)
+        return cls(int(tid), request_key, turn_key, int(last) if last else None)
 
 
 class Followed(msgspec.Struct):
@@ -125,7 +125,7 @@ class Lookup(msgspec.Struct):
 
 def _followed(raw_alias: bytes, path: bytes | None) -> Followed:
     alias = Alias.decode(raw_alias)
-    return Followed(alias, TokenPath.from_raw(path, alias.last_id if alias.last_id >= 0 else None) if path else None)
+    return Followed(alias, TokenPath.from_raw(path, alias.last_id) if path else None)
 
 
 def _meta(sid: str, raw: dict[bytes, bytes]) -> dict[str, Any]:

@@ -45,7 +45,7 @@ async def test_an_alias_from_before_last_ids_still_leads_to_its_path(store):
     await saved_turn(store, sid, "st-old-r0", TokenPath.of([1, 2, 3]), [4, 2], "digest-old")
     await store.r.hset(f"sf:s:{sid}:alias", "digest-old", "0 rk tk")  # as an older replica wrote it
     followed = (await store.lookup("st-old-r1", sid, follow="digest-old")).followed
-    assert followed.alias.last_id == -1 and followed.path.last == 2 and followed.path.ids == [1, 2, 3, 4, 2]
+    assert followed.alias.last_id is None and followed.path.last == 2 and followed.path.ids == [1, 2, 3, 4, 2]
 
 
 async def test_a_running_requests_spliced_prompt_reads_back_as_its_ids(store):

@@ -49,7 +49,7 @@ def test_bytes_that_are_no_array_are_refused(raw):
 
 
 def test_an_alias_written_before_last_id_still_reads_and_an_older_reader_misses_not_fails():
-    assert Alias.decode(b"4 rk tk") == Alias(4, "rk", "tk", -1)
+    assert Alias.decode(b"4 rk tk") == Alias(4, "rk", "tk", None)
     alias = Alias(4, "rk", "tk", 128_001)
     assert Alias.decode(alias.encode().encode()) == alias
     tid, rk, tk = alias.encode().split(" ")  # what a replica from before last_id does with it
