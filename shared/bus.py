@@ -7,7 +7,9 @@ each service's `service.py`).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -19,7 +21,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from shared.backpressure import is_stream_full
 from shared.codec import encode
@@ -81,18 +83,41 @@ class StreamFull(RuntimeError):
     """The stream is at its limits and refuses new messages (DiscardPolicy.NEW): retry later."""
 
 
+# what a publish meets while NATS restarts or JetStream recovers its streams: worth another try
+TRANSIENT = (NatsTimeout, nats.errors.NoRespondersError, nats.errors.ConnectionReconnectingError,
+             nats.errors.OutboundBufferLimitError, ServiceUnavailableError)
+RETRY_FIRST_S, RETRY_MAX_S = 0.2, 2.0  # back-off between tries: doubles from the first to the cap
+
+
 async def publish_durable(
-    js: JetStreamContext, subject: str, msg: Any, msg_id: str, timeout: float = 5.0
+    js: JetStreamContext, subject: str, msg: Any, msg_id: str, timeout: float = 5.0, retry_for: float = 0.0
 ) -> None:
     """Publish to JetStream (a Struct, or bytes already encoded), de-duplicated by `msg_id` within the
-    stream's window. Raises StreamFull when the stream refuses it for its limits."""
+    stream's window. Raises StreamFull when the stream refuses it for its limits.
+
+    With `retry_for`, a try that met NATS down or timed out (TRANSIENT) is made again, with back-off,
+    until `retry_for` seconds have passed; then the last error is raised. A try that did land before
+    its acknowledgement was lost is a no-op the next time, by `msg_id`, while `retry_for` stays within
+    the stream's duplicate window (120 s for ours)."""
     data = msg if isinstance(msg, bytes) else encode(msg)
-    try:
-        await js.publish(subject, data, timeout=timeout, headers={"Nats-Msg-Id": msg_id})
-    except Exception as e:
-        if is_stream_full(e):
-            raise StreamFull(f"{subject}: {getattr(e, 'description', e)}") from None
-        raise
+    deadline = time.monotonic() + retry_for
+    wait = RETRY_FIRST_S
+    for attempt in itertools.count(1):
+        try:
+            await js.publish(subject, data, timeout=timeout, headers={"Nats-Msg-Id": msg_id})
+            if attempt > 1:
+                log.info("published %s (%s) on try %d", subject, msg_id, attempt)
+            return
+        except Exception as e:
+            if is_stream_full(e):  # whatever its status code: the caller decides when to come back
+                raise StreamFull(f"{subject}: {getattr(e, 'description', e)}") from None
+            left = deadline - time.monotonic()
+            if not isinstance(e, TRANSIENT) or left <= 0:
+                raise
+            log.warning("publishing %s (%s), try %d: %s: %s; again in %.1fs (giving up in %.0fs)", subject,
+                        msg_id, attempt, type(e).__name__, e, min(wait, left), left)
+            await asyncio.sleep(min(wait, left))
+            wait = min(2 * wait, RETRY_MAX_S)
 
 
 async def last_value(js: JetStreamContext, stream: str, subject: str) -> bytes | None:

@@ -59,6 +59,9 @@ TRAJ_COMPLETED = "sf.traj.completed"
 WEIGHTS_PUBLISHED = "sf.weights.published"
 
 TRAJECTORIES_STREAM = "TRAJECTORIES"  # sf.traj.completed
+# seconds within which a stream drops a second message with the same Nats-Msg-Id: a publisher's
+# retries (bus.publish_durable's retry_for) stay inside it, so a retried publish lands once
+DUPLICATE_WINDOW_S = 120.0
 WEIGHTS_STREAM = "WEIGHTS"  # sf.weights.published, last value per subject
 HOSTS_STREAM = "HOSTS"  # sf.sched.assign.<host>, last value per subject
 # The trainer's durable consumer on TRAJECTORIES; admission control reads its backlog, and
@@ -103,7 +106,7 @@ def streams(limits: TrajectoryLimits | None = None) -> tuple[StreamConfig, ...]:
             subjects=[TRAJ_COMPLETED],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
-            duplicate_window=120.0,
+            duplicate_window=DUPLICATE_WINDOW_S,
             max_bytes=limits.max_bytes,
             max_msgs=limits.max_msgs,
             # a full stream refuses the publish and the trajectory manager retries and pushes back;
@@ -117,7 +120,7 @@ def streams(limits: TrajectoryLimits | None = None) -> tuple[StreamConfig, ...]:
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             max_msgs_per_subject=1,  # last value: a late worker reads the current version
-            duplicate_window=120.0,
+            duplicate_window=DUPLICATE_WINDOW_S,
         ),
         StreamConfig(
             name=HOSTS_STREAM,
@@ -125,7 +128,7 @@ def streams(limits: TrajectoryLimits | None = None) -> tuple[StreamConfig, ...]:
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             max_msgs_per_subject=1,  # last value: a restarted host agent reads its current assignment
-            duplicate_window=120.0,
+            duplicate_window=DUPLICATE_WINDOW_S,
         ),
         dead_stream(),
     )

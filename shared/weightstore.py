@@ -81,9 +81,12 @@ async def current(js: JetStreamContext) -> WeightsPublished | None:
         return None
 
 
-async def announce(js: JetStreamContext, version: int, path: Path, step: int = 0) -> WeightsPublished:
+async def announce(js: JetStreamContext, version: int, path: Path, step: int = 0,
+                   retry_for: float = 0.0) -> WeightsPublished:
+    """Publish `version` on the WEIGHTS stream; `retry_for` seconds of retries while NATS is away."""
     event = WeightsPublished(version=version, path=str(Path(path).resolve()), published_at=time.time(), step=step)
-    await bus.publish_durable(js, subjects.WEIGHTS_PUBLISHED, event, msg_id=f"weights-v{version}")
+    await bus.publish_durable(js, subjects.WEIGHTS_PUBLISHED, event, msg_id=f"weights-v{version}",
+                              retry_for=retry_for)
     return event
 
 

@@ -67,6 +67,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # service: cadences and retention
     checkpoint_every: int = 1  # steps; messages are acked only once a checkpoint covers them
     publish_every: int = 1  # steps between published weight versions
+    publish_retry_s: float = 90.0  # seconds an announcement is retried while NATS is away; then the trainer stops
     weights_dir: str = ""  # the weight store root; "" = $SF_WEIGHTS_DIR or var/weights
     keep_versions: int = 2  # newest versions kept besides those a rollout worker still serves
     worker_stale_after: float = timeouts.HEARTBEAT_STALE_AFTER  # an older worker heartbeat no longer pins its version
@@ -94,6 +95,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("ack_wait and fetch_timeout must be > 0, fetch_batch and max_deliver >= 1")
         if self.gate_timeout <= 0:
             raise ValueError("gate_timeout must be > 0")
+        if not 0 <= self.publish_retry_s < subjects.DUPLICATE_WINDOW_S:
+            raise ValueError(f"publish_retry_s must be at least 0 and below {subjects.DUPLICATE_WINDOW_S:g}, the "
+                             "WEIGHTS stream's duplicate window, which keeps a retried announcement from landing twice")
         held = self.group_size * self.groups_per_step * (self.checkpoint_every + 2)
         if 0 < self.max_ack_pending < held:
             raise ValueError(f"max_ack_pending={self.max_ack_pending} cannot hold a checkpoint interval's "

@@ -285,7 +285,7 @@ class TrainerService:
         t0 = time.perf_counter()
         if dest is not None:
             await asyncio.to_thread(weightstore.check_checkpoint, dest)
-            await weightstore.announce(self.js, version, dest, step=step)
+            await weightstore.announce(self.js, version, dest, step=step, retry_for=cfg.publish_retry_s)
             self.version = version
             in_use = self.in_use()
             if in_use is not None:  # else: too soon after start to know; a later publish collects

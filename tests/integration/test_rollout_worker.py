@@ -247,12 +247,13 @@ async def test_stop_ends_with_the_stop_token(worker, nc, tiny_model):
     assert r.logprobs == free.logprobs[: j + 1]  # vLLM itself sent the stop token, with its logprob
 
 
-async def test_overlong_prompt_is_an_error_not_a_crash(worker, nc):
+async def test_overlong_prompt_is_an_error_not_a_crash(worker, nc, tiny_model):
     r = await generate(nc, [5] * MAX_MODEL_LEN, "long", max_tokens=4)
     assert r.done.finish_reason == "error" and "max_model_len" in r.done.error and not r.tokens
     r = await generate(nc, [5] * (MAX_MODEL_LEN - 2), "fits", max_tokens=50, temperature=0.0)
     assert r.done.finish_reason == "length" and len(r.tokens) == 2  # vLLM caps at max_model_len
-    assert (await generate(nc, PROMPTS[0], "after", max_tokens=2)).done.finish_reason == "length"
+    after = await generate(nc, PROMPTS[0], "after", max_tokens=2, logit_bias={eos_id(tiny_model): -100.0})
+    assert after.done.finish_reason == "length"
 
 
 async def test_heartbeats(worker, nc, tiny_model):
@@ -318,7 +319,9 @@ async def test_vacate_preempts_everything_until_resume(worker, nc, tiny_model):
     assert refused.done.num_prompt_tokens == len(PROMPTS[1])
     status = await control(nc, op="resume")
     assert status.state == "serving"
-    assert (await generate(nc, PROMPTS[1], "after-resume", max_tokens=5)).done.finish_reason == "length"
+    # served again: a whole generation (EOS barred, or the sampled tiny model may end it early with "stop")
+    after = await generate(nc, PROMPTS[1], "after-resume", max_tokens=5, logit_bias=no_eos)
+    assert after.done.finish_reason == "length" and len(after.tokens) == 5
 
 
 async def test_sleep_keep_freezes_a_request_and_wake_continues_it_exactly(worker, nc, tiny_model):
@@ -369,7 +372,7 @@ async def test_a_scheduled_vacate_marks_its_preemptions_and_the_lend_sequence(wo
     until = time.time() + 60
     status = await control(nc, op="resume", lent_until=until)
     assert (status.state, status.lent_until) == ("serving", until)
-    done = (await generate(nc, PROMPTS[1], "lent", max_tokens=5)).done
+    done = (await generate(nc, PROMPTS[1], "lent", max_tokens=5, logit_bias=no_eos)).done
     assert done.finish_reason == "length" and not done.scheduled
     assert (await control(nc, op="resume")).lent_until == 0.0  # leave it serving, not lent
 

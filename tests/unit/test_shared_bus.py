@@ -1,4 +1,5 @@
-"""shared/bus.py without a server: streamed replies, the reply mux, and the bounded drain.
+"""shared/bus.py without a server: streamed replies, the reply mux, the bounded drain, and the
+durable publish's bounded retry.
 
 Only the connection is faked; Replies, _ReplyMux and wait_closed are the real code."""
 
@@ -7,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import nats.errors
 import pytest
+from nats.js.errors import APIError, ServiceUnavailableError
 
 from shared import bus
 
@@ -136,3 +139,56 @@ async def test_a_stream_ends_when_the_connection_reconnects_meanwhile():
         with pytest.raises(bus.ReplyTimeout, match="reconnected"):
             await replies.__anext__()
         assert time.monotonic() - t0 < 2 * bus.Replies.ALIVE_POLL + 0.5
+
+
+class FlakyJetStream:
+    """js.publish that raises the given errors in turn, then acks; it records each try's Nats-Msg-Id."""
+
+    def __init__(self, *errors: Exception):
+        self.errors = list(errors)
+        self.tries: list[str] = []
+
+    async def publish(self, subject, data, timeout, headers):
+        self.tries.append(headers["Nats-Msg-Id"])
+        if self.errors:
+            raise self.errors.pop(0)
+
+
+@pytest.fixture
+def fast_backoff(monkeypatch):
+    monkeypatch.setattr(bus, "RETRY_FIRST_S", 0.01)
+    monkeypatch.setattr(bus, "RETRY_MAX_S", 0.02)
+
+
+async def test_a_durable_publish_retries_what_an_outage_throws_with_the_same_msg_id(fast_backoff):
+    js = FlakyJetStream(nats.errors.TimeoutError(), nats.errors.NoRespondersError(),
+                        nats.errors.ConnectionReconnectingError(), ServiceUnavailableError())
+    await bus.publish_durable(js, "sf.x", b"m", "id-1", retry_for=5.0)
+    assert js.tries == ["id-1"] * 5
+
+
+async def test_without_retry_for_the_first_error_is_raised(fast_backoff):
+    js = FlakyJetStream(nats.errors.TimeoutError())
+    with pytest.raises(nats.errors.TimeoutError):
+        await bus.publish_durable(js, "sf.x", b"m", "id-1")
+    assert len(js.tries) == 1
+
+
+async def test_retries_stop_at_retry_for_with_the_last_error(fast_backoff):
+    js = FlakyJetStream(*[nats.errors.TimeoutError() for _ in range(1000)])
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(nats.errors.TimeoutError):
+        await bus.publish_durable(js, "sf.x", b"m", "id-1", retry_for=0.2)
+    assert 0.2 <= asyncio.get_running_loop().time() - t0 < 1.0
+    assert 5 <= len(js.tries) < 100
+
+
+async def test_a_full_stream_and_a_refusal_are_not_retried(fast_backoff):
+    full = ServiceUnavailableError(code=503, err_code=10077, description="maximum messages exceeded")
+    js = FlakyJetStream(full)
+    with pytest.raises(bus.StreamFull):
+        await bus.publish_durable(js, "sf.x", b"m", "id-1", retry_for=5.0)
+    js = FlakyJetStream(APIError(code=400, err_code=10058, description="stream name in subject does not match"))
+    with pytest.raises(APIError):
+        await bus.publish_durable(js, "sf.x", b"m", "id-1", retry_for=5.0)
+    assert len(js.tries) == 1
