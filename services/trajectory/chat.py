@@ -24,6 +24,7 @@ from msgspec.structs import replace
 
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.generation import Call, Generated, GenerationFailed, generate
+from services.trajectory.messagelist import InvalidMessage
 from services.trajectory.prompts import PromptBuilder, follow_digest
 from services.trajectory.record import Prompt, last_worker, record
 from services.trajectory.rendering import Renderer, RenderError
@@ -91,6 +92,8 @@ class TurnHandler:
             return await self._handle(req, emit, look, lease)
         except _FinishedElsewhere as e:  # a re-sent request whose first copy finished meanwhile
             return decode(e.done, ChatDone)
+        except InvalidMessage as e:  # found where it was read (messagelist.py)
+            raise TurnError(400, "invalid_messages", str(e)) from None
         except asyncio.CancelledError:
             if lease.lost and asyncio.current_task().uncancel() == 0:  # our lease holder, not the agent
                 raise LeaseLost(f"request {rid}: another replica holds its lease") from None

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+
+from services.trajectory.messagelist import Messages
 
 _CHAIN_SEED = b"sf-conversation-key-2\n"
 _raw = msgspec.msgpack.Encoder()
@@ -101,9 +104,11 @@ def prefix_keys(tools: list[dict[str, Any]], messages: list[dict[str, Any]], ks:
     return out
 
 
-def raw_digest(tools: list[dict[str, Any]], messages: list[dict[str, Any]]) -> str:
-    """A hash of the exact messages as sent (key order, ids and spacing included)."""
-    return hashlib.sha256(_raw.encode((tools, messages))).hexdigest()[:32]
+def raw_digest(tools: list[dict[str, Any]], messages: Sequence[dict[str, Any]]) -> str:
+    """A hash of the exact messages as sent (key order, ids and spacing included). Messages not yet
+    decoded (messagelist.Messages) are hashed as the bytes they came in, the same bytes."""
+    return hashlib.sha256(_raw.encode((tools, messages.raws if isinstance(messages, Messages) else messages))
+                          ).hexdigest()[:32]
 
 
 def candidate_prefixes(messages: list[dict[str, Any]]) -> list[int]:

@@ -98,8 +98,8 @@ class PromptBuilder:
                                           history_ends_with_eos=ids.last == self.renderer.eos_id)
         if cont is None:
             return self._root(msgs, tools, request_key, raw)
-        return Prompt(ids + cont, cont, tid, msgs[k:], request_key, raw)
+        return Prompt(ids + cont, cont, tid, list(msgs[k:]), request_key, raw)
 
     def _root(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]], request_key: str, raw: str) -> Prompt:
         ids = self.renderer.prompt(msgs, tools)
-        return Prompt(ids, ids, -1, msgs, request_key, raw)
+        return Prompt(ids, ids, -1, list(msgs), request_key, raw)

@@ -30,6 +30,7 @@ from services.trajectory import tokenpath
 from services.trajectory.chat import LeaseLost, TurnError, TurnHandler
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.finishing import Publisher
+from services.trajectory.messagelist import decode_chat
 from services.trajectory.rendering import Renderer
 from services.trajectory.routing import WorkerTable
 from services.trajectory.sessions import SessionOps
@@ -263,7 +264,7 @@ class TrajectoryService:
 
     async def _on_chat(self, msg: Msg) -> None:
         try:
-            req = decode(msg.data, ChatRequest)
+            req = decode_chat(msg.data)  # its messages decoded only where read (messagelist.py)
         except msgspec.DecodeError as e:  # undecodable, or another type (ValidationError)
             self.malformed(msg, subjects.CHAT, e)
             if msg.reply:
