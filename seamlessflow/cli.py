@@ -167,7 +167,8 @@ def _demo_command(a: argparse.Namespace) -> str:
     """The command line that reproduces this demo run (for the report's summary.md)."""
     import shlex
 
-    args = ["seamlessflow", "demo", "--task", a.task, "--seed", str(a.seed), "--rounds", str(a.rounds),
+    # the venv's console script: a newcomer who copies the line has not activated the venv
+    args = [".venv/bin/seamlessflow", "demo", "--task", a.task, "--seed", str(a.seed), "--rounds", str(a.rounds),
             "--groups", str(a.groups), "--group-size", str(a.group_size), "--data-dir", str(a.data_dir)]
     if a.model is not None:
         args += ["--model", str(a.model)]

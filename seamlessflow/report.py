@@ -181,6 +181,20 @@ def state_intervals(samples: list[Sample], t0: float) -> dict[str, list[tuple[st
     return out
 
 
+def version_loads(samples: list[Sample], t0: float) -> dict[str, list[tuple[float, int]]]:
+    """worker -> [(seconds since t0, version)] for each heartbeat that first shows a new weight version
+    (not the worker's first): where each update had landed. An update takes well under the 1 s between
+    heartbeats, so the "updating" state itself is mostly missed by the sampling; its result is not."""
+    by_worker: dict[str, list[Sample]] = {}
+    for s in samples:
+        by_worker.setdefault(s.worker, []).append(s)
+    out: dict[str, list[tuple[float, int]]] = {}
+    for w, ss in sorted(by_worker.items()):
+        ss.sort(key=lambda s: s.ts)
+        out[w] = [(b.ts - t0, b.version) for a, b in zip(ss, ss[1:]) if b.version != a.version]
+    return out
+
+
 LEAD_IN = 10.0  # seconds of host activity shown before the first round (not the minutes of start-up)
 
 
@@ -192,6 +206,7 @@ def clip_before(intervals: list[tuple[str, float, float]], start: float) -> list
 
 def _timeline(path: Path, d: ReportData) -> Path:
     workers = state_intervals(d.samples, d.started_at)
+    loads = version_loads(d.samples, d.started_at)
     hosts = {h: clip_before([(a, t0 - d.started_at, t1 - d.started_at) for a, t0, t1 in v["intervals"]], -LEAD_IN)
              for h, v in sorted((d.host_timeline or {}).get("hosts", {}).items())}
     rows = [(f"worker {w}", ivs) for w, ivs in workers.items()] + [(f"host {h}", ivs) for h, ivs in hosts.items()]
@@ -203,6 +218,12 @@ def _timeline(path: Path, d: ReportData) -> Path:
             ax.broken_barh([(a, max(b - a, 0.05))], (y - 0.35, 0.7), color=COLORS.get(state, "#8c564b"),
                            label=None if state in seen else state)
             seen[state] = True
+    for y, (name, _) in enumerate(rows):
+        ts = [t for t, _ in loads.get(name.removeprefix("worker "), [])] if name.startswith("worker ") else []
+        if ts:  # a tick per new version, across the bar
+            ax.plot(ts, [y] * len(ts), "|", color="black", ms=22, mew=1.2,
+                    label=None if "new weights" in seen else "new weights")
+            seen["new weights"] = True
     ax.set_yticks(range(len(rows)), [name for name, _ in rows])
     ax.set_ylim(-0.6, max(1, len(rows)) - 0.4)
     ax.invert_yaxis()

@@ -10,7 +10,15 @@ import random
 import pytest
 from matplotlib.image import imread
 
-from seamlessflow.report import ReportData, build_report, margin, rolling, state_intervals, worker_rates
+from seamlessflow.report import (
+    ReportData,
+    build_report,
+    margin,
+    rolling,
+    state_intervals,
+    version_loads,
+    worker_rates,
+)
 from seamlessflow.rl import Round
 from seamlessflow.telemetry import Sample
 
@@ -81,6 +89,10 @@ def test_helpers():
     rates = worker_rates([Sample(T0, "w", "serving", 0, 0), Sample(T0 + 1, "w", "serving", 0, 50),
                           Sample(T0 + 2, "w", "serving", 0, 5)], T0)
     assert rates == [(2.5, 10.0)]
+    loads = version_loads([Sample(T0 + 3, "w", "serving", 2, 0), Sample(T0, "w", "serving", 0, 0),
+                           Sample(T0 + 1, "w", "updating", 0, 0), Sample(T0 + 2, "w", "serving", 1, 0),
+                           Sample(T0 + 1, "v", "serving", 5, 0)], T0)
+    assert loads == {"v": [], "w": [(2.0, 1), (3.0, 2)]}  # in time order; a worker's first heartbeat is no load
 
 
 def test_host_activity_before_the_rounds_is_clipped_to_a_short_lead_in():
