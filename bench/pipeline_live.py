@@ -22,6 +22,14 @@ tokens of the trained samples, per second) and the overall idle fraction (the sc
 timeline, services/scheduler/registry.py `fractions`; policy.activity in both). Also the
 live run's wall-clock overrun: its time for the same steps over the simulator's.
 
+The live idle fraction is taken twice. "idle" is the scheduler's timeline, whose rollout/idle
+split follows each worker's running count in its heartbeats (1 s apart): sampled. "idle live
+(engine logs)" is exact: over the compared window [t_k, t_n], per host, the time the host is
+neither training nor switching (the timeline's train and switch intervals, as above) and has no
+request running in its engine (the union of the [t0, t1] intervals of every request that
+host's engine logged, bench/simulated_engine.py --timing-dir), over t_n - t_k; overall = the
+mean over hosts (`exact_idle`). Both are set against the simulator's idle, which is exact.
+
 The simulator runs twice: as before, and "sim + control" with the control plane's CPU
 (sim.Options.control_s_per_turn on control_cores): the CPU seconds per turn of every live
 process but the trainer and the scheduler (agents, gateway, trajectory manager, NATS, Redis,
@@ -194,6 +202,27 @@ def _cpu_s(pid: int, tree: bool = True) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def merged(intervals: list[tuple[float, float]], t0: float, t1: float) -> list[tuple[float, float]]:
+    """The intervals clipped to [t0, t1], overlapping or touching ones merged, in order."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted((max(a, t0), min(b, t1)) for a, b in intervals):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def exact_idle(busy: list[tuple[float, float]], requests: list[tuple[float, float]], t0: float, t1: float) -> float:
+    """Share of [t0, t1] that one host spends neither in `busy` (its train and switch intervals)
+    nor with a request in its engine (`requests`: each request's [t0, t1]); 0 for an empty window."""
+    if t1 <= t0:
+        return 0.0
+    return 1 - sum(b - a for a, b in merged(busy + requests, t0, t1)) / (t1 - t0)
+
+
 def _jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
@@ -250,6 +279,13 @@ def live(a, tmp: Path) -> dict:
         f = fractions([Interval(iv.activity, iv.t_start, iv.t_end) for iv in h.timeline], t_k, t_n)
         for k, v in f.items():
             spent[k] += v / len(reply.hosts)
+    # exact idle: per host, the window less train, switch and its engine's requests (module docstring)
+    host_of, reqs = {h.worker_id: h.host for h in reply.hosts}, {}
+    for f in sorted((tmp / "engine_timing").glob("*.jsonl")):  # <worker-id>.jsonl
+        for r in _jsonl(f):  # lines written before "host" was logged: the host whose worker wrote the file
+            reqs.setdefault(r.get("host") or host_of.get(f.stem, f.stem), []).append((r["t0"], r["t1"]))
+    by_host = {h.host: exact_idle([(iv.t_start, iv.t_end) for iv in h.timeline if iv.activity in ("train", "switch")],
+                                  reqs.get(h.host, []), t_k, t_n) for h in reply.hosts}
     sw = switches(stack, t_k, t_n)
     publish = [s["ts"] - sims[s["step"]]["ts"] for s in steps[a.warmup:a.steps]]
     # latency outside the engine: the agents' time per turn less the engine's own, over the turns
@@ -266,6 +302,7 @@ def live(a, tmp: Path) -> dict:
     return {
         "wall_s": t_n - t_start, "window_s": t_n - t_k, "trained_tokens_per_s": tokens / (t_n - t_k),
         "idle": spent["idle"], "fractions": spent,
+        "idle_engine": statistics.mean(by_host.values()) if by_host else float("nan"), "idle_engine_hosts": by_host,
         "lend_s": statistics.median(sw["lend"]) if sw["lend"] else None, "lends": len(sw["lend"]),
         "reclaim_s": statistics.median(sw["reclaim"]) if sw["reclaim"] else None, "reclaims": len(sw["reclaim"]),
         "publish_s": statistics.mean(publish),
@@ -359,8 +396,12 @@ def main() -> None:
     latency = a.turn_latency_ms / 1000 if a.turn_latency_ms is not None else m["turn_latency_s"]
     lt = simulated(a, m, latency=latency)
     a.out.parent.mkdir(parents=True, exist_ok=True)
+    # sim idle over live idle, against both live figures (heartbeat timeline, engine logs)
+    ratios = {name: {"idle_heartbeats": x["idle"] / m["idle"] if m["idle"] else float("nan"),
+                     "idle_engine": x["idle"] / m["idle_engine"] if m["idle_engine"] else float("nan")}
+              for name, x in (("sim", s), ("sim_control", c), ("sim_latency", lt))}
     a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "live": m, "sim": s,
-                                 "sim_control": c, "sim_latency": lt}, indent=1))
+                                 "sim_control": c, "sim_latency": lt, "idle_ratios": ratios}, indent=1))
     print(f"\nSIMULATED engines and trainer, {a.hosts} hosts, {a.policy}, steps {a.warmup + 1}-{a.steps} "
           f"(engine {a.step_ms} ms + {a.per_seq_ms} ms/request, capacity {a.capacity}); measured live: "
           f"lend p50 {m['lend_s']}, reclaim p50 {m['reclaim_s']}, publish {m['publish_s']:.3f} s, "
@@ -378,13 +419,19 @@ def main() -> None:
     for key, fmt in (("trained_tokens_per_s", "{:.0f}"), ("idle", "{:.1%}"), ("window_s", "{:.2f}"),
                      ("wall_s", "{:.2f}")):
         r = [x[key] / m[key] if m[key] else float("nan") for x in (s, c, lt)]
-        print(f"| {key} | {fmt.format(m[key])} | {fmt.format(s[key])} | {r[0]:.3f} | {fmt.format(c[key])} | {r[1]:.3f} "
+        label = "idle live (heartbeats)" if key == "idle" else key
+        print(f"| {label} | {fmt.format(m[key])} | {fmt.format(s[key])} | {r[0]:.3f} | {fmt.format(c[key])} | {r[1]:.3f} "
               f"| {fmt.format(lt[key])} | {r[2]:.3f} |")
+        if key == "idle":
+            r = [ratios[n]["idle_engine"] for n in ("sim", "sim_control", "sim_latency")]
+            print(f"| idle live (engine logs) | {m['idle_engine']:.1%} | {s['idle']:.1%} | {r[0]:.3f} | {c['idle']:.1%} "
+                  f"| {r[1]:.3f} | {lt['idle']:.1%} | {r[2]:.3f} |")
     for act in ("train", "rollout", "switch"):
         print(f"| {act} fraction | {m['fractions'][act]:.1%} | {s['fractions'][act]:.1%} | | "
               f"{c['fractions'][act]:.1%} | | {lt['fractions'][act]:.1%} | |")
     print(f"| lends / reclaims | {m['lends']} / {m['reclaims']} | {s['lends']} / {s['reclaims']} | | "
           f"{c['lends']} / {c['reclaims']} | | {lt['lends']} / {lt['reclaims']} | |")
+    print("idle live per host (engine logs): " + ", ".join(f"{k} {v:.1%}" for k, v in m["idle_engine_hosts"].items()))
     busy = sorted(m["cpu_core_share"].items(), key=lambda kv: -kv[1])
     print("\nlive CPU (share of one core; host-N with its worker) over the run: "
           + ", ".join(f"{k} {v:.2f}" for k, v in busy)

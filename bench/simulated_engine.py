@@ -53,11 +53,13 @@ class SimulatedEngine:
     """The Engine interface RolloutService uses, with a simulated step clock."""
 
     def __init__(self, capacity: int, step_ms: float = STEP_MS, per_seq_ms: float = PER_SEQ_MS,
-                 timing_log: Path | None = None):
+                 timing_log: Path | None = None, names: dict[str, str] | None = None):
         self.capacity = capacity
-        # one line per finished request: when generate() was called and when it yielded the last
-        # delta (wall clock), the engine's own time for that turn (bench/pipeline_live.py)
+        # one line per request: when generate() was called and when it yielded the last delta
+        # (wall clock), the engine's own time for that turn, with `finish` (null: cut off before
+        # its last delta) and `names` appended, e.g. worker and host (bench/pipeline_live.py)
         self.timing = timing_log.open("a", buffering=1) if timing_log else None
+        self.names = names or {}
         self.step_ms, self.per_seq_ms = step_ms, per_seq_ms
         self.version = 0
         self.dead = ""
@@ -97,21 +99,28 @@ class SimulatedEngine:
         self._start[request_id] = zlib.crc32(request_id.encode())
         self._waiting.append(request_id)
         self._wake.set()
-        t0 = time.time()
+        t0, finish = time.time(), None
         try:
             while True:
                 d = await q.get()
-                if d.finish is not None and self.timing:
-                    self.timing.write(json.dumps({"t0": t0, "t1": time.time(), "finish": d.finish}) + "\n")
+                if d.finish is not None:
+                    finish = d.finish
+                    self._log(t0, finish)
                 yield d
                 if d.finish is not None:
                     return
         finally:
+            if finish is None:  # closed before its last delta: the engine ran it until now
+                self._log(t0, None)
             self._running.pop(request_id, None)
             self._budget.pop(request_id, None)
             self._start.pop(request_id, None)
             if request_id in self._waiting:
                 self._waiting.remove(request_id)
+
+    def _log(self, t0: float, finish: str | None) -> None:
+        if self.timing:
+            self.timing.write(json.dumps({"t0": t0, "t1": time.time(), "finish": finish} | self.names) + "\n")
 
     async def _steps(self) -> None:
         active: list[str] = []
@@ -197,8 +206,8 @@ def main() -> int:
     ap.add_argument("--start-s", type=float, default=0.0,
                     help="seconds before the worker serves, as a real engine takes to load (vLLM-CPU: 20 s to minutes)")
     ap.add_argument("--timing-dir", type=Path, default=None,
-                    help="append each finished request's engine time (wall clock in, last delta out) to "
-                         "DIR/<worker-id>.jsonl")
+                    help="append each request's engine time (wall clock in, last delta out), its finish, "
+                         "worker and host to DIR/<worker-id>.jsonl")
     ap.add_argument("--follow-weights", action="store_true",
                     help="load each published version (a version bump, instant), as a real worker follows them")
     a = ap.parse_args()
@@ -221,7 +230,8 @@ def main() -> int:
         if a.timing_dir:
             a.timing_dir.mkdir(parents=True, exist_ok=True)
             timing = a.timing_dir / f"{a.worker_id}.jsonl"
-        engine = SimulatedEngine(a.capacity, a.step_ms, a.per_seq_ms, timing)
+        engine = SimulatedEngine(a.capacity, a.step_ms, a.per_seq_ms, timing,
+                                 {"worker": a.worker_id, "host": cfg.host})  # host: SF_ROLLOUT_HOST, from its host agent
         if a.start_s > 0:  # "loading": a signal meanwhile quits at once, as during a real engine's start
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(quit.wait(), a.start_s)

@@ -1,0 +1,66 @@
+"""bench/pipeline_live.py's exact idle arithmetic and the simulated engine's timing log it reads
+(the bench itself is not in the test suite: it runs minutes)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.pipeline_live import exact_idle, merged  # noqa: E402
+from bench.simulated_engine import SimulatedEngine  # noqa: E402
+from shared.messages.rollout import Sampling  # noqa: E402
+
+
+def test_overlapping_and_touching_intervals_merge_in_order():
+    assert merged([(5, 7), (1, 3), (2, 4), (4, 4.5), (6, 6.5)], 0, 10) == [(1, 4.5), (5, 7)]
+
+
+def test_intervals_are_clipped_to_the_window_and_those_outside_dropped():
+    assert merged([(-5, 1), (2, 3), (9, 15), (-3, -1), (11, 12), (4, 4)], 0, 10) == [(0, 1), (2, 3), (9, 10)]
+
+
+def test_idle_is_the_window_less_train_switch_and_engine_requests():
+    busy = [(0, 2), (2, 3)]  # train, then switch
+    requests = [(4, 6), (5, 7), (9, 12)]  # two overlapping, one running past the window
+    assert exact_idle(busy, requests, 0, 10) == pytest.approx(0.3)  # idle: 3-4, 7-9
+
+
+def test_a_request_during_training_is_not_counted_twice():
+    assert exact_idle([(0, 5)], [(3, 6)], 0, 10) == pytest.approx(0.4)
+
+
+def test_time_before_the_window_is_left_out():
+    assert exact_idle([(-10, 2)], [(-4, -1), (8, 20)], 0, 10) == pytest.approx(0.6)
+
+
+def test_a_host_with_nothing_running_is_idle_and_an_empty_window_is_zero():
+    assert exact_idle([], [], 0, 10) == 1.0
+    assert exact_idle([(0, 1)], [], 5, 5) == 0.0
+
+
+def test_the_engine_logs_every_request_with_its_host_and_one_cut_off_with_a_null_finish(tmp_path):
+    log = tmp_path / "host-1-rollout.jsonl"
+
+    async def run():
+        engine = SimulatedEngine(4, step_ms=1.0, per_seq_ms=0.0, timing_log=log,
+                                 names={"worker": "host-1-rollout", "host": "host-1"})
+        await engine.start()
+        deltas = [d async for d in engine.generate("a", [1, 2], Sampling(max_tokens=3))]
+        cut = engine.generate("b", [1, 2], Sampling(max_tokens=100))
+        await anext(cut)
+        await cut.aclose()
+        engine.shutdown()
+        return deltas
+
+    deltas = asyncio.run(run())
+    assert deltas[-1].finish == "length"
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [(x["finish"], x["worker"], x["host"]) for x in lines] == [
+        ("length", "host-1-rollout", "host-1"), (None, "host-1-rollout", "host-1")]
+    assert all(x["t1"] >= x["t0"] for x in lines)
