@@ -274,9 +274,10 @@ def live(a, tmp: Path) -> dict:
     t_k, t_n = steps[a.warmup - 1]["ts"] if a.warmup else t_start, steps[a.steps - 1]["ts"]
     window = [sims[s["step"]] for s in steps[a.warmup:a.steps]]
     tokens = sum(r["tokens_all"] for r in window)
-    spent = dict.fromkeys(ACTS, 0.0)
+    spent, idle_hosts = dict.fromkeys(ACTS, 0.0), {}
     for h in reply.hosts:
         f = fractions([Interval(iv.activity, iv.t_start, iv.t_end) for iv in h.timeline], t_k, t_n)
+        idle_hosts[h.host] = f["idle"]
         for k, v in f.items():
             spent[k] += v / len(reply.hosts)
     # exact idle: per host, the window less train, switch and its engine's requests (module docstring)
@@ -301,7 +302,7 @@ def live(a, tmp: Path) -> dict:
     samples = sum(r["samples"] for r in window)
     return {
         "wall_s": t_n - t_start, "window_s": t_n - t_k, "trained_tokens_per_s": tokens / (t_n - t_k),
-        "idle": spent["idle"], "fractions": spent,
+        "idle": spent["idle"], "fractions": spent, "idle_hosts": idle_hosts,
         "idle_engine": statistics.mean(by_host.values()) if by_host else float("nan"), "idle_engine_hosts": by_host,
         "lend_s": statistics.median(sw["lend"]) if sw["lend"] else None, "lends": len(sw["lend"]),
         "reclaim_s": statistics.median(sw["reclaim"]) if sw["reclaim"] else None, "reclaims": len(sw["reclaim"]),
@@ -348,6 +349,7 @@ def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0), latency: fl
             "control": {"s_per_turn": control[0], "cores": control[1], "wait_s": r1.control_wait_s},
             "turn_latency_s": latency,
             "idle": float(ht[:, ACTS.index("idle")].sum() / ht.sum()),
+            "idle_hosts": {f"host-{i}": float(x) for i, x in enumerate(ht[:, ACTS.index("idle")] / ht.sum(axis=1))},
             "fractions": {k: float(ht[:, i].sum() / ht.sum()) for i, k in enumerate(ACTS)},
             "lends": r1.lends - r0.lends, "reclaims": r1.reclaims - r0.reclaims,
             "calibration": {k: getattr(cal, k) for k in ("decode_a_s", "decode_b_s", "max_seqs", "prefill_s_per_token",
@@ -431,7 +433,9 @@ def main() -> None:
               f"{c['fractions'][act]:.1%} | | {lt['fractions'][act]:.1%} | |")
     print(f"| lends / reclaims | {m['lends']} / {m['reclaims']} | {s['lends']} / {s['reclaims']} | | "
           f"{c['lends']} / {c['reclaims']} | | {lt['lends']} / {lt['reclaims']} | |")
-    print("idle live per host (engine logs): " + ", ".join(f"{k} {v:.1%}" for k, v in m["idle_engine_hosts"].items()))
+    print("idle per host, live heartbeats / live engine logs / simulator / sim + latency: " + ", ".join(
+        f"{k} {m['idle_hosts'][k]:.1%} / {v:.1%} / {s['idle_hosts'].get(k, float('nan')):.1%} / "
+        f"{lt['idle_hosts'].get(k, float('nan')):.1%}" for k, v in sorted(m["idle_engine_hosts"].items())))
     busy = sorted(m["cpu_core_share"].items(), key=lambda kv: -kv[1])
     print("\nlive CPU (share of one core; host-N with its worker) over the run: "
           + ", ".join(f"{k} {v:.2f}" for k, v in busy)
