@@ -45,6 +45,19 @@ deltas) and each request's time inside the simulated engine (generate() called -
 logged by the engine itself: bench/simulated_engine.py --timing-dir), both over the sessions
 the compared steps' window opened; latency = mean of the first - mean of the second. Never
 fitted: --turn-latency-ms sets it instead.
+
+A fourth, "sim + split latency", places that latency where it falls: before the engine
+(sim.Options.turn_latency_s) and after it (sim.Options.turn_latency_after_s: the session moves
+on that much after its last token, its engine slot already free). Both parts come from the same
+two clocks, both wall clock (time.time()) on this one machine, turn by turn: each agent turn is
+paired with its engine requests by request id (the gateway's x-request-id, which the engine
+logs as `<id>.<dispatch>`). Per paired turn, over the turns the compared window opened:
+before = the first dispatch's t0 (generate() called) - POST /sessions sent (the open call, the
+chat request through the gateway and the trajectory manager to the worker); after = /finish
+answered - the t1 (last delta yielded) of the dispatch that finished (the deltas back through
+the worker, trajectory manager and gateway to the agent, then /finish); the means over the
+paired turns (`split_latency`). before + engine (last t1 - first t0) + after = the agents' time
+per turn exactly, over the same turns. --turn-latency-ms BEFORE,AFTER sets them instead.
 """
 
 from __future__ import annotations
@@ -109,7 +122,8 @@ class Agents:
     def __init__(self, base_url: str, api_key: str, tokens: int, group_size: int, slots: int):
         self.base_url, self.api_key, self.tokens, self.group_size, self.slots = base_url, api_key, tokens, group_size, slots
         self.prompt_tokens: list[int] = []
-        self.timings: list[tuple[float, float, float, float]] = []  # per turn: open sent, opened, reply, finished
+        # per turn: open sent, opened, reply, finished (time.time()), and the gateway's request id
+        self.timings: list[tuple[float, float, float, float, str]] = []
         self.failures: list[str] = []
         self.closed = False
         self._probe = asyncio.Lock()
@@ -155,7 +169,7 @@ class Agents:
             f = await http.post(f"/sessions/{s['id']}/finish", json={"reward": self.rng.random()})
             f.raise_for_status()
             if r.status_code == 200:
-                self.timings.append((s["_sent"], s["_opened"], replied, time.time()))
+                self.timings.append((s["_sent"], s["_opened"], replied, time.time(), r.headers.get("x-request-id", "")))
 
     async def run(self, stop, timeout: float) -> None:
         async with httpx.AsyncClient(base_url=self.base_url, headers={"Authorization": f"Bearer {self.api_key}"},
@@ -221,6 +235,30 @@ def exact_idle(busy: list[tuple[float, float]], requests: list[tuple[float, floa
     if t1 <= t0:
         return 0.0
     return 1 - sum(b - a for a, b in merged(busy + requests, t0, t1)) / (t1 - t0)
+
+
+def split_latency(turns: list[tuple], engine: list[dict]) -> dict:
+    """A turn's latency outside the engine, before and after it (module docstring). `turns`:
+    the agents' (open sent, opened, reply, finished, request id); `engine`: the engines' log
+    lines ({"request": "<request id>.<dispatch>", "t0", "t1", "finish"}). A turn counts only
+    if its request reached an engine and finished there ("length" or "stop")."""
+    runs: dict[str, list[dict]] = {}
+    for r in engine:
+        rid = (r.get("request") or "").rpartition(".")[0]
+        if rid:
+            runs.setdefault(rid, []).append(r)
+    before, inside, after = [], [], []
+    for sent, _opened, _reply, finished, rid in turns:
+        rs = runs.get(rid)
+        done = [r for r in rs or () if r["finish"] in ("length", "stop")]
+        if not done:
+            continue
+        t0, t1 = min(r["t0"] for r in rs), max(r["t1"] for r in done)
+        before.append(t0 - sent)
+        inside.append(t1 - t0)
+        after.append(finished - t1)
+    mean = lambda xs: statistics.mean(xs) if xs else float("nan")  # noqa: E731
+    return {"before_s": mean(before), "engine_s": mean(inside), "after_s": mean(after), "turns": len(before)}
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -299,6 +337,7 @@ def live(a, tmp: Path) -> dict:
     parts = {"open_s": statistics.mean(x[1] - x[0] for x in turns) if turns else float("nan"),
              "chat_s": statistics.mean(x[2] - x[1] for x in turns) if turns else float("nan"),
              "finish_s": statistics.mean(x[3] - x[2] for x in turns) if turns else float("nan")}
+    split = split_latency(turns, [r for f in sorted((tmp / "engine_timing").glob("*.jsonl")) for r in _jsonl(f)])
     samples = sum(r["samples"] for r in window)
     return {
         "wall_s": t_n - t_start, "window_s": t_n - t_k, "trained_tokens_per_s": tokens / (t_n - t_k),
@@ -311,7 +350,7 @@ def live(a, tmp: Path) -> dict:
         "prompt_tokens": (tokens - sum(r["tokens_loss"] for r in window)) / samples,
         "gen_tokens": sum(r["tokens_loss"] for r in window) / samples,
         "turn_latency_s": agent_s - engine_s, "agent_turn_s": agent_s, "engine_turn_s": engine_s,
-        "agent_turns": len(turns), "engine_turns": len(engine), "agent_parts": parts,
+        "agent_turns": len(turns), "engine_turns": len(engine), "agent_parts": parts, "split_latency": split,
         "failures": len(agents.failures), "agent_prompt_tokens": statistics.mean(agents.prompt_tokens or [0]),
         "turns": len(agents.prompt_tokens), "turns_per_s": len(agents.prompt_tokens) / (t_end - t_start),
         "cpu_core_share": cpu, "machine_load": round(load, 1), "cores": os.cpu_count(),
@@ -325,10 +364,11 @@ def live(a, tmp: Path) -> dict:
     }
 
 
-def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0), latency: float = 0.0) -> dict:
+def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0), latency: float = 0.0, after: float = 0.0) -> dict:
     """The simulator on the live run's measured costs; `control` = (CPU s per turn, cores) of
     the control plane (Options.control_s_per_turn, control_cores), (0, 1) to leave it out;
-    `latency` = wall seconds per turn outside the engine (Options.turn_latency_s), 0 to leave it out."""
+    `latency` = wall seconds per turn outside the engine before it (Options.turn_latency_s), and
+    `after` after it (Options.turn_latency_after_s), 0 to leave either out."""
     cal = replace(CALIBRATIONS["live-mini"], decode_a_s=a.step_ms / 1000, decode_b_s=a.per_seq_ms / 1000,
                   max_seqs=a.capacity, lend_s=m["lend_s"] or a.switch_s, reclaim_s=m["reclaim_s"] or a.switch_s, weight_sync_s=m["publish_s"],
                   train_s_per_token=m["train_s_per_token"],
@@ -338,7 +378,7 @@ def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0), latency: fl
     runs = {}
     for n in (a.warmup, a.steps):
         opt = Options(steps=n, dt=a.tick, seed=0, backlog=a.backlog, control_s_per_turn=control[0],
-                      control_cores=control[1], route=a.route, turn_latency_s=latency)
+                      control_cores=control[1], route=a.route, turn_latency_s=latency, turn_latency_after_s=after)
         sim = Simulator(Cluster.uniform(a.hosts, 1), cal, wl, a.policy, opt)
         runs[n] = sim.run()
     r0, r1 = runs[a.warmup], runs[a.steps]
@@ -347,7 +387,7 @@ def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0), latency: fl
     window = r1.wall_s - (r0.wall_s if a.warmup else 0)
     return {"wall_s": r1.wall_s, "window_s": window, "trained_tokens_per_s": tok / window,
             "control": {"s_per_turn": control[0], "cores": control[1], "wait_s": r1.control_wait_s},
-            "turn_latency_s": latency,
+            "turn_latency_s": latency, "turn_latency_after_s": after,
             "idle": float(ht[:, ACTS.index("idle")].sum() / ht.sum()),
             "idle_hosts": {f"host-{i}": float(x) for i, x in enumerate(ht[:, ACTS.index("idle")] / ht.sum(axis=1))},
             "fractions": {k: float(ht[:, i].sum() / ht.sum()) for i, k in enumerate(ACTS)},
@@ -386,6 +426,9 @@ def main() -> None:
                     help="sim + control: cores that work shares (default: the cores other processes left free)")
     ap.add_argument("--turn-latency-ms", type=float, default=None,
                     help="sim + latency: wall ms per turn outside the engine (default: measured in this live run)")
+    ap.add_argument("--split-latency-ms", default=None, metavar="BEFORE,AFTER",
+                    help="sim + split latency: wall ms per turn outside the engine before and after it "
+                         "(default: measured in this live run)")
     ap.add_argument("--out", type=Path, default=Path("var/bench/pipeline_live.json"))
     a = ap.parse_args()
     a.slots = a.slots or (WL.max_staleness + 1) * WL.batch_samples + 8
@@ -397,13 +440,18 @@ def main() -> None:
     c = simulated(a, m, control)
     latency = a.turn_latency_ms / 1000 if a.turn_latency_ms is not None else m["turn_latency_s"]
     lt = simulated(a, m, latency=latency)
+    sp = m["split_latency"]
+    before, after = ([float(x) / 1000 for x in a.split_latency_ms.split(",")] if a.split_latency_ms
+                     else [sp["before_s"], sp["after_s"]])
+    st = simulated(a, m, latency=before, after=after)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     # sim idle over live idle, against both live figures (heartbeat timeline, engine logs)
     ratios = {name: {"idle_heartbeats": x["idle"] / m["idle"] if m["idle"] else float("nan"),
                      "idle_engine": x["idle"] / m["idle_engine"] if m["idle_engine"] else float("nan")}
-              for name, x in (("sim", s), ("sim_control", c), ("sim_latency", lt))}
+              for name, x in (("sim", s), ("sim_control", c), ("sim_latency", lt), ("sim_split", st))}
     a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "live": m, "sim": s,
-                                 "sim_control": c, "sim_latency": lt, "idle_ratios": ratios}, indent=1))
+                                 "sim_control": c, "sim_latency": lt, "sim_split": st,
+                                 "idle_ratios": ratios}, indent=1))
     print(f"\nSIMULATED engines and trainer, {a.hosts} hosts, {a.policy}, steps {a.warmup + 1}-{a.steps} "
           f"(engine {a.step_ms} ms + {a.per_seq_ms} ms/request, capacity {a.capacity}); measured live: "
           f"lend p50 {m['lend_s']}, reclaim p50 {m['reclaim_s']}, publish {m['publish_s']:.3f} s, "
@@ -416,31 +464,35 @@ def main() -> None:
           f"{m['turn_latency_s'] * 1000:.1f} ms = agents {m['agent_turn_s'] * 1000:.1f} ms per turn over "
           f"{m['agent_turns']} turns (open {p['open_s'] * 1000:.1f}, chat {p['chat_s'] * 1000:.1f}, finish "
           f"{p['finish_s'] * 1000:.1f}) - engine {m['engine_turn_s'] * 1000:.1f} ms over {m['engine_turns']} requests)")
-    print("\n| | live | simulator | sim / live | sim + control | / live | sim + latency | / live |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print(f"split (sim + split latency): before {before * 1000:.1f} ms, after {after * 1000:.1f} ms per turn (measured "
+          f"live, turn by turn over {sp['turns']} paired turns: before {sp['before_s'] * 1000:.1f} + engine "
+          f"{sp['engine_s'] * 1000:.1f} + after {sp['after_s'] * 1000:.1f} ms)")
+    print("\n| | live | simulator | sim / live | sim + control | / live | sim + latency | / live "
+          "| sim + split latency | / live |\n|---|---|---|---|---|---|---|---|---|---|")
     for key, fmt in (("trained_tokens_per_s", "{:.0f}"), ("idle", "{:.1%}"), ("window_s", "{:.2f}"),
                      ("wall_s", "{:.2f}")):
-        r = [x[key] / m[key] if m[key] else float("nan") for x in (s, c, lt)]
+        r = [x[key] / m[key] if m[key] else float("nan") for x in (s, c, lt, st)]
         label = "idle live (heartbeats)" if key == "idle" else key
         print(f"| {label} | {fmt.format(m[key])} | {fmt.format(s[key])} | {r[0]:.3f} | {fmt.format(c[key])} | {r[1]:.3f} "
-              f"| {fmt.format(lt[key])} | {r[2]:.3f} |")
+              f"| {fmt.format(lt[key])} | {r[2]:.3f} | {fmt.format(st[key])} | {r[3]:.3f} |")
         if key == "idle":
-            r = [ratios[n]["idle_engine"] for n in ("sim", "sim_control", "sim_latency")]
+            r = [ratios[n]["idle_engine"] for n in ("sim", "sim_control", "sim_latency", "sim_split")]
             print(f"| idle live (engine logs) | {m['idle_engine']:.1%} | {s['idle']:.1%} | {r[0]:.3f} | {c['idle']:.1%} "
-                  f"| {r[1]:.3f} | {lt['idle']:.1%} | {r[2]:.3f} |")
+                  f"| {r[1]:.3f} | {lt['idle']:.1%} | {r[2]:.3f} | {st['idle']:.1%} | {r[3]:.3f} |")
     for act in ("train", "rollout", "switch"):
         print(f"| {act} fraction | {m['fractions'][act]:.1%} | {s['fractions'][act]:.1%} | | "
-              f"{c['fractions'][act]:.1%} | | {lt['fractions'][act]:.1%} | |")
+              f"{c['fractions'][act]:.1%} | | {lt['fractions'][act]:.1%} | | {st['fractions'][act]:.1%} | |")
     print(f"| lends / reclaims | {m['lends']} / {m['reclaims']} | {s['lends']} / {s['reclaims']} | | "
-          f"{c['lends']} / {c['reclaims']} | | {lt['lends']} / {lt['reclaims']} | |")
-    print("idle per host, live heartbeats / live engine logs / simulator / sim + latency: " + ", ".join(
-        f"{k} {m['idle_hosts'][k]:.1%} / {v:.1%} / {s['idle_hosts'].get(k, float('nan')):.1%} / "
-        f"{lt['idle_hosts'].get(k, float('nan')):.1%}" for k, v in sorted(m["idle_engine_hosts"].items())))
+          f"{c['lends']} / {c['reclaims']} | | {lt['lends']} / {lt['reclaims']} | | {st['lends']} / {st['reclaims']} | |")
+    print("idle per host, live heartbeats / live engine logs / simulator / sim + latency / sim + split latency: "
+          + ", ".join(f"{k} {m['idle_hosts'][k]:.1%} / {v:.1%} / {s['idle_hosts'].get(k, float('nan')):.1%} / "
+                      f"{lt['idle_hosts'].get(k, float('nan')):.1%} / {st['idle_hosts'].get(k, float('nan')):.1%}"
+                      for k, v in sorted(m["idle_engine_hosts"].items())))
     busy = sorted(m["cpu_core_share"].items(), key=lambda kv: -kv[1])
     print("\nlive CPU (share of one core; host-N with its worker) over the run: "
           + ", ".join(f"{k} {v:.2f}" for k, v in busy)
           + f"; {m['turns_per_s']:.1f} turns/s; machine load average {m['machine_load']} on {m['cores']} cores")
-    for name, x in (("simulator", s), ("sim + control", c), ("sim + latency", lt)):
+    for name, x in (("simulator", s), ("sim + control", c), ("sim + latency", lt), ("sim + split latency", st)):
         print(f"live wall-clock overrun over the {name}: {m['window_s'] / x['window_s'] - 1:+.1%} over the compared "
               f"steps, {m['wall_s'] / x['wall_s'] - 1:+.1%} from the start")
     print(f"failed turns {m['failures']}; wrote {a.out}")

@@ -57,7 +57,8 @@ class SimulatedEngine:
         self.capacity = capacity
         # one line per request: when generate() was called and when it yielded the last delta
         # (wall clock), the engine's own time for that turn, with `finish` (null: cut off before
-        # its last delta) and `names` appended, e.g. worker and host (bench/pipeline_live.py)
+        # its last delta), `request` (the request id: the gateway's x-request-id, a dot and the
+        # dispatch number) and `names` appended, e.g. worker and host (bench/pipeline_live.py)
         self.timing = timing_log.open("a", buffering=1) if timing_log else None
         self.names = names or {}
         self.step_ms, self.per_seq_ms = step_ms, per_seq_ms
@@ -105,22 +106,23 @@ class SimulatedEngine:
                 d = await q.get()
                 if d.finish is not None:
                     finish = d.finish
-                    self._log(t0, finish)
+                    self._log(request_id, t0, finish)
                 yield d
                 if d.finish is not None:
                     return
         finally:
             if finish is None:  # closed before its last delta: the engine ran it until now
-                self._log(t0, None)
+                self._log(request_id, t0, None)
             self._running.pop(request_id, None)
             self._budget.pop(request_id, None)
             self._start.pop(request_id, None)
             if request_id in self._waiting:
                 self._waiting.remove(request_id)
 
-    def _log(self, t0: float, finish: str | None) -> None:
+    def _log(self, request_id: str, t0: float, finish: str | None) -> None:
         if self.timing:
-            self.timing.write(json.dumps({"t0": t0, "t1": time.time(), "finish": finish} | self.names) + "\n")
+            line = {"t0": t0, "t1": time.time(), "finish": finish, "request": request_id} | self.names
+            self.timing.write(json.dumps(line) + "\n")
 
     async def _steps(self) -> None:
         active: list[str] = []

@@ -53,6 +53,14 @@ Model, in order of one tick (steps numbered in `_tick`):
   (bench/pipeline_live.py measures it as the agents' time per turn less the engine's own).
   With the control plane as well, a turn waits for the later of the two. 0 (the default)
   leaves it out, as before.
+- Latency after the engine (`Options.turn_latency_after_s` > 0): the part of a turn's wall
+  time outside the engine that comes after its last token (the reply streamed back to the
+  agent, and on a session's last turn its /finish call). The slot is freed when the engine
+  is done, as before; the session moves on only that much later: a tool call starts then (its
+  `tool_latency_s` after it), and a last turn's session completes then (state FINISHING: still
+  open for admission, its group not complete, not yet available to the trainer), at the end
+  of the tick it falls in, as a tool's return is seen. `turn_latency_s` is then the part
+  before the engine. 0 (the default) leaves it out, as before.
 - Routing (`Options.route`): by default a queued turn takes a slot freed this tick first, so
   a host that finishes turns gets the next ones; "least_loaded" routes each turn to the host
   with the fewest running sequences per capacity, as the live trajectory manager does. With
@@ -75,7 +83,7 @@ from shared.admission import Admission, Backlog
 MODES = ("idle", "rollout", "train")  # array codes 0, 1, 2
 _MODE = {m: i for i, m in enumerate(MODES)}
 ACTS = ("train", "rollout", "switch", "idle")
-FREE, QUEUED, RUNNING, TOOL = 0, 1, 2, 3
+FREE, QUEUED, RUNNING, TOOL, FINISHING = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -128,6 +136,8 @@ class Options:
     control_cores: float = 1.0
     # wall seconds a turn spends outside the engine, waiting (0: not modelled): a measured input
     turn_latency_s: float = 0.0
+    # wall seconds of it after the engine (the reply back, /finish): delays the session, not the slot
+    turn_latency_after_s: float = 0.0
     # where a queued turn goes: "refill" (slots freed this tick first, then the others by rank;
     # fast, the default) or "least_loaded", as the live trajectory manager routes (per turn)
     route: str = "refill"
@@ -178,7 +188,7 @@ class Simulator:
         self.s_ctx = np.zeros(size)  # context tokens: prompt + generated + tool output
         self.s_gen = np.zeros(size)
         self.s_pf = np.zeros(size)  # tokens to prefill at the next dispatch
-        self.s_ready = np.zeros(size)  # queued since / tool returns at
+        self.s_ready = np.zeros(size)  # queued since / tool returns at / finishes at
         self.s_v0 = np.full(size, -1, np.int64)  # version of the oldest generated token
         self.free_slots = list(range(size - 1, -1, -1))
         # open groups, by slot: sessions left, tokens, generated, sum and min of first-token versions
@@ -515,13 +525,30 @@ class Simulator:
         if len(tool):
             self.s_state[tool] = TOOL
             self.s_turn[tool] += 1
-            self.s_ready[tool] = ft[more] + wl.tool_latency_s
+            self.s_ready[tool] = ft[more] + self.opt.turn_latency_after_s + wl.tool_latency_s
             self.s_ctx[tool] += wl.tool_tokens
             self.s_pf[tool] = wl.tool_tokens
             self.s_rem[tool] = wl.draw(self.rng, len(tool))
         done = f[~more]
         if not len(done):
             return
+        if self.opt.turn_latency_after_s > 0:  # the agent's reply and /finish still to come
+            self.s_state[done] = FINISHING
+            self.s_ready[done] = ft[~more] + self.opt.turn_latency_after_s
+            return
+        self._complete(done)
+
+    def _finish_sessions(self) -> None:
+        """Sessions whose latency after the engine is over by now complete (in order of when)."""
+        if self.opt.turn_latency_after_s <= 0:
+            return
+        due = np.nonzero((self.s_state == FINISHING) & (self.s_ready <= self.t + 1e-12))[0]
+        if len(due):
+            self._complete(due[np.argsort(self.s_ready[due], kind="stable")])
+
+    def _complete(self, done: np.ndarray) -> None:
+        """Sessions `done` have ended: their samples count, their groups fill."""
+        wl = self.wl
         self.tot.samples_done += len(done) * self.w
         self.rate_count += len(done) * self.w
         g = self.s_group[done]
@@ -680,6 +707,7 @@ class Simulator:
             freed_h, freed_t = self._advance(t0, t1)
             self._account(t0, t1, act)
             self.t = t1
+            self._finish_sessions()
             a = math.exp(-(t1 - t0) / opt.rate_tau_s)  # completions per second, smoothed
             self.rate = a * self.rate + (1 - a) * self.rate_count / (t1 - t0)
             self.rate_count = 0.0

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.pipeline_live import exact_idle, merged  # noqa: E402
+from bench.pipeline_live import exact_idle, merged, split_latency  # noqa: E402
 from bench.simulated_engine import SimulatedEngine  # noqa: E402
 from shared.messages.rollout import Sampling  # noqa: E402
 
@@ -61,6 +61,26 @@ def test_the_engine_logs_every_request_with_its_host_and_one_cut_off_with_a_null
     deltas = asyncio.run(run())
     assert deltas[-1].finish == "length"
     lines = [json.loads(x) for x in log.read_text().splitlines()]
-    assert [(x["finish"], x["worker"], x["host"]) for x in lines] == [
-        ("length", "host-1-rollout", "host-1"), (None, "host-1-rollout", "host-1")]
+    assert [(x["finish"], x["request"], x["worker"], x["host"]) for x in lines] == [
+        ("length", "a", "host-1-rollout", "host-1"), (None, "b", "host-1-rollout", "host-1")]
     assert all(x["t1"] >= x["t0"] for x in lines)
+
+
+def test_the_latency_splits_turn_by_turn_around_the_engine_by_request_id():
+    """Turn a: sent 0, in the engine 1-3, finished 3.5 (before 1, after 0.5). Turn b: sent 10,
+    dispatched at 10.2, re-dispatched at 11 (a reclaim), done 12, finished 13 (before 0.2,
+    after 1). Turn c never reached an engine that finished it; d's line belongs to no turn.
+    before + engine + after = the agents' time per turn, over the paired turns."""
+    turns = [(0.0, 0.1, 3.2, 3.5, "a"), (10.0, 10.1, 12.5, 13.0, "b"), (20.0, 20.1, 21.0, 21.5, "c")]
+    engine = [{"request": "b.0", "t0": 10.2, "t1": 10.8, "finish": None},
+              {"request": "a.0", "t0": 1.0, "t1": 3.0, "finish": "length"},
+              {"request": "b.1", "t0": 11.0, "t1": 12.0, "finish": "length"},
+              {"request": "c.0", "t0": 20.5, "t1": 20.9, "finish": None},
+              {"request": "d.0", "t0": 0.0, "t1": 99.0, "finish": "length"}]
+    sp = split_latency(turns, engine)
+    assert sp["turns"] == 2
+    assert sp["before_s"] == pytest.approx((1.0 + 0.2) / 2)
+    assert sp["after_s"] == pytest.approx((0.5 + 1.0) / 2)
+    assert sp["engine_s"] == pytest.approx((2.0 + 1.8) / 2)
+    assert sp["before_s"] + sp["engine_s"] + sp["after_s"] == pytest.approx((3.5 + 3.0) / 2)
+    assert split_latency(turns, [])["turns"] == 0

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from services.scheduler import policy
-from services.scheduler.sim import Cluster, simulate
+from services.scheduler.sim import ACTS, Cluster, simulate
 from services.scheduler.sim_workload import CALIBRATIONS, WORKLOADS, Calibration, Workload
 
 SMALL = Workload(group_size=4, groups_per_step=8, prompt_tokens=64, length_median=200, length_sigma=1.0,
@@ -215,3 +215,35 @@ def test_a_latency_per_turn_lengthens_sessions_by_that_much_and_lowers_throughpu
         ratio = slow.trained_tokens_per_s / free.trained_tokens_per_s
         assert abs(ratio / (session_s(free) / session_s(slow)) - 1) < 0.01, ratio
         assert slow.idle_fraction > free.idle_fraction + 0.25  # hosts wait for turns to come back
+
+
+def test_latency_after_the_engine_delays_the_step_but_holds_no_slot():
+    """Options.turn_latency_after_s, on the case computed by hand above (1 train + 1 rollout
+    host, synchronous: 1.0 s of decode, then 1.0 s of training per step): each session
+    completes 0.5 s after its last token, so a step takes 2.5 s, but the rollout host decodes
+    exactly as long as before (5 x 1.0 s) and idles the rest: the slot was free meanwhile.
+    With two turns per session the reply's latency comes after each turn (the tool call starts
+    then): 2 x 0.5 s more per step. 0 is the run without it, to the last figure."""
+    cal = Calibration("hand", decode_a_s=0.010, decode_b_s=0.0, max_seqs=4, prefill_s_per_token=0.0,
+                      train_s_per_token=0.0025, weight_sync_s=0.0, lend_s=1.0, reclaim_s=1.0)
+    wl = Workload(group_size=4, groups_per_step=1, prompt_tokens=0, length="fixed", length_median=100,
+                  length_cap=100, max_staleness=0)
+    kw = dict(steps=5, dt=0.5, timeline=True)
+    base = simulate(Cluster.uniform(2, 1), cal, wl, "disaggregated", **kw)
+    assert simulate(Cluster.uniform(2, 1), cal, wl, "disaggregated", turn_latency_after_s=0.0, **kw).row() == base.row()
+    after = simulate(Cluster.uniform(2, 1), cal, wl, "disaggregated", turn_latency_after_s=0.5, **kw)
+    rollout = ACTS.index("rollout")
+    assert base.wall_s == pytest.approx(10.0, rel=1e-6)
+    assert after.wall_s == pytest.approx(12.5, rel=1e-6)  # the step waits for the sessions
+    assert after.host_time[1, rollout] == pytest.approx(base.host_time[1, rollout], rel=1e-6)  # 5.0 s
+    assert after.host_time[1, rollout] == pytest.approx(5.0, rel=1e-6)
+    assert after.idle_per_host[1] == pytest.approx(1 - 5.0 / 12.5, abs=1e-6)
+    assert after.trained_tokens_per_s == pytest.approx(base.trained_tokens_per_s * 10.0 / 12.5, rel=1e-6)
+    # the same latency before the engine holds no slot either, but the host waits at the start
+    before = simulate(Cluster.uniform(2, 1), cal, wl, "disaggregated", turn_latency_s=0.5, **kw)
+    assert before.host_time[1, rollout] == pytest.approx(5.0, rel=1e-6)
+    two = replace(wl, turns=2, tool_latency_s=0.0, tool_tokens=0)
+    base2 = simulate(Cluster.uniform(2, 1), cal, two, "disaggregated", **kw)
+    after2 = simulate(Cluster.uniform(2, 1), cal, two, "disaggregated", turn_latency_after_s=0.5, **kw)
+    assert after2.wall_s == pytest.approx(base2.wall_s + 5 * 2 * 0.5, rel=1e-6)
+    assert after2.host_time[1, rollout] == pytest.approx(base2.host_time[1, rollout], rel=1e-6)
