@@ -51,7 +51,7 @@ A fourth, "sim + split latency", places that latency where it falls: before the 
 on that much after its last token, its engine slot already free). Both parts come from the same
 two clocks, both wall clock (time.time()) on this one machine, turn by turn: each agent turn is
 paired with its engine requests by request id (the gateway's x-request-id, which the engine
-logs as `<id>.<dispatch>`). Per paired turn, over the turns the compared window opened:
+logs as `<id>.<...>.<dispatch>`). Per paired turn, over the turns the compared window opened:
 before = the first dispatch's t0 (generate() called) - POST /sessions sent (the open call, the
 chat request through the gateway and the trajectory manager to the worker); after = /finish
 answered - the t1 (last delta yielded) of the dispatch that finished (the deltas back through
@@ -66,6 +66,7 @@ import argparse
 import asyncio
 import heapq
 import json
+import math
 import os
 import random
 import statistics
@@ -240,11 +241,11 @@ def exact_idle(busy: list[tuple[float, float]], requests: list[tuple[float, floa
 def split_latency(turns: list[tuple], engine: list[dict]) -> dict:
     """A turn's latency outside the engine, before and after it (module docstring). `turns`:
     the agents' (open sent, opened, reply, finished, request id); `engine`: the engines' log
-    lines ({"request": "<request id>.<dispatch>", "t0", "t1", "finish"}). A turn counts only
+    lines ({"request": "<request id>.<...>", "t0", "t1", "finish"}; the gateway's id has no dot). A turn counts only
     if its request reached an engine and finished there ("length" or "stop")."""
     runs: dict[str, list[dict]] = {}
     for r in engine:
-        rid = (r.get("request") or "").rpartition(".")[0]
+        rid = (r.get("request") or "").partition(".")[0]  # <gateway id>.<turn>.<dispatch>
         if rid:
             runs.setdefault(rid, []).append(r)
     before, inside, after = [], [], []
@@ -443,6 +444,8 @@ def main() -> None:
     sp = m["split_latency"]
     before, after = ([float(x) / 1000 for x in a.split_latency_ms.split(",")] if a.split_latency_ms
                      else [sp["before_s"], sp["after_s"]])
+    if not (math.isfinite(before) and math.isfinite(after)):
+        raise SystemExit(f"no agent turn paired with an engine request ({sp}); see {tmp}")
     st = simulated(a, m, latency=before, after=after)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     # sim idle over live idle, against both live figures (heartbeat timeline, engine logs)

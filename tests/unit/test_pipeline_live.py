@@ -72,11 +72,11 @@ def test_the_latency_splits_turn_by_turn_around_the_engine_by_request_id():
     after 1). Turn c never reached an engine that finished it; d's line belongs to no turn.
     before + engine + after = the agents' time per turn, over the paired turns."""
     turns = [(0.0, 0.1, 3.2, 3.5, "a"), (10.0, 10.1, 12.5, 13.0, "b"), (20.0, 20.1, 21.0, 21.5, "c")]
-    engine = [{"request": "b.0", "t0": 10.2, "t1": 10.8, "finish": None},
-              {"request": "a.0", "t0": 1.0, "t1": 3.0, "finish": "length"},
-              {"request": "b.1", "t0": 11.0, "t1": 12.0, "finish": "length"},
-              {"request": "c.0", "t0": 20.5, "t1": 20.9, "finish": None},
-              {"request": "d.0", "t0": 0.0, "t1": 99.0, "finish": "length"}]
+    engine = [{"request": "b.tb.0", "t0": 10.2, "t1": 10.8, "finish": None},
+              {"request": "a.ta.0", "t0": 1.0, "t1": 3.0, "finish": "length"},
+              {"request": "b.tb.1", "t0": 11.0, "t1": 12.0, "finish": "length"},
+              {"request": "c.tc.0", "t0": 20.5, "t1": 20.9, "finish": None},
+              {"request": "d.td.0", "t0": 0.0, "t1": 99.0, "finish": "length"}]
     sp = split_latency(turns, engine)
     assert sp["turns"] == 2
     assert sp["before_s"] == pytest.approx((1.0 + 0.2) / 2)
