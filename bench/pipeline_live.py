@@ -57,7 +57,7 @@ chat request through the gateway and the trajectory manager to the worker); afte
 answered - the t1 (last delta yielded) of the dispatch that finished (the deltas back through
 the worker, trajectory manager and gateway to the agent, then /finish); the means over the
 paired turns (`split_latency`). before + engine (last t1 - first t0) + after = the agents' time
-per turn exactly, over the same turns. --turn-latency-ms BEFORE,AFTER sets them instead.
+per turn exactly, over the same turns. --split-latency-ms BEFORE,AFTER sets them instead.
 """
 
 from __future__ import annotations
@@ -320,10 +320,11 @@ def live(a, tmp: Path) -> dict:
         for k, v in f.items():
             spent[k] += v / len(reply.hosts)
     # exact idle: per host, the window less train, switch and its engine's requests (module docstring)
+    logs = {f.stem: _jsonl(f) for f in sorted((tmp / "engine_timing").glob("*.jsonl"))}  # <worker-id>.jsonl
     host_of, reqs = {h.worker_id: h.host for h in reply.hosts}, {}
-    for f in sorted((tmp / "engine_timing").glob("*.jsonl")):  # <worker-id>.jsonl
-        for r in _jsonl(f):  # lines written before "host" was logged: the host whose worker wrote the file
-            reqs.setdefault(r.get("host") or host_of.get(f.stem, f.stem), []).append((r["t0"], r["t1"]))
+    for stem, rows in logs.items():
+        for r in rows:  # lines written before "host" was logged: the host whose worker wrote the file
+            reqs.setdefault(r.get("host") or host_of.get(stem, stem), []).append((r["t0"], r["t1"]))
     by_host = {h.host: exact_idle([(iv.t_start, iv.t_end) for iv in h.timeline if iv.activity in ("train", "switch")],
                                   reqs.get(h.host, []), t_k, t_n) for h in reply.hosts}
     sw = switches(stack, t_k, t_n)
@@ -331,14 +332,14 @@ def live(a, tmp: Path) -> dict:
     # latency outside the engine: the agents' time per turn less the engine's own, over the turns
     # begun in the compared window (two clocks of one machine, two independent records)
     turns = [x for x in agents.timings if t_k <= x[0] < t_n]
-    engine = [r for f in sorted((tmp / "engine_timing").glob("*.jsonl")) for r in _jsonl(f)
+    engine = [r for rows in logs.values() for r in rows
               if t_k <= r["t0"] < t_n and r["finish"] == "length"]
     agent_s = statistics.mean(x[3] - x[0] for x in turns) if turns else float("nan")
     engine_s = statistics.mean(r["t1"] - r["t0"] for r in engine) if engine else float("nan")
     parts = {"open_s": statistics.mean(x[1] - x[0] for x in turns) if turns else float("nan"),
              "chat_s": statistics.mean(x[2] - x[1] for x in turns) if turns else float("nan"),
              "finish_s": statistics.mean(x[3] - x[2] for x in turns) if turns else float("nan")}
-    split = split_latency(turns, [r for f in sorted((tmp / "engine_timing").glob("*.jsonl")) for r in _jsonl(f)])
+    split = split_latency(turns, [r for rows in logs.values() for r in rows])
     samples = sum(r["samples"] for r in window)
     return {
         "wall_s": t_n - t_start, "window_s": t_n - t_k, "trained_tokens_per_s": tokens / (t_n - t_k),

@@ -209,7 +209,7 @@ def main() -> int:
                     help="seconds before the worker serves, as a real engine takes to load (vLLM-CPU: 20 s to minutes)")
     ap.add_argument("--timing-dir", type=Path, default=None,
                     help="append each request's engine time (wall clock in, last delta out), its finish, "
-                         "worker and host to DIR/<worker-id>.jsonl")
+                         "request id, worker and host to DIR/<worker-id>.jsonl")
     ap.add_argument("--follow-weights", action="store_true",
                     help="load each published version (a version bump, instant), as a real worker follows them")
     a = ap.parse_args()

@@ -105,14 +105,18 @@ def _reward(path: Path, d: ReportData) -> Path:
     return _save(fig, path)
 
 
+def by_worker(samples: list[Sample]) -> dict[str, list[Sample]]:
+    """worker -> its heartbeats in time order, workers in name order."""
+    out: dict[str, list[Sample]] = {}
+    for s in samples:
+        out.setdefault(s.worker, []).append(s)
+    return {w: sorted(ss, key=lambda s: s.ts) for w, ss in sorted(out.items())}
+
+
 def worker_rates(samples: list[Sample], t0: float) -> list[tuple[float, float]]:
     """(seconds since t0, tokens/s summed over workers) from consecutive heartbeats' counters."""
-    by_worker: dict[str, list[Sample]] = {}
-    for s in samples:
-        by_worker.setdefault(s.worker, []).append(s)
     events: list[tuple[float, float]] = []  # (t, tokens generated in (prev, t])
-    for ss in by_worker.values():
-        ss.sort(key=lambda s: s.ts)
+    for ss in by_worker(samples).values():
         for a, b in zip(ss, ss[1:]):
             if b.ts > a.ts and b.generated_tokens >= a.generated_tokens:  # a restart resets the counter
                 events.append((b.ts - t0, b.generated_tokens - a.generated_tokens))
@@ -164,12 +168,8 @@ def _versions(path: Path, d: ReportData) -> Path:
 def state_intervals(samples: list[Sample], t0: float) -> dict[str, list[tuple[str, float, float]]]:
     """worker -> [(state, start, end)] in seconds since t0: each heartbeat's state holds until
     the next one (the last for HEARTBEAT_S); runs of one state are merged."""
-    by_worker: dict[str, list[Sample]] = {}
-    for s in samples:
-        by_worker.setdefault(s.worker, []).append(s)
     out: dict[str, list[tuple[str, float, float]]] = {}
-    for w, ss in sorted(by_worker.items()):
-        ss.sort(key=lambda s: s.ts)
+    for w, ss in by_worker(samples).items():
         ivs: list[tuple[str, float, float]] = []
         for a, b in zip(ss, ss[1:] + [None]):
             start, end = a.ts - t0, (b.ts if b else a.ts + HEARTBEAT_S) - t0
@@ -185,12 +185,8 @@ def version_loads(samples: list[Sample], t0: float) -> dict[str, list[tuple[floa
     """worker -> [(seconds since t0, version)] for each heartbeat that first shows a new weight version
     (not the worker's first): where each update had landed. An update takes well under the 1 s between
     heartbeats, so the "updating" state itself is mostly missed by the sampling; its result is not."""
-    by_worker: dict[str, list[Sample]] = {}
-    for s in samples:
-        by_worker.setdefault(s.worker, []).append(s)
     out: dict[str, list[tuple[float, int]]] = {}
-    for w, ss in sorted(by_worker.items()):
-        ss.sort(key=lambda s: s.ts)
+    for w, ss in by_worker(samples).items():
         out[w] = [(b.ts - t0, b.version) for a, b in zip(ss, ss[1:]) if b.version != a.version]
     return out
 

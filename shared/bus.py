@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
-from shared.backpressure import is_stream_full
+from shared.backpressure import backoff, is_stream_full
 from shared.codec import encode
 from shared.config import Connections
 from shared.logonce import OncePerCause
@@ -101,7 +101,6 @@ async def publish_durable(
     the stream's duplicate window (120 s for ours)."""
     data = msg if isinstance(msg, bytes) else encode(msg)
     deadline = time.monotonic() + retry_for
-    wait = RETRY_FIRST_S
     for attempt in itertools.count(1):
         try:
             await js.publish(subject, data, timeout=timeout, headers={"Nats-Msg-Id": msg_id})
@@ -114,10 +113,10 @@ async def publish_durable(
             left = deadline - time.monotonic()
             if not isinstance(e, TRANSIENT) or left <= 0:
                 raise
+            wait = min(backoff(attempt - 1, RETRY_FIRST_S, RETRY_MAX_S, jitter=0.0), left)
             log.warning("publishing %s (%s), try %d: %s: %s; again in %.1fs (giving up in %.0fs)", subject,
-                        msg_id, attempt, type(e).__name__, e, min(wait, left), left)
-            await asyncio.sleep(min(wait, left))
-            wait = min(2 * wait, RETRY_MAX_S)
+                        msg_id, attempt, type(e).__name__, e, wait, left)
+            await asyncio.sleep(wait)
 
 
 async def last_value(js: JetStreamContext, stream: str, subject: str) -> bytes | None:
