@@ -52,31 +52,31 @@ class MessageToolCall(msgspec.Struct, kw_only=True):
     function: FunctionCall
 
 
-class SystemMessage(msgspec.Struct, tag_field="role", tag="system", kw_only=True):
+class SystemMessage(msgspec.Struct, omit_defaults=True, tag_field="role", tag="system", kw_only=True):
     content: Content
     name: str | None = None
 
 
-class DeveloperMessage(msgspec.Struct, tag_field="role", tag="developer", kw_only=True):
+class DeveloperMessage(msgspec.Struct, omit_defaults=True, tag_field="role", tag="developer", kw_only=True):
     """Newer SDKs send "developer" where older ones send "system"; forwarded as system."""
 
     content: Content
     name: str | None = None
 
 
-class UserMessage(msgspec.Struct, tag_field="role", tag="user", kw_only=True):
+class UserMessage(msgspec.Struct, omit_defaults=True, tag_field="role", tag="user", kw_only=True):
     content: Content
     name: str | None = None
 
 
-class AssistantMessage(msgspec.Struct, tag_field="role", tag="assistant", kw_only=True):
+class AssistantMessage(msgspec.Struct, omit_defaults=True, tag_field="role", tag="assistant", kw_only=True):
     content: Content | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     refusal: str | None = None
 
 
-class ToolMessage(msgspec.Struct, tag_field="role", tag="tool", kw_only=True):
+class ToolMessage(msgspec.Struct, omit_defaults=True, tag_field="role", tag="tool", kw_only=True):
     content: Content
     tool_call_id: str
 

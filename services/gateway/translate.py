@@ -4,7 +4,8 @@ Pure: no I/O. The gateway checks what it cheaply can (model name, n, stop string
 max_tokens against max_context); the trajectory manager owns everything that
 needs the tokenizer (the exact context-length check) and answers ChatFailed.
 
-What reaches the trajectory manager in `ChatRequest.messages`, one dict per message:
+What reaches the trajectory manager in `ChatRequest.messages`, one JSON object per message (the
+validated message Struct where it already has this form, else a dict built to it):
     {"role": "system"|"user"|"assistant"|"tool", "content": str}
     + "name" when the client sent one
     + "tool_calls": [{"id", "type": "function", "function": {"name", "arguments": str}}] (assistant)
@@ -95,12 +96,22 @@ _ROLES: dict[type, str] = {tp: tp.__struct_config__.tag for tp in (SystemMessage
                                                                     ToolMessage)} | {DeveloperMessage: "system"}
 
 
-def _message(m: ChatMessage) -> dict[str, Any]:
-    # Runs for every message of every request (a 200-turn session resends 400): one dict lookup for the
-    # role and no attribute a message type lacks; the keys keep their order (role, content, name,
-    # tool_calls, tool_call_id), which the trajectory manager's raw digests of the messages hash.
+# the message types that are already in wire form when their content is a string (schemas.py declares
+# their fields in the wire's order and omits what is unset): sent as they are, encoded in C
+_AS_IS = frozenset((SystemMessage, UserMessage, ToolMessage))
+
+
+def _message(m: ChatMessage) -> dict[str, Any] | ChatMessage:
+    # Runs for every message of every request (a 200-turn session resends 400). A message already in
+    # wire form is sent as the Struct it was decoded into (it encodes as the dict below would: the same
+    # keys in the same order, which the trajectory manager's raw digests of the messages hash); the
+    # rest become that dict: one lookup for the role, no attribute a message type lacks.
     tp = type(m)
     content = m.content
+    if type(content) is str and (
+            tp in _AS_IS and (tp is ToolMessage or m.name is None)
+            or tp is AssistantMessage and m.name is None and m.refusal is None and m.tool_calls != []):
+        return m
     out: dict[str, Any] = {"role": _ROLES[tp], "content": content if type(content) is str else text_of(content)}
     if tp is ToolMessage:
         out["tool_call_id"] = m.tool_call_id

@@ -197,13 +197,14 @@ class TurnHandler:
                 await asyncio.shield(self.store.drop_request(rid, lease.owner))
             raise
 
-        # 3. the turn and the reply (record.py), saved in one transaction, then the rest of the text
+        # 3. the turn and the reply (record.py), saved in one transaction. The text the agent has not been
+        # shown yet goes with the ChatDone (`text` is the whole content; the gateway sends what its deltas
+        # did not), not as a delta of its own: one NATS message less a turn, each end
         sid = look.session_id
         if group:
             self.lengths.record(group, len(gen.token_ids))
         turn, done = record(req, sid, turn_id, prompt, gen, stream.final_text(), self.renderer.token_texts,
                             time.time())
-        await show(stream.rest(done.text))
         await self._save(sid, turn, prompt, gen, done, last_worker(gen, sticky or ""), lease)
         return done
 

@@ -8,7 +8,9 @@ A turn's tokens arrive in deltas. For each one the stream
    in chunks of PERSIST_CHUNK tokens (a resume regenerates at most one chunk);
 3. says which new text the agent may see: not a possible stop-string start, not a possible
    `<tool_call>`, and for a plain request at most every PROGRESS_INTERVAL seconds (nobody
-   reads it before the end; it is progress only).
+   reads it before the end; it is progress only). What was held back reaches the agent with
+   the turn's ChatDone, whose text is the whole content: the gateway sends the part its
+   deltas did not.
 
 It knows nothing about NATS or Redis: chat.py sends what it returns.
 """
@@ -77,10 +79,6 @@ class TurnStream:
         """All generated text, up to the stop string if one completed."""
         full = self.text.final()
         return full[: self.stops.at] if self.stops.at is not None else full
-
-    def rest(self, content: str) -> tuple[str, int] | None:
-        """The part of the final `content` the agent has not been sent yet."""
-        return self._advance(content)
 
     def _advance(self, visible: str) -> tuple[str, int] | None:
         if len(visible) <= self.sent:

@@ -105,7 +105,7 @@ def test_chat_request_fields():
     )
     out = translate.chat_request(req, "rid", "sess", CFG)
     assert (out.request_id, out.session_id, out.kind, out.model, out.agent_streams) == ("rid", "sess", "chat", "m", True)
-    assert out.messages == [
+    assert on_the_wire(out.messages) == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "a\nb", "name": "u"},
         {"role": "assistant", "content": "",
@@ -130,13 +130,46 @@ def test_forwarded_messages_keep_their_bytes_key_order_included():
         {"role": "assistant", "content": None, "tool_calls": []},
         {"role": "user", "content": "", "name": ""},
     ])
-    out = translate.chat_request(req, "rid", "sess", CFG).messages
+    out = on_the_wire(translate.chat_request(req, "rid", "sess", CFG).messages)
     assert [list(m) for m in out] == [["role", "content", "name"], ["role", "content", "name"],
                                       ["role", "content", "name", "tool_calls"], ["role", "content", "tool_call_id"],
                                       ["role", "content"], ["role", "content"]]
     assert msgspec.msgpack.encode(out[2]) == msgspec.msgpack.encode(
         {"role": "assistant", "content": "a", "name": "x",
          "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})
+
+
+def on_the_wire(messages: list) -> list[dict]:
+    """The messages as the trajectory manager decodes them (some are sent as the validated Structs)."""
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(messages))
+
+
+def test_messages_sent_as_structs_encode_byte_for_byte_as_their_dicts():
+    # the gateway sends a message already in wire form as the Struct it was decoded into (no dict built
+    # per message of a 400-message request): its bytes must be the dict's, or a session's raw digests
+    # would change with the gateway's version. The dicts here are built by hand, as the wire says.
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}
+    cases = [
+        ({"role": "system", "content": "s"}, {"role": "system", "content": "s"}),
+        ({"role": "system", "content": "s", "name": "n"}, {"role": "system", "content": "s", "name": "n"}),
+        ({"role": "developer", "content": "d"}, {"role": "system", "content": "d"}),
+        ({"role": "user", "content": "u"}, {"role": "user", "content": "u"}),
+        ({"role": "user", "name": "", "content": "u"}, {"role": "user", "content": "u"}),
+        ({"role": "user", "content": [{"type": "text", "text": "a"}]}, {"role": "user", "content": "a"}),
+        ({"role": "assistant", "content": "a"}, {"role": "assistant", "content": "a"}),
+        ({"role": "assistant", "content": "a", "refusal": None}, {"role": "assistant", "content": "a"}),
+        ({"role": "assistant", "content": "a", "refusal": "no"}, {"role": "assistant", "content": "a"}),
+        ({"role": "assistant", "content": None}, {"role": "assistant", "content": ""}),
+        ({"role": "assistant", "tool_calls": [call], "content": ""},
+         {"role": "assistant", "content": "", "tool_calls": [call]}),
+        ({"role": "assistant", "content": "", "tool_calls": []}, {"role": "assistant", "content": ""}),
+        ({"role": "tool", "tool_call_id": "c1", "content": "r"}, {"role": "tool", "content": "r", "tool_call_id": "c1"}),
+    ]
+    out = translate.chat_request(chat(messages=[sent for sent, _ in cases]), "r", "", CFG).messages
+    as_is = [m for m in out if isinstance(m, msgspec.Struct)]
+    assert len(as_is) >= 6  # the fast path is taken where it can be
+    for (sent, wire), m in zip(cases, out, strict=True):
+        assert msgspec.msgpack.encode(m) == msgspec.msgpack.encode(wire), sent
 
 
 def test_defaults_and_max_tokens_precedence():
