@@ -1,14 +1,18 @@
-"""Merging token deltas that queued up (pure): one helper for rollout workers and trajectory replicas.
+"""Merging token deltas (pure): one helper for rollout workers and trajectory replicas.
 
 When a consumer falls behind its producer, the `TokenDelta`s waiting for it are merged, so a
 backlog costs one message (one Redis append, one ChatDelta) instead of one per token. A merge
 never crosses a version change or another request: each segment of a trajectory stays
 exactly one (worker, version) run. Anything that is not a TokenDelta (a GenerateDone, an
 engine's end-of-request marker, an exception) is kept in place and ends the run.
+
+`Held` merges on purpose: a requester whose tokens nobody watches live (an agent that does not
+stream) sets `Generate.hold_s`, and the worker sends a request's tokens at most that often.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import TypeVar
 
@@ -29,8 +33,44 @@ def merge_deltas(items: Iterable[T]) -> list[T]:
     for item in items:
         prev = out[-1] if out else None
         if isinstance(item, TokenDelta) and isinstance(prev, TokenDelta) and continues(prev, item):
-            out[-1] = TokenDelta(prev.request_id, prev.token_ids + item.token_ids,
-                                 prev.logprobs + item.logprobs, prev.version)
+            out[-1] = _joined(prev, item)
         else:
             out.append(item)
     return out
+
+
+def _joined(prev: TokenDelta, nxt: TokenDelta) -> TokenDelta:
+    return TokenDelta(prev.request_id, prev.token_ids + nxt.token_ids, prev.logprobs + nxt.logprobs, prev.version)
+
+
+class Held:
+    """One request's deltas, sent at most every `hold_s` seconds (Generate.hold_s; 0 sends each as it
+    comes). The first goes at once (the requester records where a dispatch starts, and its first
+    token); later ones wait, merged, until `hold_s` has passed since the last send, checked as each
+    new one arrives, with no timer: a paused engine holds them until it goes on, as it would hold
+    tokens it has not sampled. A version change sends what is held first: a merge never crosses one.
+    The caller sends `flush()` before the request's end (GenerateDone): nothing held is lost."""
+
+    def __init__(self, hold_s: float) -> None:
+        self.hold_s = hold_s
+        self.pending: TokenDelta | None = None
+        self.sent_at = -math.inf
+
+    def add(self, delta: TokenDelta, now: float) -> list[TokenDelta]:
+        """What to send now, in order."""
+        out = []
+        if self.pending is not None and not continues(self.pending, delta):
+            out.append(self.pending)
+            self.pending = None
+        merged = delta if self.pending is None else _joined(self.pending, delta)
+        if now - self.sent_at >= self.hold_s:
+            out.append(merged)
+            self.pending, self.sent_at = None, now
+        else:
+            self.pending = merged
+        return out
+
+    def flush(self) -> TokenDelta | None:
+        """What is still held (None: nothing), now to be sent."""
+        out, self.pending = self.pending, None
+        return out

@@ -94,10 +94,12 @@ class Turn:
     def saw(self, reply: ChatReply) -> None:
         if not self._first and (isinstance(reply, ChatDone) or (isinstance(reply, ChatDelta) and reply.text)):
             self._first = True
-            self.gw.metrics.ttft.labels(self.kind).observe(time.perf_counter() - self.start)
+            m = self.gw.metrics
+            m.child(m.ttft, self.kind).observe(time.perf_counter() - self.start)
         if isinstance(reply, ChatDone):
-            self.gw.metrics.tokens.labels("prompt").inc(reply.usage.prompt_tokens)
-            self.gw.metrics.tokens.labels("completion").inc(reply.usage.completion_tokens)
+            m = self.gw.metrics
+            m.child(m.tokens, "prompt").inc(reply.usage.prompt_tokens)
+            m.child(m.tokens, "completion").inc(reply.usage.completion_tokens)
 
     async def cancel(self, reason: Reason = "disconnect") -> None:
         log.info("cancelling %s (%s)", self.chat.request_id, reason)

@@ -36,6 +36,7 @@ from shared import bus, subjects
 from shared.codec import decode, encode
 from shared.config import Connections
 from shared.deadletter import Malformed
+from shared.deltas import Held
 from shared.weightfollow import WeightFollower
 from shared.messages.rollout import (
     ErrorCode,
@@ -54,6 +55,19 @@ log = logging.getLogger(__name__)
 CONTROL_WAIT = 10.0  # seconds a control reply waits for the requests it ended to send their GenerateDone
 SHUTDOWN_WAIT = 15.0  # seconds shutdown waits for in-flight requests to end "preempted"
 EXIT_ENGINE_DEAD = 3  # process exit code when the engine died (a supervisor restarts the worker)
+
+
+class _Run:
+    """One request's progress on this worker: how it ends, and with how many tokens of which version."""
+
+    __slots__ = ("finish", "error", "code", "version", "tokens")
+
+    def __init__(self, version: int) -> None:
+        self.finish: FinishReason = "preempted"
+        self.error = ""
+        self.code: ErrorCode = ""
+        self.version = version
+        self.tokens = 0
 
 
 class RolloutService:
@@ -181,46 +195,57 @@ class RolloutService:
 
     async def _generate(self, req: Generate, reply: str) -> None:
         rid, n = req.request_id, len(req.prompt_ids)
-        finish: FinishReason = "preempted"
-        error, code = "", ""
-        version = self.engine.version
-        t0, tokens = time.monotonic(), 0
+        run = _Run(self.engine.version)
+        t0 = time.monotonic()
+        held = Held(req.hold_s)  # tokens sent at most every hold_s (0: each as it comes); flushed before the end
         if self.engine.dead:
-            error = f"worker engine dead: {self.engine.dead}"
+            run.error = f"worker engine dead: {self.engine.dead}"
         elif rid in self._aborted:
             self._aborted.discard(rid)
         elif not (self.closing or self.engine.vacated):
             try:
-                async with asyncio.timeout(self.cfg.max_request_seconds):
-                    await self._admit.wait()  # a drain-policy update holds new requests here
-                    async with aclosing(self.engine.generate(rid, req.prompt_ids, req.sampling)) as deltas:
-                        async for d in deltas:
-                            if d.token_ids:
-                                await self._send(reply, TokenDelta(rid, d.token_ids, d.logprobs, d.version))
-                                self.generated_tokens += len(d.token_ids)
-                                tokens += len(d.token_ids)
-                                version = d.version
-                            if d.finish is not None:
-                                finish, error = d.finish, d.error
+                await self._relay(req, reply, held, run)
             except TimeoutError:
-                finish, error = "error", f"request exceeded max_request_seconds={self.cfg.max_request_seconds:g}"
+                run.finish, run.error = "error", f"request exceeded max_request_seconds={self.cfg.max_request_seconds:g}"
             except EngineError as e:
-                finish, error, code = "error", str(e), e.code
+                run.finish, run.error, run.code = "error", str(e), e.code
             except EngineDead as e:
-                finish, error = "preempted", f"worker engine dead: {e}"
+                run.finish, run.error = "preempted", f"worker engine dead: {e}"
             except asyncio.CancelledError:  # shutdown, after the engine would not end it
-                await self._send(reply, self._done(rid, "preempted", n, version))
+                await self._end(reply, held, self._done(rid, "preempted", n, run.version))
                 raise
             except Exception as e:
                 log.exception("request %s failed", rid)
-                finish, error = "error", f"{type(e).__name__}: {e}"
-        log.debug("request %s: %s after %d tokens in %.2fs (last version %d)", rid, finish, tokens,
-                  time.monotonic() - t0, version)
-        if finish == "error" and not code:
-            code = "internal"  # a timeout, an unexpected exception, a dead engine: not the caller's fault
+                run.finish, run.error = "error", f"{type(e).__name__}: {e}"
+        log.debug("request %s: %s after %d tokens in %.2fs (last version %d)", rid, run.finish, run.tokens,
+                  time.monotonic() - t0, run.version)
+        if run.finish == "error" and not run.code:
+            run.code = "internal"  # a timeout, an unexpected exception, a dead engine: not the caller's fault
         # preempted by the scheduler's vacate: the caller re-dispatches without counting a failure
-        scheduled = finish == "preempted" and not error and self._scheduled_vacate and self.engine.vacated
-        await self._send(reply, self._done(rid, finish, n, version, error, code, scheduled))
+        scheduled = run.finish == "preempted" and not run.error and self._scheduled_vacate and self.engine.vacated
+        await self._end(reply, held, self._done(rid, run.finish, n, run.version, run.error, run.code, scheduled))
+
+    async def _relay(self, req: Generate, reply: str, held: Held, run: _Run) -> None:
+        """The engine's tokens for `req`, sent to `reply` as `held` lets them go; `run` keeps count."""
+        rid = req.request_id
+        async with asyncio.timeout(self.cfg.max_request_seconds):
+            await self._admit.wait()  # a drain-policy update holds new requests here
+            async with aclosing(self.engine.generate(rid, req.prompt_ids, req.sampling)) as deltas:
+                async for d in deltas:
+                    if d.token_ids:
+                        for out in held.add(TokenDelta(rid, d.token_ids, d.logprobs, d.version), time.monotonic()):
+                            await self._send(reply, out)
+                        self.generated_tokens += len(d.token_ids)
+                        run.tokens += len(d.token_ids)
+                        run.version = d.version
+                    if d.finish is not None:
+                        run.finish, run.error = d.finish, d.error
+
+    async def _end(self, reply: str, held: Held, done: GenerateDone) -> None:
+        """What `held` still holds, then the request's GenerateDone: no token is left behind."""
+        if rest := held.flush():
+            await self._send(reply, rest)
+        await self._send(reply, done)
 
     def _done(self, rid: str, finish: FinishReason, n: int, version: int | None = None,
               error: str = "", code: ErrorCode = "", scheduled: bool = False) -> GenerateDone:

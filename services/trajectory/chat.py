@@ -188,7 +188,8 @@ class TurnHandler:
                 gen = await generate(self.call, lambda exclude: self._pick(sticky, exclude, expected),
                                      f"{rid}.{secrets.token_hex(3)}",
                                      look.session_id, prompt.ids, replace(req.sampling, max_tokens=budget), on_tokens,
-                                     self.cfg.max_redispatch, resume=partial)
+                                     self.cfg.max_redispatch, resume=partial,
+                                     hold_s=0.0 if req.agent_streams else self.cfg.plain_hold_s)
         except GenerationFailed as e:
             await self.store.drop_request(rid, lease.owner)
             raise TurnError(e.status, "generation_failed", str(e)) from None

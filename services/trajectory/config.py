@@ -29,6 +29,10 @@ class TrajectoryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # render the whole history through the chat template at every turn too, and use it (the default
     # checks each shape of conversation once, then renders only the end of the history)
     full_render_check: bool = False
+    # a turn whose agent does not stream: its worker sends tokens at most this often (seconds), merged, so a
+    # long reply costs a message per hold instead of one per token at each end (shared/deltas.Held). The price:
+    # a stop string is seen up to this much later (the worker generates on meanwhile; the extra is cut)
+    plain_hold_s: float = 0.1
     # Prometheus /metrics (sf_bus_malformed_total); 0 = off (replicas on one machine need a port each)
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"

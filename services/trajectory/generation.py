@@ -98,9 +98,11 @@ async def generate(
     max_redispatch: int,
     resume: Generated | None = None,
     backoff: float = 0.05,
+    hold_s: float = 0.0,
 ) -> Generated:
     """`on_tokens` runs before tokens count as generated: the service persists them there, so
-    a replica that resumes this request (`resume`, rebuilt from Redis) continues after them."""
+    a replica that resumes this request (`resume`, rebuilt from Redis) continues after them.
+    `hold_s`: how often at most the worker sends tokens (Generate.hold_s; 0: as they come)."""
     out = resume or Generated()
     preemptions = Preemptions(max_redispatch, backoff, out.dispatches)
     preempted_on: set[str] = set()
@@ -116,6 +118,7 @@ async def generate(
             prompt_ids=(prompt_ids + out.token_ids).wire(),  # msgpack bytes spliced (tokenpath.py)
             sampling=msgspec.structs.replace(sampling, max_tokens=remaining),
             session_id=session_id,
+            hold_s=hold_s,
         )
         out.dispatches += 1
         first = True

@@ -34,6 +34,10 @@ class Generate(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     prompt_ids: list[int]
     sampling: Sampling
     session_id: str = ""
+    # the worker may hold tokens back and send them merged, at most this often (seconds; shared/deltas.Held):
+    # the requester's agent does not stream, so nobody watches them live. 0: each as it comes. Workers
+    # from before it ignore it (a trailing field of an array_like Struct)
+    hold_s: float = 0.0
 
 
 class TokenDelta(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -54,9 +54,9 @@ def make(tmp_path, monkeypatch):
     return make
 
 
-def start(svc: RolloutService, rid: str, max_tokens: int = 10_000) -> asyncio.Task:
+def start(svc: RolloutService, rid: str, max_tokens: int = 10_000, hold_s: float = 0.0) -> asyncio.Task:
     """A Generate as service._on_generate starts it; its replies go to inbox `rid`."""
-    req = Generate(rid, [1, 2, 3], Sampling(max_tokens=max_tokens))
+    req = Generate(rid, [1, 2, 3], Sampling(max_tokens=max_tokens), hold_s=hold_s)
     task = asyncio.create_task(svc._generate(req, rid))
     svc.tasks[rid] = task
     task.add_done_callback(lambda t: svc.tasks.pop(rid, None))
@@ -88,6 +88,28 @@ async def test_a_vacate_publishes_its_status_before_waiting_for_in_flight_reques
     first_vacated = next(t for st, t in svc.nc.statuses() if st.state == "vacated")
     ended = next(t for s, m, t in svc.nc.sent if s == "r1" and isinstance(m, GenerateDone))
     assert first_vacated < ended  # routers heard it before the requests were over
+
+
+async def test_held_tokens_go_out_merged_and_all_before_the_end(make):
+    # Generate.hold_s (an agent that does not stream): the first tokens at once, the rest held and merged;
+    # a vacate mid-request sends everything held before its GenerateDone: no token is lost
+    svc = await make()
+    start(svc, "held", hold_s=60.0)
+    start(svc, "each")
+    await asyncio.sleep(0.1)
+    await control(svc, op="vacate", scheduled=True)
+    for rid in ("held", "each"):
+        replies = [m for s, m, _ in svc.nc.sent if s == rid]
+        assert isinstance(replies[-1], GenerateDone) and replies[-1].finish_reason == "preempted"
+        deltas = replies[:-1]
+        assert all(isinstance(m, TokenDelta) for m in deltas)
+        if rid == "held":
+            assert len(deltas) == 2  # the first, then all that was held, merged, before the end
+            held_ids = [t for m in deltas for t in m.token_ids]
+        else:
+            each_ids = [t for m in deltas for t in m.token_ids]
+            assert len(deltas) > 2
+    assert len(held_ids) + len(each_ids) == svc.generated_tokens  # every token the engine made went out
 
 
 async def test_scheduled_vacates_mark_their_preemptions(make):

@@ -1,6 +1,7 @@
-"""shared/deltas.py: queued TokenDeltas merge within one request and version, never across."""
+"""shared/deltas.py: queued TokenDeltas merge within one request and version, never across; Held sends
+one request's at most every hold_s."""
 
-from shared.deltas import merge_deltas
+from shared.deltas import Held, merge_deltas
 from shared.messages import GenerateDone, TokenDelta
 
 
@@ -26,3 +27,24 @@ def test_empty_and_single():
     assert merge_deltas([]) == []
     one = TokenDelta("r", [1], [0.0], 0)
     assert merge_deltas([one]) == [one]
+
+
+def test_held_sends_the_first_at_once_then_at_most_every_hold_s_merged():
+    h = Held(0.1)
+    d = lambda t, v=0: TokenDelta("r", [t], [-t / 10], v)  # noqa: E731
+    assert h.add(d(1), now=0.0) == [d(1)]  # the first at once
+    assert h.add(d(2), now=0.03) == [] and h.add(d(3), now=0.06) == []  # held
+    [sent] = h.add(d(4), now=0.1)  # hold_s since the last send: all that was held, merged
+    assert (sent.token_ids, sent.logprobs, sent.version) == ([2, 3, 4], [-0.2, -0.3, -0.4], 0)
+    assert h.add(d(5), now=0.15) == []
+    # a new version sends what is held first: a merge never crosses one
+    [before] = h.add(d(6, v=1), now=0.16)
+    assert (before.token_ids, before.version) == ([5], 0)
+    assert h.flush() == TokenDelta("r", [6], [-0.6], 1) and h.flush() is None  # the end: nothing held is lost
+
+
+def test_held_with_no_hold_sends_each_as_it_comes():
+    h = Held(0.0)
+    for t in range(5):
+        assert h.add(TokenDelta("r", [t], [0.0], 0), now=1.0) == [TokenDelta("r", [t], [0.0], 0)]
+    assert h.flush() is None
