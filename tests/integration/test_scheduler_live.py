@@ -36,12 +36,15 @@ from tests.integration.stack_fixture import make_stack
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.deepspeed]
 
 GROUP_SIZE, GROUPS_PER_STEP = 4, 2
-# 4 agents in flight (one group), 2 groups a step, replies of 64-192 tokens: rollout-bound by
+# 4 agents in flight (one group), 2 groups a step, replies of 160-320 tokens: rollout-bound by
 # construction, on a fast box as on a slow one. A step's batch is two waves of agents, and at most
 # one completes while the trainer computes, so the trainer waits for data between steps. (With 8
-# agents a fast box often had the batch ready at the step's end, and seamless rightly kept the host.)
+# agents a fast box often had the batch ready at the step's end, and seamless rightly kept the host.
+# With 64-192 tokens, once the worker held a plain turn's tokens (Generate.hold_s) and the trajectory
+# manager's per-token work left the 2 cores to vLLM, the trainer waited 0-1.9 s a step instead of 2-5 s,
+# and seamless rightly lent the host 2 times in 8 steps.)
 CONCURRENT_GROUPS = 1
-REPLY_TOKENS = (64, 192)
+REPLY_TOKENS = (160, 320)
 TRAINER = {"group_size": GROUP_SIZE, "groups_per_step": GROUPS_PER_STEP, "lr": 1e-5, "publish_every": 1,
            "checkpoint_every": 5, "keep_versions": 3, "gate_timeout": 60}
 
