@@ -46,16 +46,26 @@ class _HiredisPacking:
     every argument in Python: ~30% of the trajectory manager's Redis client time (a turn's save is one
     script call of 24 arguments; BENCHMARKS.md, issue 15)."""
 
+    _hiredis_encodes: bool | None = None  # does this connection's encoder encode as hiredis does? (set once)
+
     def pack_command(self, *args):
-        if self.encoder.encoding.lower().replace("-", "") != "utf8" or self.encoder.encoding_errors != "strict":
+        if self._hiredis_encodes is None:  # the encoder is the connection's for life: checked once, not per command
+            e = self.encoder
+            self._hiredis_encodes = e.encoding.lower().replace("-", "") == "utf8" and e.encoding_errors == "strict"
+        if not self._hiredis_encodes:
             return super().pack_command(*args)  # hiredis encodes str as strict UTF-8 only
-        if isinstance(args[0], str):
-            args = (*args[0].encode().split(), *args[1:])  # "SCRIPT LOAD" is two arguments
-        elif b" " in args[0]:
-            args = (*args[0].split(), *args[1:])
+        first = args[0]
+        if isinstance(first, str):
+            if " " in first:
+                args = (*first.split(), *args[1:])  # "SCRIPT LOAD" is two arguments
+        elif b" " in first:
+            args = (*first.split(), *args[1:])
         try:
-            return [hiredis.pack_command(tuple(bytes(a) if isinstance(a, (bytearray, memoryview)) else a
-                                               for a in args))]
+            return [hiredis.pack_command(args)]
+        except TypeError:  # a bytearray (hiredis takes bytes and memoryview), or a bool or None
+            pass
+        try:
+            return [hiredis.pack_command(tuple(bytes(a) if isinstance(a, bytearray) else a for a in args))]
         except TypeError as e:  # a bool or None: redis-py's own error for it
             raise DataError(str(e)) from None
 

@@ -276,6 +276,12 @@ class Store:
         self._lookup = client.register_script(_LOOKUP)
         self._begin = client.register_script(_BEGIN)
         self._save_turn = client.register_script(_SAVE_TURN)
+        # a turn's other scripts by their digest too (EVALSHA: the body is not sent and hashed at each call;
+        # after a Redis restart redis-py loads it again on NOSCRIPT)
+        self._renew = client.register_script(_RENEW_IF_OWNER)
+        self._append = client.register_script(_APPEND_IF_HOLDER)
+        self._hold = client.register_script(_HOLD)
+        self._drop = client.register_script(_DROP_IF_OWNER)
 
     @classmethod
     def connect(cls, url: str, ttl: int, max_connections: int = POOL_SIZE) -> "Store":
@@ -399,25 +405,24 @@ class Store:
 
     async def renew_lease(self, rid: str, owner: str, lease_ms: int) -> bool:
         """Extend `owner`'s lease; False (and nothing changed) if another replica holds it."""
-        return bool(await self.r.eval(_RENEW_IF_OWNER, 1, f"sf:req:{rid}:owner", owner, lease_ms))
+        return bool(await self._renew(keys=[f"sf:req:{rid}:owner"], args=[owner, lease_ms]))
 
     async def append_deltas(self, rid: str, recs: list[DeltaRecord], owner: str) -> bool:
         """Append to a running request's deltas if `owner` holds its lease (or nobody does);
         False, and nothing written, if another replica holds it or the request ended."""
-        keys = (f"sf:req:{rid}:owner", f"sf:req:{rid}", f"sf:req:{rid}:deltas")
-        return bool(await self.r.eval(_APPEND_IF_HOLDER, len(keys), *keys, owner, REQUEST_TTL,
-                                      *(_turn_enc.encode(r) for r in recs)))
+        keys = [f"sf:req:{rid}:owner", f"sf:req:{rid}", f"sf:req:{rid}:deltas"]
+        return bool(await self._append(keys=keys, args=[owner, REQUEST_TTL, *(_turn_enc.encode(r) for r in recs)]))
 
     async def hold(self, rid: str, owner: str, lease_ms: int) -> bool:
         """Renew `owner`'s lease on a running request (or take it if it lapsed) for `lease_ms`;
         False if another replica holds it or the request ended (finished by another)."""
-        return bool(await self.r.eval(_HOLD, 2, f"sf:req:{rid}:owner", f"sf:req:{rid}", owner, lease_ms))
+        return bool(await self._hold(keys=[f"sf:req:{rid}:owner", f"sf:req:{rid}"], args=[owner, lease_ms]))
 
     async def drop_request(self, rid: str, owner: str) -> bool:
         """Forget a running request, if `owner` still holds its lease (or nobody does): a replica
         that lost the lease must not delete the state its new owner continues from."""
-        keys = (f"sf:req:{rid}:owner", f"sf:req:{rid}", f"sf:req:{rid}:deltas")
-        return bool(await self.r.eval(_DROP_IF_OWNER, len(keys), *keys, owner))
+        keys = [f"sf:req:{rid}:owner", f"sf:req:{rid}", f"sf:req:{rid}:deltas"]
+        return bool(await self._drop(keys=keys, args=[owner]))
 
     # -- turns -------------------------------------------------------------------------------------
 
