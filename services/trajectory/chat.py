@@ -34,9 +34,11 @@ from services.trajectory.turns import Turn
 from services.trajectory.turnstream import TurnStream
 from shared.codec import decode, encode
 from shared.messages import ChatDelta, ChatDone, ChatRequest, TokenDelta
+from shared.logonce import OncePerCause
 from shared.messages.chat import KEEPALIVE_INTERVAL
 
 log = logging.getLogger(__name__)
+_warn = OncePerCause(log)
 
 Emit = Callable[[Any], Awaitable[None]]
 LEASE_MS = 3000
@@ -65,10 +67,13 @@ class _Lease:
     handling, not the process: a re-sent copy that lands on the replica still serving the first
     (paused, then continued) waits for it like any other replica instead of sharing its lease."""
 
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, rid: str = "", emit: Emit | None = None) -> None:
         self.owner = owner
+        self.rid = rid
+        self.emit = emit  # where its keepalives go
         self.lost = False
-        self.holder: asyncio.Task | None = None  # renews the lease once this handling holds it (_hold)
+        self.work: asyncio.Task | None = None  # the handling, once it holds the lease (_held): renewed, stopped if lost
+        self.renewed = 0.0  # monotonic time of its last renewal
 
 
 class TurnHandler:
@@ -77,13 +82,17 @@ class TurnHandler:
         self.prompts = PromptBuilder(store, renderer)
         self.owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.lengths = LengthHistory()  # recent reply lengths per GRPO group, for predicted lending
+        self.live: set[_Lease] = set()  # every handling in flight here: each gets keepalives (_tick)
+        self._ticker: asyncio.Task | None = None
 
     async def handle(self, req: ChatRequest, emit: Emit) -> ChatDone:
         rid = req.request_id
-        lease = _Lease(f"{self.owner}-{secrets.token_hex(2)}")
+        lease = _Lease(f"{self.owner}-{secrets.token_hex(2)}", rid, emit)
         # keepalives from the start, whatever Redis makes the turn wait for: the gateway re-sends a request
         # after 5 s of silence (bench/load.py, a starved replica: 125 re-sends in 45 s, each one more turn)
-        keepalive = asyncio.create_task(self._keepalive(rid, emit))
+        self.live.add(lease)
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.create_task(self._tick())
         try:
             look = await self._lookup(req)
             # 0. a retry of a request that already finished gets the same answer
@@ -95,13 +104,11 @@ class TurnHandler:
         except InvalidMessage as e:  # found where it was read (messagelist.py)
             raise TurnError(400, "invalid_messages", str(e)) from None
         except asyncio.CancelledError:
-            if lease.lost and asyncio.current_task().uncancel() == 0:  # our lease holder, not the agent
+            if lease.lost and asyncio.current_task().uncancel() == 0:  # our lease renewal (_lose), not the agent
                 raise LeaseLost(f"request {rid}: another replica holds its lease") from None
             raise
         finally:
-            keepalive.cancel()
-            if lease.holder is not None:
-                lease.holder.cancel()
+            self.live.discard(lease)  # no keepalive, no renewal from here on
 
     async def _lookup(self, req: ChatRequest) -> Lookup:
         """The request's state in one round trip; a request without a session that is not a
@@ -114,42 +121,65 @@ class TurnHandler:
             raise TurnError(404, "session_not_found", f"session {e.args[0]} does not exist") from None
         return look
 
-    @staticmethod
-    async def _keepalive(rid: str, emit: Emit) -> None:
-        """Tell the gateway this replica is alive, every KEEPALIVE_INTERVAL: on its own, so a lease renewal
-        that waits for Redis does not delay it."""
-        while True:
+    async def _tick(self) -> None:
+        """Every KEEPALIVE_INTERVAL while any turn runs here: a keepalive for each (the gateway tells a dead
+        replica from a slow model by them), then every lease held renewed, together (one Redis call per
+        RENEW_BATCH leases, not one per turn and second). The renewal runs in a task of its own, one at a
+        time: one that waits for Redis delays no keepalive. Ends when no turn is left; handle starts it again."""
+        renewal: asyncio.Task | None = None
+        while self.live:
             await asyncio.sleep(KEEPALIVE_INTERVAL)
-            await emit(ChatDelta(rid, "", 0))
+            for lease in list(self.live):
+                try:
+                    await lease.emit(ChatDelta(lease.rid, "", 0))
+                except Exception as e:  # NATS trouble: the gateway re-sends after its silence timeout
+                    _warn(f"keepalive:{type(e).__name__}", "keepalive of %s failed: %s", lease.rid, e)
+            held = [lease for lease in self.live if lease.work is not None and not lease.lost]
+            if held and (renewal is None or renewal.done()):
+                renewal = asyncio.create_task(self._renew(held))
 
     def _held(self, rid: str, lease: _Lease) -> None:
         """This handling holds the request's lease now (it began the request, or took it over): keep it."""
-        lease.holder = asyncio.create_task(self._hold(rid, asyncio.current_task(), lease))
+        lease.work, lease.renewed = asyncio.current_task(), time.monotonic()
 
-    async def _hold(self, rid: str, work: asyncio.Task, lease: _Lease) -> None:
-        """Renew the request's lease every KEEPALIVE_INTERVAL. Once it is lost (another replica holds it,
-        or renewals failed until it lapsed), stop the turn. Only a handling that holds the lease runs this:
-        a re-sent copy waiting for the first one to finish (_resume) holds nothing yet, and must not take
-        the first copy's lease for its own loss."""
-        renewed = time.monotonic()
-        while True:
-            await asyncio.sleep(KEEPALIVE_INTERVAL)
-            try:
-                # a lease that lapsed while this replica was slow (a stalled event loop on a loaded
-                # host) but that nobody took is taken back: only another holder means it is lost
-                held = (await self.store.renew_lease(rid, lease.owner, LEASE_MS)
-                        or await self.store.claim_request(rid, lease.owner, LEASE_MS))
-                why = "another replica holds it"
-                renewed = time.monotonic() if held else renewed
-            except Exception as e:  # a Redis hiccup: fine while the lease has not lapsed
-                held = time.monotonic() - renewed < LEASE_MS / 1000
-                why = f"renewals failed until it lapsed ({e})"
-                log.warning("request %s: lease renewal failed: %s", rid, e)
-            if not held:
-                log.warning("request %s: lease lost (%s); stopping here", rid, why)
-                lease.lost = True
-                work.cancel()
-                return
+    async def _renew(self, held: list[_Lease]) -> None:
+        """Renew the leases `held`. One that is lost (another replica holds it, or renewals failed until it
+        lapsed) stops its turn. A lease that lapsed while this replica was slow (a stalled event loop on a
+        loaded host) but that nobody took is taken back: only another holder means it is lost. Only a
+        handling that holds its lease is here: a re-sent copy waiting for the first one to finish (_resume)
+        holds nothing yet, and must not take the first copy's lease for its own loss."""
+        try:
+            renewed = await self.store.renew_leases([(lease.rid, lease.owner) for lease in held], LEASE_MS)
+        except Exception as e:  # a Redis hiccup: fine while a lease has not lapsed
+            log.warning("lease renewal of %d request(s) failed: %s", len(held), e)
+            for lease in held:
+                if lease in self.live and time.monotonic() - lease.renewed >= LEASE_MS / 1000:
+                    self._lose(lease, f"renewals failed until it lapsed ({e})")
+            return
+        for lease, ok in zip(held, renewed, strict=True):
+            if lease not in self.live:
+                continue  # its turn ended meanwhile
+            why = "another replica holds it"
+            if not ok:
+                try:
+                    ok = await self.store.claim_request(lease.rid, lease.owner, LEASE_MS)
+                except Exception as e:
+                    ok = time.monotonic() - lease.renewed < LEASE_MS / 1000
+                    why = f"renewals failed until it lapsed ({e})"
+                    log.warning("request %s: lease renewal failed: %s", lease.rid, e)
+                else:
+                    lease.renewed = time.monotonic() if ok else lease.renewed
+            else:
+                lease.renewed = time.monotonic()
+            if not ok and lease in self.live:
+                self._lose(lease, why)
+
+    @staticmethod
+    def _lose(lease: _Lease, why: str) -> None:
+        log.warning("request %s: lease lost (%s); stopping here", lease.rid, why)
+        lease.lost = True
+        if lease.work is not None:
+            lease.work.cancel()
 
     async def _handle(self, req: ChatRequest, emit: Emit, look: Lookup, lease: _Lease) -> ChatDone:
         rid = req.request_id

@@ -208,6 +208,16 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[
 return 0
 """
 
+# the same for many leases at once: KEYS owner keys, ARGV lease ms then one holder per key; 1 or 0 per key
+_RENEW_MANY = """
+local out = {}
+for i, key in ipairs(KEYS) do
+  if redis.call('GET', key) == ARGV[i + 1] then out[i] = redis.call('PEXPIRE', key, ARGV[1]) else out[i] = 0 end
+end
+return out
+"""
+RENEW_BATCH = 256  # leases per renewal call
+
 
 # open -> finishing: store the event and queue the publication; a retried finish gets the stored event
 _BEGIN_FINISH = """
@@ -279,6 +289,7 @@ class Store:
         # a turn's other scripts by their digest too (EVALSHA: the body is not sent and hashed at each call;
         # after a Redis restart redis-py loads it again on NOSCRIPT)
         self._renew = client.register_script(_RENEW_IF_OWNER)
+        self._renew_many = client.register_script(_RENEW_MANY)
         self._append = client.register_script(_APPEND_IF_HOLDER)
         self._hold = client.register_script(_HOLD)
         self._drop = client.register_script(_DROP_IF_OWNER)
@@ -406,6 +417,16 @@ class Store:
     async def renew_lease(self, rid: str, owner: str, lease_ms: int) -> bool:
         """Extend `owner`'s lease; False (and nothing changed) if another replica holds it."""
         return bool(await self._renew(keys=[f"sf:req:{rid}:owner"], args=[owner, lease_ms]))
+
+    async def renew_leases(self, leases: list[tuple[str, str]], lease_ms: int) -> list[bool]:
+        """renew_lease for each (request id, owner), in one call per RENEW_BATCH: whether each was renewed."""
+        out: list[bool] = []
+        for i in range(0, len(leases), RENEW_BATCH):
+            part = leases[i:i + RENEW_BATCH]
+            got = await self._renew_many(keys=[f"sf:req:{rid}:owner" for rid, _ in part],
+                                         args=[lease_ms, *(owner for _, owner in part)])
+            out += [bool(x) for x in got]
+        return out
 
     async def append_deltas(self, rid: str, recs: list[DeltaRecord], owner: str) -> bool:
         """Append to a running request's deltas if `owner` holds its lease (or nobody does);

@@ -33,6 +33,22 @@ async def test_only_the_holder_renews_a_lease(store):
     await store.drop_request(rid, "replica-a")
 
 
+async def test_many_leases_renew_in_one_call_each_only_for_its_holder(store, monkeypatch):
+    monkeypatch.setattr("services.trajectory.store.RENEW_BATCH", 2)  # 5 leases: three calls
+    rids = [f"lease-many-{i}" for i in range(5)]
+    for rid in rids:
+        assert await store.begin_request(rid, state(), "replica-a", 10_000)
+    await store.r.set(f"sf:req:{rids[1]}:owner", "replica-b", px=10_000)  # taken over
+    await store.r.delete(f"sf:req:{rids[3]}:owner")  # lapsed, nobody took it: a renewal does not revive it
+    got = await store.renew_leases([(rid, "replica-a") for rid in rids], 60_000)
+    assert got == [True, False, True, False, True]
+    ttl = [await store.r.pttl(f"sf:req:{rid}:owner") for rid in rids]
+    assert ttl[0] > 10_000 and ttl[2] > 10_000 and ttl[4] > 10_000 and ttl[1] <= 10_000 and ttl[3] == -2
+    assert await store.renew_leases([], 60_000) == []
+    for rid in rids:
+        await store.r.delete(f"sf:req:{rid}", f"sf:req:{rid}:owner")
+
+
 async def test_a_resend_waits_for_a_live_replica_and_gets_its_result(store):
     rid = "lease-live"
     assert await store.begin_request(rid, state(), "replica-a", 1_000)

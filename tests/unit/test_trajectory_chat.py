@@ -77,6 +77,9 @@ class FakeStore:
     async def renew_lease(self, rid, owner, lease_ms):
         return self.renew_ok and self.owners.get(rid) == owner
 
+    async def renew_leases(self, leases, lease_ms):  # as store.py: renew_lease for each, in one call
+        return [await self.renew_lease(rid, owner, lease_ms) for rid, owner in leases]
+
     def _holds(self, rid, owner):
         return rid in self.requests and self.owners.get(rid) in (None, owner)
 
@@ -289,6 +292,36 @@ async def test_keepalives_keep_their_cadence_while_redis_makes_the_turn_wait(ren
     assert done.text.startswith("a long answer") and store.saved
     gaps = [b - a for a, b in zip([start, *stamps], stamps)]
     assert stamps and max(gaps) < 0.25, gaps
+
+
+async def test_turns_in_flight_share_one_ticker_and_one_renewal_call_per_tick(renderer, monkeypatch):
+    # a replica's keepalives and lease renewals: one task and one Redis call per tick for all its turns,
+    # not a task and a call per turn and second (a 10 s reply cost 10 renewals; 500 agents, 500 calls a second)
+    monkeypatch.setattr(chat, "KEEPALIVE_INTERVAL", 0.05)
+    store = FakeStore()
+    sid = await store.create_session()
+    calls: list[int] = []
+    renew_many = store.renew_leases
+
+    async def renew_leases(leases, lease_ms):
+        calls.append(len(leases))
+        return await renew_many(leases, lease_ms)
+
+    store.renew_leases = renew_leases
+    h = TurnHandler(TrajectoryConfig(worker_wait=2), store, renderer, table(),
+                    worker(renderer, "a long answer " * 10, delay=0.02))
+    tasks_before = len(asyncio.all_tasks())
+    runs = [asyncio.create_task(run(h, request(f"r-many-{i}", sid))) for i in range(6)]
+    await asyncio.sleep(0.3)
+    assert len(asyncio.all_tasks()) - tasks_before <= 6 + 2  # the turns, the ticker, at most one renewal
+    done = await asyncio.wait_for(asyncio.gather(*runs), 20)
+    assert len(store.saved) == 6
+    assert calls and max(calls) == 6  # every lease held, renewed in one call
+    for (_, sent), i in zip(done, range(6)):
+        assert sum(isinstance(m, ChatDelta) and not m.text for m in sent) >= 3, i  # each kept the gateway told
+    assert h._ticker is not None
+    await asyncio.sleep(0.15)
+    assert h._ticker.done() and not h.live  # it ends with the last turn
 
 
 async def test_two_copies_that_both_begin_a_request_give_one_turn(renderer):
