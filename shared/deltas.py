@@ -7,7 +7,8 @@ exactly one (worker, version) run. Anything that is not a TokenDelta (a Generate
 engine's end-of-request marker, an exception) is kept in place and ends the run.
 
 `Held` merges on purpose: a requester whose tokens nobody watches live (an agent that does not
-stream) sets `Generate.hold_s`, and the worker sends a request's tokens at most that often.
+stream) sets `Generate.hold_s`, and the worker sends a request's tokens at most that often; what
+it still holds at the end rides on the GenerateDone (`with_tail`, `split_tail`): one message.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import math
 from collections.abc import Iterable
 from typing import TypeVar
 
-from shared.messages.rollout import TokenDelta
+from shared.messages.rollout import GenerateDone, TokenDelta
 
 T = TypeVar("T")
 
@@ -74,3 +75,19 @@ class Held:
         """What is still held (None: nothing), now to be sent."""
         out, self.pending = self.pending, None
         return out
+
+
+def with_tail(done: GenerateDone, tail: TokenDelta | None) -> tuple[TokenDelta | None, GenerateDone]:
+    """(delta to send first, GenerateDone): the held `tail` rides on `done` when it is of `done`'s version
+    (it always is: the worker's last tokens are its last version), else it goes before it on its own."""
+    if tail is None or tail.version != done.version:
+        return tail, done
+    done.tail_ids, done.tail_logprobs = tail.token_ids, tail.logprobs
+    return None, done
+
+
+def split_tail(reply: T) -> list:
+    """A GenerateDone with a tail as the TokenDelta and the GenerateDone it stands for; anything else as is."""
+    if isinstance(reply, GenerateDone) and reply.tail_ids:
+        return [TokenDelta(reply.request_id, reply.tail_ids, reply.tail_logprobs, reply.version), reply]
+    return [reply]

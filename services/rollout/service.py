@@ -36,7 +36,7 @@ from shared import bus, subjects
 from shared.codec import decode, encode
 from shared.config import Connections
 from shared.deadletter import Malformed
-from shared.deltas import Held
+from shared.deltas import Held, with_tail
 from shared.weightfollow import WeightFollower
 from shared.messages.rollout import (
     ErrorCode,
@@ -242,9 +242,11 @@ class RolloutService:
                         run.finish, run.error = d.finish, d.error
 
     async def _end(self, reply: str, held: Held, done: GenerateDone) -> None:
-        """What `held` still holds, then the request's GenerateDone: no token is left behind."""
-        if rest := held.flush():
-            await self._send(reply, rest)
+        """What `held` still holds, then the request's GenerateDone (the former riding on the latter, one
+        message): no token is left behind."""
+        first, done = with_tail(done, held.flush())
+        if first is not None:
+            await self._send(reply, first)
         await self._send(reply, done)
 
     def _done(self, rid: str, finish: FinishReason, n: int, version: int | None = None,

@@ -59,7 +59,8 @@ class GenerateDone(msgspec.Struct, tag=True, array_like=True, omit_defaults=True
     """The last reply to a Generate.
 
     `preempted` means the worker paused in abort mode (vacate): every token sampled
-    so far was already sent as deltas, and the caller should continue elsewhere.
+    so far was already sent (as deltas, or as this message's tail), and the caller should
+    continue elsewhere.
     `error` is for people; `code` is what a caller may act on. `scheduled` marks a
     preemption the tag scheduler caused (a vacate with `RolloutControl.scheduled`): the
     caller re-dispatches it without counting it as a failure.
@@ -73,6 +74,10 @@ class GenerateDone(msgspec.Struct, tag=True, array_like=True, omit_defaults=True
     error: str = ""
     code: ErrorCode = ""
     scheduled: bool = False
+    # the last tokens, when the Generate set hold_s: what the worker still held at the end (version
+    # `version`), sent with this message instead of in a TokenDelta of their own (shared/deltas.split_tail)
+    tail_ids: list[int] = []
+    tail_logprobs: list[float] = []
 
 
 RolloutReply = TokenDelta | GenerateDone

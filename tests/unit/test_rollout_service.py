@@ -104,11 +104,12 @@ async def test_held_tokens_go_out_merged_and_all_before_the_end(make):
         deltas = replies[:-1]
         assert all(isinstance(m, TokenDelta) for m in deltas)
         if rid == "held":
-            assert len(deltas) == 2  # the first, then all that was held, merged, before the end
-            held_ids = [t for m in deltas for t in m.token_ids]
+            # the first at once, then all that was held, merged, riding on the GenerateDone (one message)
+            assert len(deltas) == 1 and replies[-1].tail_ids and len(replies[-1].tail_logprobs) == len(replies[-1].tail_ids)
+            held_ids = [t for m in deltas for t in m.token_ids] + replies[-1].tail_ids
         else:
             each_ids = [t for m in deltas for t in m.token_ids]
-            assert len(deltas) > 2
+            assert len(deltas) > 2 and not replies[-1].tail_ids
     assert len(held_ids) + len(each_ids) == svc.generated_tokens  # every token the engine made went out
 
 

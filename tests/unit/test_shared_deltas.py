@@ -1,7 +1,7 @@
 """shared/deltas.py: queued TokenDeltas merge within one request and version, never across; Held sends
 one request's at most every hold_s."""
 
-from shared.deltas import Held, merge_deltas
+from shared.deltas import Held, merge_deltas, split_tail, with_tail
 from shared.messages import GenerateDone, TokenDelta
 
 
@@ -48,3 +48,16 @@ def test_held_with_no_hold_sends_each_as_it_comes():
     for t in range(5):
         assert h.add(TokenDelta("r", [t], [0.0], 0), now=1.0) == [TokenDelta("r", [t], [0.0], 0)]
     assert h.flush() is None
+
+
+def test_the_held_tail_rides_on_the_generate_done_and_comes_off_as_it_went_on():
+    tail = TokenDelta("r", [7, 8], [-0.7, -0.8], 3)
+    first, done = with_tail(GenerateDone("r", "stop", 5, 3, "w"), tail)
+    assert first is None and done.tail_ids == [7, 8]
+    assert split_tail(done) == [tail, done]
+    # another version than the done's (never from a worker: its last tokens are its last version) goes first
+    other = TokenDelta("r", [9], [-0.9], 2)
+    first, done = with_tail(GenerateDone("r", "stop", 5, 3, "w"), other)
+    assert first == other and not done.tail_ids and split_tail(done) == [done]
+    assert with_tail(GenerateDone("r", "stop", 5, 3), None)[0] is None
+    assert split_tail(tail) == [tail]

@@ -147,6 +147,28 @@ async def test_a_call_to_a_worker_whose_heartbeat_stopped_ends_within_a_poll_not
     assert time.monotonic() - t0 < 2.0
 
 
+class HeldTailNC(FakeNC):
+    """A worker that got hold_s: the first token on its own, the rest riding on its GenerateDone."""
+
+    async def publish(self, subject, payload, reply=None):
+        from shared.messages import GenerateDone
+
+        for m in (TokenDelta("r.0", [1], [-0.1], 4),
+                  GenerateDone("r.0", "stop", 2, 4, "w0", tail_ids=[2, 3], tail_logprobs=[-0.2, -0.3])):
+            await self.cb(types.SimpleNamespace(subject=reply, data=encode(m), headers=None))
+
+
+async def test_a_done_carrying_the_held_tail_gives_its_tokens_before_it():
+    from shared.messages import GenerateDone
+
+    s = service(None)
+    s.nc = HeldTailNC()
+    got = [r async for r in s._call("w0", Generate("r.0", [1, 2], Sampling(), hold_s=0.1))]
+    tokens = [t for r in got if isinstance(r, TokenDelta) for t in r.token_ids]
+    assert tokens == [1, 2, 3] and isinstance(got[-1], GenerateDone) and got[-1].finish_reason == "stop"
+    assert all(r.version == 4 for r in got if isinstance(r, TokenDelta))
+
+
 async def test_a_turn_or_session_op_that_waited_out_its_place_in_the_redis_line_is_a_503_overloaded():
     # not `redis_unavailable`: Redis answers, this replica is behind (shared/redispool.PoolExhausted)
     from shared.codec import decode
