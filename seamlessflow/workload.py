@@ -23,10 +23,12 @@ import openai
 
 class GroupAgents:
     def __init__(self, base_url: str, api_key: str, group_size: int = 4, lanes: int = 4, seed: int = 0,
-                 min_tokens: int = 32, max_tokens: int = 160, turns: int = 2, model: str = "seamlessflow-tiny"):
+                 min_tokens: int = 32, max_tokens: int = 160, turns: int = 2, model: str = "seamlessflow-tiny",
+                 think_s: float = 0.0):
         self.base_url, self.api_key, self.group_size, self.lanes = base_url, api_key, group_size, lanes
         self.rng = random.Random(seed)
         self.min_tokens, self.max_tokens, self.turns, self.model = min_tokens, max_tokens, turns, model
+        self.think_s = think_s  # between an agent's turns, as a tool call would take: no device works for it
         self.ok = 0
         self.failures: list[str] = []
         self.latencies: list[tuple[float, float]] = []  # (start, seconds) of each successful turn
@@ -42,7 +44,9 @@ class GroupAgents:
         messages = [{"role": "user", "content": f"count {self.rng.randint(0, 999)}"}]
         tokens = 0
         try:
-            for _ in range(self.turns):
+            for turn in range(self.turns):
+                if turn and self.think_s:
+                    await asyncio.sleep(self.think_s)
                 t0 = time.monotonic()
                 try:
                     c = await agent.chat.completions.create(

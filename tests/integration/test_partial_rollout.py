@@ -88,14 +88,19 @@ def admin(stack, method: str, path: str):
                          timeout=60)
 
 
+MAX_TURNS = 30  # up to ~49 tokens a turn (a reply of up to 24, "turn t", the template): within 2048
+
+
 async def agent(stack, http: httpx.AsyncClient, i: int, until: asyncio.Event, min_turns: int = 3) -> dict:
-    """Multi-turn: at least `min_turns`, and on until `until` is set (the disturbances are over)."""
+    """Multi-turn: at least `min_turns`, and on until `until` is set (the disturbances are over), at most
+    MAX_TURNS: the context window is the limit, and a fast box (plain turns' tokens held: Generate.hold_s)
+    ran past it in the disturbances' window ("the prompt is 2048 tokens")."""
     s = (await http.post("/sessions", json={"group_id": f"g{i % 4}"})).json()
     client = openai.AsyncOpenAI(base_url=stack.gateway_url, api_key=s["api_key"], max_retries=0, timeout=180)
     messages = [{"role": "user", "content": f"agent {i} says hello"}]
     replies = []
     t = 0
-    while t < min_turns or not until.is_set():
+    while (t < min_turns or not until.is_set()) and t < MAX_TURNS:
         stream = (i + t) % 2 == 0
         if stream:
             chunks = [c async for c in await client.chat.completions.create(

@@ -36,15 +36,17 @@ from tests.integration.stack_fixture import make_stack
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.deepspeed]
 
 GROUP_SIZE, GROUPS_PER_STEP = 4, 2
-# 4 agents in flight (one group), 2 groups a step, replies of 160-320 tokens: rollout-bound by
-# construction, on a fast box as on a slow one. A step's batch is two waves of agents, and at most
-# one completes while the trainer computes, so the trainer waits for data between steps. (With 8
-# agents a fast box often had the batch ready at the step's end, and seamless rightly kept the host.
-# With 64-192 tokens, once the worker held a plain turn's tokens (Generate.hold_s) and the trajectory
-# manager's per-token work left the 2 cores to vLLM, the trainer waited 0-1.9 s a step instead of 2-5 s,
-# and seamless rightly lent the host 2 times in 8 steps.)
+# 4 agents in flight (one group), 2 groups a step, replies of 160-320 tokens, and THINK_S between an
+# agent's two turns (a tool call: no device works for it): rollout-bound by construction, however fast
+# the box and the control plane, so the trainer waits for data between steps. History: with 64-192-token
+# replies and no think time, once a plain turn's tokens came held (Generate.hold_s) and the trajectory
+# manager's per-token work left the 2 cores to vLLM, the rollouts outpaced the trainer (it waited 0-1.9 s
+# a step instead of 2-5 s) and seamless rightly kept the host: 0-2 lends in 8 steps. 160-320 tokens alone
+# held locally (12 lends) but not in CI (0: the trainer computed 2-5 s a step there); 3 s of think time
+# with 64-192 tokens lent, but turns were then too short for a weight update to land in one.
 CONCURRENT_GROUPS = 1
 REPLY_TOKENS = (160, 320)
+THINK_S = 1.0
 TRAINER = {"group_size": GROUP_SIZE, "groups_per_step": GROUPS_PER_STEP, "lr": 1e-5, "publish_every": 1,
            "checkpoint_every": 5, "keep_versions": 3, "gate_timeout": 60}
 
@@ -104,7 +106,7 @@ def run_policy(stack, policy: str, steps: int, timeout: float = 240):
     before = ask(stack)
     start = len(trained_steps(stack))
     agents = GroupAgents(stack.gateway_url, stack.api_key, GROUP_SIZE, CONCURRENT_GROUPS, seed=len(policy),
-                         min_tokens=REPLY_TOKENS[0], max_tokens=REPLY_TOKENS[1])
+                         min_tokens=REPLY_TOKENS[0], max_tokens=REPLY_TOKENS[1], think_s=THINK_S)
     assert asyncio.run(agents.run(lambda: len(trained_steps(stack)) >= start + steps, timeout)), \
         f"{policy}: fewer than {steps} trainer steps within {timeout:.0f}s"
     after = ask(stack, "timeline")
@@ -183,7 +185,10 @@ def test_a_killed_worker_is_detected_its_requests_resume_and_the_host_rejoins(cl
     restarts = {h.host: h for h in ask(cluster).hosts}["host-1"].epoch
     pid = int(subprocess.check_output(["pgrep", "-f", "worker-id host-1-rollout"]).split()[0])
     # longer replies than the policy tests: a turn lasts long enough that a kill finds tokens in flight
-    agents = GroupAgents(cluster.gateway_url, cluster.api_key, GROUP_SIZE, 2, seed=7, min_tokens=256, max_tokens=384)
+    # (think time as in the policy tests: the trainer waits for data, so seamless lends host-0, where the
+    # requests cut by the kill resume while host-1's worker restarts)
+    agents = GroupAgents(cluster.gateway_url, cluster.api_key, GROUP_SIZE, 2, seed=7, min_tokens=256, max_tokens=384,
+                         think_s=THINK_S)
     killed = {"t": 0.0, "tokens": 0}
 
     async def started_on_host_1(r) -> int:
