@@ -430,13 +430,24 @@ async def test_shutdown_preempts_in_flight_and_exits_cleanly(worker, nc, tiny_mo
     """Runs last: it stops the module's worker."""
     import psutil
 
-    task, r = start(nc, PROMPTS[0], "at-shutdown", max_tokens=LONG, logit_bias={eos_id(tiny_model): -100.0})
-    await asyncio.wait_for(r.first.wait(), 30)
-    # freeze the engine processes (vLLM's engine core and its worker) so the request is surely still
-    # running when the SIGTERM is handled: a slow test process could otherwise see it end by length
     engine = psutil.Process(worker.proc.pid).children(recursive=True)
-    for p in engine:
-        p.suspend()
+    for attempt in range(3):
+        task, r = start(nc, PROMPTS[0], f"at-shutdown-{attempt}", max_tokens=LONG,
+                        logit_bias={eos_id(tiny_model): -100.0})
+        await asyncio.wait_for(r.first.wait(), 30)
+        # freeze the engine processes (vLLM's engine core and its worker) so the request is surely still
+        # running when the SIGTERM is handled; then let this process catch up with what the worker sent:
+        # a test process that lagged seconds behind (CI: the request had ended by length, 0 in flight at
+        # the SIGTERM) sees the request's end now, a missed window, and tries again
+        for p in engine:
+            p.suspend()
+        await asyncio.sleep(0.5)
+        if not task.done():
+            break
+        for p in engine:
+            p.resume()
+    else:
+        pytest.fail("in 3 tries the request always ended before the engine was frozen")
     try:
         os.kill(worker.proc.pid, signal.SIGTERM)
         await asyncio.sleep(1.0)
