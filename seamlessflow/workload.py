@@ -28,7 +28,9 @@ class GroupAgents:
         self.base_url, self.api_key, self.group_size, self.lanes = base_url, api_key, group_size, lanes
         self.rng = random.Random(seed)
         self.min_tokens, self.max_tokens, self.turns, self.model = min_tokens, max_tokens, turns, model
-        self.think_s = think_s  # between an agent's turns, as a tool call would take: no device works for it
+        # between an agent's turns, as a tool call would take (no device works for it): drawn uniformly
+        # from [0, 2 * think_s], so a group's agents do not all generate at the same moments
+        self.think_s = think_s
         self.ok = 0
         self.failures: list[str] = []
         self.latencies: list[tuple[float, float]] = []  # (start, seconds) of each successful turn
@@ -46,7 +48,7 @@ class GroupAgents:
         try:
             for turn in range(self.turns):
                 if turn and self.think_s:
-                    await asyncio.sleep(self.think_s)
+                    await asyncio.sleep(self.rng.uniform(0.0, 2.0 * self.think_s))
                 t0 = time.monotonic()
                 try:
                     c = await agent.chat.completions.create(

@@ -43,7 +43,9 @@ GROUP_SIZE, GROUPS_PER_STEP = 4, 2
 # manager's per-token work left the 2 cores to vLLM, the rollouts outpaced the trainer (it waited 0-1.9 s
 # a step instead of 2-5 s) and seamless rightly kept the host: 0-2 lends in 8 steps. 160-320 tokens alone
 # held locally (12 lends) but not in CI (0: the trainer computed 2-5 s a step there); 3 s of think time
-# with 64-192 tokens lent, but turns were then too short for a weight update to land in one.
+# with 64-192 tokens lent, but turns were then too short for a weight update to land in one; with the
+# same 1 s for every agent, a group generated in lockstep and the update (CI: 0.6-3 s after a batch) fell
+# in the group's think time: no turn spanned versions. The think time is drawn per turn from [0, 2 s].
 CONCURRENT_GROUPS = 1
 REPLY_TOKENS = (160, 320)
 THINK_S = 1.0
