@@ -67,7 +67,7 @@ class _Lease:
     handling, not the process: a re-sent copy that lands on the replica still serving the first
     (paused, then continued) waits for it like any other replica instead of sharing its lease."""
 
-    def __init__(self, owner: str, rid: str = "", emit: Emit | None = None) -> None:
+    def __init__(self, owner: str, rid: str, emit: Emit) -> None:
         self.owner = owner
         self.rid = rid
         self.emit = emit  # where its keepalives go
@@ -153,7 +153,7 @@ class TurnHandler:
         except Exception as e:  # a Redis hiccup: fine while a lease has not lapsed
             log.warning("lease renewal of %d request(s) failed: %s", len(held), e)
             for lease in held:
-                if lease in self.live and time.monotonic() - lease.renewed >= LEASE_MS / 1000:
+                if lease in self.live and self._lapsed(lease):
                     self._lose(lease, f"renewals failed until it lapsed ({e})")
             return
         for lease, ok in zip(held, renewed, strict=True):
@@ -164,15 +164,19 @@ class TurnHandler:
                 try:
                     ok = await self.store.claim_request(lease.rid, lease.owner, LEASE_MS)
                 except Exception as e:
-                    ok = time.monotonic() - lease.renewed < LEASE_MS / 1000
-                    why = f"renewals failed until it lapsed ({e})"
                     log.warning("request %s: lease renewal failed: %s", lease.rid, e)
-                else:
-                    lease.renewed = time.monotonic() if ok else lease.renewed
-            else:
+                    if not self._lapsed(lease):
+                        continue  # a Redis hiccup: fine while the lease has not lapsed
+                    why = f"renewals failed until it lapsed ({e})"
+            if ok:
                 lease.renewed = time.monotonic()
-            if not ok and lease in self.live:
+            elif lease in self.live:
                 self._lose(lease, why)
+
+    @staticmethod
+    def _lapsed(lease: _Lease) -> bool:
+        """Has the lease run out since its last renewal?"""
+        return time.monotonic() - lease.renewed >= LEASE_MS / 1000
 
     @staticmethod
     def _lose(lease: _Lease, why: str) -> None:

@@ -202,13 +202,8 @@ redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
 return 1
 """
 
-# renew a lease only for its holder: a replica waiting to resume must not keep a dead one's alive
-_RENEW_IF_OWNER = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
-"""
-
-# the same for many leases at once: KEYS owner keys, ARGV lease ms then one holder per key; 1 or 0 per key
+# renew leases only for their holders (a replica waiting to resume must not keep a dead one's alive), many
+# at once: KEYS owner keys, ARGV lease ms then one holder per key; 1 or 0 per key
 _RENEW_MANY = """
 local out = {}
 for i, key in ipairs(KEYS) do
@@ -288,7 +283,6 @@ class Store:
         self._save_turn = client.register_script(_SAVE_TURN)
         # a turn's other scripts by their digest too (EVALSHA: the body is not sent and hashed at each call;
         # after a Redis restart redis-py loads it again on NOSCRIPT)
-        self._renew = client.register_script(_RENEW_IF_OWNER)
         self._renew_many = client.register_script(_RENEW_MANY)
         self._append = client.register_script(_APPEND_IF_HOLDER)
         self._hold = client.register_script(_HOLD)
@@ -416,7 +410,7 @@ class Store:
 
     async def renew_lease(self, rid: str, owner: str, lease_ms: int) -> bool:
         """Extend `owner`'s lease; False (and nothing changed) if another replica holds it."""
-        return bool(await self._renew(keys=[f"sf:req:{rid}:owner"], args=[owner, lease_ms]))
+        return (await self.renew_leases([(rid, owner)], lease_ms))[0]
 
     async def renew_leases(self, leases: list[tuple[str, str]], lease_ms: int) -> list[bool]:
         """renew_lease for each (request id, owner), in one call per RENEW_BATCH: whether each was renewed."""
