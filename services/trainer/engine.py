@@ -27,10 +27,11 @@ nothing and is what the plain-PyTorch reference uses.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
-import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,16 +55,19 @@ def init_distributed() -> None:
     """Join the process group (gloo on CPU, NCCL on CUDA); a lone process becomes a group of one."""
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:  # not under torchrun/deepspeed: a single-rank group
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
+    init, rank, world = None, -1, -1  # under torchrun/deepspeed: env://, as they set it
+    if "RANK" not in os.environ:
+        # a group of one, met through a file, not a TCP port: a port picked free and then bound by
+        # torch can be taken in between (an outgoing connection's ephemeral port: CI saw EADDRINUSE)
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        rendezvous = tempfile.mkdtemp(prefix="sf-dist-")
+        atexit.register(shutil.rmtree, rendezvous, True)
+        init, rank, world = f"file://{rendezvous}/store", 0, 1
     cuda = get_accelerator().device_name() == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False,
+                               init_method=init, rank=rank, world_size=world)
 
 
 def offload_support(device: str, zero_stage: int, optimizer: object) -> str:
