@@ -47,8 +47,10 @@ GROUP_SIZE, GROUPS_PER_STEP = 4, 2
 # same 1 s for every agent, a group generated in lockstep and the update (CI: 0.6-3 s after a batch) fell
 # in the group's think time: no turn spanned versions. The think time is drawn per turn from [0, 2 s].
 # Even so CI once saw 0 of 8 updates land in a turn, so the seamless test ends with a phase of long turns
-# alone (LONG_TOKENS, one group at a time, no think time), each longer than a trainer step: every update
-# of that phase lands in a turn. Run beside the short agents, they kept the trainer busy: 1 lend in 8 steps.
+# alone (LONG_TOKENS, two groups at a time, no think time): turns in flight whenever an update lands. (Run
+# beside the short agents, they kept the trainer busy: 1 lend in 8 steps. One group at a time, 0 of 20
+# spanned: a long turn takes ~1 s here, less than a step, and the next group's turns had not started or
+# had ended; the last update of a phase finds no agents, so the phase runs 3 steps.)
 CONCURRENT_GROUPS = 1
 REPLY_TOKENS = (160, 320)
 THINK_S = 1.0
@@ -142,10 +144,9 @@ def test_seamless_lends_and_reclaims_while_agents_never_notice(cluster):
     assert sum(iv.activity == "switch" for iv in host0.timeline) >= 10
     # Reclaims rarely catch a turn: predicted lending routes to a lent host only turns whose group's
     # p90 length fits before the reclaim. Turns that move between workers are shown by the host-loss
-    # test below; here, turns that span weight versions, the short ones' by chance, then long ones':
-    # 2 steps of long turns alone, one group at a time, so each update finds a group generating
+    # test below; here, turns that span weight versions, the short ones' by chance, then long ones'
     moved, versions = spans(agents)
-    long, _, long_delta = run_policy(cluster, "seamless", steps=2, tokens=LONG_TOKENS, lanes=1, turns=1,
+    long, _, long_delta = run_policy(cluster, "seamless", steps=3, tokens=LONG_TOKENS, lanes=2, turns=1,
                                      think_s=0, seed=1)
     assert long.failures == [] and long_delta["gates_timed_out"] == 0, long_delta
     long_moved, long_versions = spans(long)
