@@ -94,7 +94,7 @@ class TurnHandler:
         if self._ticker is None or self._ticker.done():
             self._ticker = asyncio.create_task(self._tick())
         try:
-            look = await self._lookup(req)
+            look = await self._lookup(req, lease.owner)
             # 0. a retry of a request that already finished gets the same answer
             if look.done is not None:
                 return decode(look.done, ChatDone)
@@ -110,13 +110,15 @@ class TurnHandler:
         finally:
             self.live.discard(lease)  # no keepalive, no renewal from here on
 
-    async def _lookup(self, req: ChatRequest) -> Lookup:
-        """The request's state in one round trip; a request without a session that is not a
-        resume gets a new anonymous one (a resume continues in the session it began in)."""
+    async def _lookup(self, req: ChatRequest, owner: str) -> Lookup:
+        """The request's state in one round trip, and a new request's lease for `owner`; a request
+        without a session that is not a resume gets a new anonymous one (a resume continues in the
+        session it began in)."""
         try:
-            look = await self.store.lookup(req.request_id, req.session_id, follow_digest(req))
+            look = await self.store.lookup(req.request_id, req.session_id, follow_digest(req), owner, LEASE_MS)
             if look.done is None and look.state is None and not req.session_id:
-                look = await self.store.lookup(req.request_id, await self.store.create_session(anonymous=True))
+                sid = await self.store.create_session(anonymous=True)
+                look = await self.store.lookup(req.request_id, sid, "", owner, LEASE_MS)
         except SessionNotFound as e:
             raise TurnError(404, "session_not_found", f"session {e.args[0]} does not exist") from None
         return look
@@ -189,8 +191,7 @@ class TurnHandler:
         rid = req.request_id
         # 1. resume a request a dead replica was serving, or start a new one
         max_len = self.table.max_model_len(time.time(), self.cfg.max_model_len)
-        prompt, partial, turn_id, sticky = await self._begin(req, look, max_len, lease.owner)
-        self._held(rid, lease)
+        prompt, partial, turn_id, sticky, begin = await self._begin(req, look, max_len, lease)
 
         # 2. generate; each delta is persisted, then shown (turnstream.py)
         stream = TurnStream(self.renderer, req, time.monotonic())
@@ -200,9 +201,11 @@ class TurnHandler:
                 await emit(ChatDelta(rid, *piece))
 
         async def on_tokens(delta: TokenDelta, worker: str, first: bool) -> int | None:
+            nonlocal begin
             keep = stream.add(delta, worker, first)
             if records := stream.to_persist(first):
-                await self._persist(rid, records, lease)
+                await self._persist(rid, records, lease, begin)
+                begin = None  # the request's state went with its first tokens
             await show(stream.progress(time.monotonic()))
             return keep
 
@@ -240,18 +243,19 @@ class TurnHandler:
             self.lengths.record(group, len(gen.token_ids))
         turn, done = record(req, sid, turn_id, prompt, gen, stream.final_text(), self.renderer.token_texts,
                             time.time())
-        await self._save(sid, turn, prompt, gen, done, last_worker(gen, sticky or ""), lease)
+        await self._save(sid, turn, prompt, gen, done, last_worker(gen, sticky or ""), lease, began=begin is None)
         return done
 
-    async def _persist(self, rid: str, records: list[DeltaRecord], lease: _Lease) -> None:
-        """Append a running request's tokens, unless another replica took it over meanwhile (this
-        one was paused past its lease and its keepalive has not run yet): then stop here."""
-        if not await self.store.append_deltas(rid, records, lease.owner):
+    async def _persist(self, rid: str, records: list[DeltaRecord], lease: _Lease, begin: InFlight | None) -> None:
+        """Append a running request's tokens (the first ones with the new request's state, `begin`),
+        unless another replica took it over meanwhile (this one was paused past its lease and its
+        keepalive has not run yet), or began or finished it: then stop here."""
+        if not await self.store.append_deltas(rid, records, lease.owner, begin):
             lease.lost = True
             raise LeaseLost(f"request {rid}: taken over by another replica before its tokens were saved")
 
     async def _save(self, sid: str, turn: Turn, prompt: Prompt, gen: Generated, done: ChatDone, worker: str,
-                    lease: _Lease) -> None:
+                    lease: _Lease, began: bool) -> None:
         cache = {}
         if turn.key:  # a later turn may extend this one: what finds it fast, and its token path
             cache["path"] = path = prompt.ids + gen.token_ids
@@ -260,17 +264,42 @@ class TurnHandler:
         # saved only while this replica holds the lease, checked in the same script: a replica paused past
         # its lease, whose request another took over or finished meanwhile, stops here instead of writing
         # the turn a second time
-        if not await self.store.save_turn(sid, turn, worker, result=encode(done), owner=lease.owner, **cache):
+        if not await self.store.save_turn(sid, turn, worker, result=encode(done), owner=lease.owner, began=began,
+                                          **cache):
             lease.lost = True
             raise LeaseLost(f"request {turn.request_id}: taken over by another replica before its turn was saved")
 
     async def _begin(self, req: ChatRequest, look: Lookup, max_len: int,
-                     owner: str) -> tuple[Prompt, Generated | None, int, str | None]:
-        """(prompt, partial generation of a resumed request, turn id, sticky worker)."""
+                     lease: _Lease) -> tuple[Prompt, Generated | None, int, str | None, InFlight | None]:
+        """(prompt, partial generation of a resumed request, turn id, sticky worker, the state a new
+        request writes with its first tokens), once this handling holds the request's lease."""
         rid = req.request_id
-        if look.state is not None:
-            prompt, partial, turn_id = await self._resume(rid, owner)
-            return prompt, partial, turn_id, None
+        if look.state is not None or not look.leased:
+            # a running request (a dead replica's, to resume), or a new one whose lease another handling
+            # holds before its first tokens (the gateway re-sent it while the first copy is alive or
+            # paused, found by tests/faults): wait for that handling like any re-send, or take over from it
+            resumed = await self._resume(rid, lease.owner)
+            self._held(rid, lease)
+            if resumed is not None:
+                prompt, partial, turn_id = resumed
+                return prompt, partial, turn_id, None, None
+            # it ended with neither tokens nor a result: one that had begun was dropped (it failed); one
+            # that had not lost its replica before its first tokens, and starts here
+        else:
+            self._held(rid, lease)
+        try:
+            if look.state is not None:
+                raise TurnError(409, "duplicate_request", f"request {rid} ended while being resumed; retry")
+            prompt = await self._new_prompt(req, look, max_len)
+        except (TurnError, InvalidMessage):
+            await self.store.drop_request(rid, lease.owner)  # it holds the lease and began nothing: free it
+            raise
+        state = InFlight(look.session_id, look.turn_id, prompt.ids.wire(), prompt.new_ids, prompt.parent,
+                         prompt.new_messages, prompt.request_key, prompt.raw)
+        return prompt, None, look.turn_id, (look.meta or {}).get("worker"), state
+
+    async def _new_prompt(self, req: ChatRequest, look: Lookup, max_len: int) -> Prompt:
+        """A new request's prompt, within the limits."""
         assert look.meta is not None
         if look.meta["status"] != "open":  # finishing (its trajectory is being published) or finished
             raise TurnError(409, "session_finished", f"session {look.session_id} is finished; start a new one")
@@ -283,14 +312,7 @@ class TurnHandler:
             raise TurnError(400, "prompt_too_long",
                             f"the prompt is {len(prompt.ids)} tokens; this gateway accepts at most "
                             f"{req.max_prompt_tokens} (SF_GATEWAY_MAX_PROMPT_TOKENS)")
-        state = InFlight(look.session_id, look.turn_id, prompt.ids.wire(), prompt.new_ids, prompt.parent,
-                         prompt.new_messages, prompt.request_key, prompt.raw)
-        if not await self.store.begin_request(rid, state, owner, LEASE_MS):
-            # another copy began it first (the gateway re-sent it while this replica was paused before
-            # it began, found by tests/faults): wait for that copy like any re-send, or take over from it
-            prompt, partial, turn_id = await self._resume(rid, owner)
-            return prompt, partial, turn_id, None
-        return prompt, None, look.turn_id, look.meta.get("worker")
+        return prompt
 
     async def _pick(self, sticky: str | None, exclude: frozenset[str], expected_tokens: float | None = None) -> str:
         """A serving worker (routing.Picker), waiting up to `worker_wait` for one."""
@@ -301,9 +323,11 @@ class TurnHandler:
             await asyncio.sleep(PICK_POLL)
         return worker
 
-    async def _resume(self, rid: str, owner: str = "") -> tuple[Prompt, Generated, int]:
+    async def _resume(self, rid: str, owner: str = "") -> tuple[Prompt, Generated, int] | None:
         """Take over a request another replica started. If that replica is alive (the gateway
-        re-sent because it was slow, not dead), wait for it: its result is the answer."""
+        re-sent because it was slow, not dead), wait for it: its result is the answer. None: the
+        lease is `owner`'s and the request has neither a state nor a result (it ended before its
+        first tokens were saved)."""
         deadline = time.monotonic() + self.cfg.resume_wait
         owner = owner or self.owner
         while not await self.store.claim_request(rid, owner, LEASE_MS):
@@ -318,7 +342,7 @@ class TurnHandler:
         if found is None:
             if (done := await self.store.done(rid)) is not None:
                 raise _FinishedElsewhere(done)
-            raise TurnError(409, "duplicate_request", f"request {rid} ended while being resumed; retry")
+            return None
         state, records = found
         partial = Generated()
         for r in records:

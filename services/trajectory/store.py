@@ -121,6 +121,7 @@ class Lookup(msgspec.Struct):
     session_id: str  # the request's session: where a running request began, else the one asked for
     follow: str = ""  # the raw digest looked up with it ("": none was asked) ...
     followed: Followed | None = None  # ... and the turn it names, as Store.follow returns it
+    leased: bool = False  # a new request (no result, no state) whose lease the lookup's owner holds
 
 
 def _followed(raw_alias: bytes, path: bytes | None) -> Followed:
@@ -141,43 +142,53 @@ def _k(sid: str, part: str = "") -> str:
     return f"sf:s:{sid}" + (f":{part}" if part else "")
 
 
-# A turn's Redis work is a few script calls (lookup, begin, save): atomic like MULTI/EXEC, and one
-# command for the client to pack and parse instead of up to 16 (redis-py spends tens of microseconds
-# of CPU per command; BENCHMARKS.md).
+# A turn's Redis work is a few script calls (lookup, first append, save): atomic like MULTI/EXEC, and
+# one command for the client to pack and parse instead of up to 16 (redis-py spends tens of microseconds
+# of CPU per command; BENCHMARKS.md). A new request's lease is taken by its lookup and its state written
+# with its first tokens (_APPEND_IF_HOLDER): no call of its own to begin it.
 
-# GET done, GET state; with a session: HGETALL it, INCR its turn counter; with its alias and path
-# hashes too (KEYS 5, 6): _FOLLOW's work for the raw digest ARGV[1], in the same round trip
+# KEYS: done, state, owner, then with a session: the session, its turn counter, then its alias and path
+# hashes. ARGV: lease owner ('' none), lease ms, raw digest. GET done, GET state; for a new request (neither)
+# the lease, for ARGV[1] (1: held by it); with a session: HGETALL it, INCR its turn counter; with the
+# hashes: _FOLLOW's work for the raw digest, in the same round trip
 _LOOKUP = """
-local out = {redis.call('GET', KEYS[1]) or false, redis.call('GET', KEYS[2]) or false}
-if #KEYS > 2 then
-  out[3] = redis.call('HGETALL', KEYS[3])
-  out[4] = redis.call('INCR', KEYS[4])
-  if #KEYS > 4 then
-    local a = redis.call('HGET', KEYS[5], ARGV[1])
+local done, state = redis.call('GET', KEYS[1]), redis.call('GET', KEYS[2])
+local leased = 0
+if ARGV[1] ~= '' and not done and not state then
+  local holder = redis.call('GET', KEYS[3])
+  if not holder then
+    redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[2])
+    leased = 1
+  elseif holder == ARGV[1] then
+    leased = 1
+  end
+end
+local out = {done or false, state or false, leased}
+if #KEYS > 3 then
+  out[4] = redis.call('HGETALL', KEYS[4])
+  out[5] = redis.call('INCR', KEYS[5])
+  if #KEYS > 5 then
+    local a = redis.call('HGET', KEYS[6], ARGV[3])
     if a then
-      out[5] = a
-      out[6] = redis.call('HGET', KEYS[6], string.match(a, '^(%S+)')) or false
+      out[6] = a
+      out[7] = redis.call('HGET', KEYS[7], string.match(a, '^(%S+)')) or false
     end
   end
 end
 return out
 """
 
-# KEYS: state, owner. ARGV: state, ttl s, owner, lease ms. 1 if the request is new.
-_BEGIN = """
-local created = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
-redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[4], 'NX')
-if created then return 1 end
-return 0
-"""
-
 # KEYS: state, deltas, owner, done, then the session's parts (SESSION_PARTS: meta, turns, idx, seq, path,
 # alias). ARGV: result ('' none), request ttl, turn id, turn, key ('' none), worker, session ttl,
-# path ('' none), parent, alias digest ('' none), alias value, lease owner ('' none). With an owner, the
-# request's lease is checked as _HOLD does, in the same call: 0 and nothing written if it was lost.
+# path ('' none), parent, alias digest ('' none), alias value, lease owner ('' none), began ('1': its
+# state was written). With an owner, the request's lease is checked as _HOLD does, in the same call: 0 and
+# nothing written if it was lost. A request never begun (no tokens appended) must have neither a state
+# (another handling began it) nor a result (another finished it).
 _SAVE_TURN = """
 if ARGV[12] ~= '' then
-  if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+  if ARGV[13] == '1' then
+    if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+  elseif redis.call('EXISTS', KEYS[1], KEYS[4]) > 0 then return 0 end
   local holder = redis.call('GET', KEYS[3])
   if holder and holder ~= ARGV[12] then return 0 end
 end
@@ -255,12 +266,19 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 
+# KEYS: owner, state, deltas, done. ARGV: owner, ttl s, the state to begin with ('' none: the request
+# runs), records. Beginning, the request must have neither a state (another handling began it) nor a result.
 _APPEND_IF_HOLDER = """
-if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+if ARGV[3] == '' then
+  if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+elseif redis.call('EXISTS', KEYS[2], KEYS[4]) > 0 then return 0 end
 local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[1] then return 0 end
-redis.call('RPUSH', KEYS[3], unpack(ARGV, 3))
-redis.call('EXPIRE', KEYS[3], ARGV[2])
+if ARGV[3] ~= '' then redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[2]) end
+if #ARGV > 3 then
+  redis.call('RPUSH', KEYS[3], unpack(ARGV, 4))
+  redis.call('EXPIRE', KEYS[3], ARGV[2])
+end
 return 1
 """
 
@@ -279,7 +297,6 @@ class Store:
         self.ttl = ttl
         self._follow = client.register_script(_FOLLOW)
         self._lookup = client.register_script(_LOOKUP)
-        self._begin = client.register_script(_BEGIN)
         self._save_turn = client.register_script(_SAVE_TURN)
         # a turn's other scripts by their digest too (EVALSHA: the body is not sent and hashed at each call;
         # after a Redis restart redis-py loads it again on NOSCRIPT)
@@ -333,26 +350,28 @@ class Store:
     async def count_open(self, newer_than: float) -> int:
         return int(await self.r.zcount(OPEN, newer_than, "+inf"))
 
-    async def lookup(self, rid: str, sid: str, follow: str = "") -> "Lookup":
+    async def lookup(self, rid: str, sid: str, follow: str = "", owner: str = "", lease_ms: int = 0) -> "Lookup":
         """Everything a new request needs to know, in one round trip: a finished result (a
         retry), a running request's state (a resume), the session, a fresh turn id (ids of
         requests that fail or turn out to be retries are skipped: ids only increase) and, given
-        a raw digest to `follow`, what `follow` would find for it."""
-        keys = [f"sf:done:{rid}", f"sf:req:{rid}"] + ([_k(sid), _k(sid, "seq")] if sid else [])
+        a raw digest to `follow`, what `follow` would find for it. With `owner`, a new request's
+        lease is taken for `lease_ms` (Lookup.leased; False: another handling holds it)."""
+        keys = [f"sf:done:{rid}", f"sf:req:{rid}", f"sf:req:{rid}:owner"]
         follow = follow if sid else ""
-        if follow:
-            keys += [_k(sid, "alias"), _k(sid, "path")]
-        out = await self._lookup(keys=keys, args=[follow] if follow else [])
+        if sid:
+            keys += [_k(sid), _k(sid, "seq")] + ([_k(sid, "alias"), _k(sid, "path")] if follow else [])
+        out = await self._lookup(keys=keys, args=[owner, lease_ms, follow])
         done, raw_state = out[:2]
         state = _inflight_dec.decode(raw_state) if raw_state is not None else None
         return Lookup(
             done=done,
             state=state,
-            meta=_meta(sid, dict(zip(out[2][::2], out[2][1::2]))) if sid else None,
-            turn_id=int(out[3]) - 1 if sid else -1,
+            meta=_meta(sid, dict(zip(out[3][::2], out[3][1::2]))) if sid else None,
+            turn_id=int(out[4]) - 1 if sid else -1,
             session_id=state.session_id if state is not None else sid,
             follow=follow,
-            followed=_followed(out[4], out[5]) if len(out) > 4 else None,
+            followed=_followed(out[5], out[6]) if len(out) > 5 else None,
+            leased=bool(out[2]),
         )
 
     async def session(self, sid: str) -> dict[str, Any]:
@@ -382,11 +401,6 @@ class Store:
             if tid is not None:
                 return key, int(tid)
         return None
-
-    async def begin_request(self, rid: str, state: InFlight, owner: str, lease_ms: int) -> bool:
-        """Record a new request and take its lease. False if the request already exists."""
-        return bool(await self._begin(keys=[f"sf:req:{rid}", f"sf:req:{rid}:owner"],
-                                      args=[_turn_enc.encode(state), REQUEST_TTL, owner, lease_ms]))
 
     async def done(self, rid: str) -> bytes | None:
         """The ChatDone of a finished request, if it finished."""
@@ -422,11 +436,15 @@ class Store:
             out += [bool(x) for x in got]
         return out
 
-    async def append_deltas(self, rid: str, recs: list[DeltaRecord], owner: str) -> bool:
+    async def append_deltas(self, rid: str, recs: list[DeltaRecord], owner: str, begin: InFlight | None = None) -> bool:
         """Append to a running request's deltas if `owner` holds its lease (or nobody does);
-        False, and nothing written, if another replica holds it or the request ended."""
-        keys = [f"sf:req:{rid}:owner", f"sf:req:{rid}", f"sf:req:{rid}:deltas"]
-        return bool(await self._append(keys=keys, args=[owner, REQUEST_TTL, *(_turn_enc.encode(r) for r in recs)]))
+        False, and nothing written, if another replica holds it or the request ended. With `begin`
+        (a new request's first tokens), its state is written first, in the same call: False if
+        another handling began the request or finished it."""
+        keys = [f"sf:req:{rid}:owner", f"sf:req:{rid}", f"sf:req:{rid}:deltas", f"sf:done:{rid}"]
+        state = _turn_enc.encode(begin) if begin is not None else b""
+        return bool(await self._append(keys=keys, args=[owner, REQUEST_TTL, state,
+                                                        *(_turn_enc.encode(r) for r in recs)]))
 
     async def hold(self, rid: str, owner: str, lease_ms: int) -> bool:
         """Renew `owner`'s lease on a running request (or take it if it lapsed) for `lease_ms`;
@@ -443,19 +461,21 @@ class Store:
 
     async def save_turn(self, sid: str, turn: Turn, worker: str, result: bytes = b"",
                         path: TokenPath | None = None, alias: tuple[str, Alias] | None = None,
-                        owner: str = "") -> bool:
+                        owner: str = "", began: bool = True) -> bool:
         """The turn, its index entry, the request's result (for a retried request) and the end
         of its partial state: all or nothing. `path` (the turn's whole token path) replaces
         its parent's cached path; `alias` is (raw digest of the request messages, what it names).
         With `owner`, only if `owner` still holds the request's lease (or nobody does) and the request
-        still runs, as `hold` checks: False, and nothing written, if not. One round trip for both."""
+        still runs, as `hold` checks: False, and nothing written, if not. One round trip for both.
+        `began`: the request's state was written (append_deltas' `begin`); a request never begun must
+        have neither a state nor a result."""
         rid = turn.request_id
         keys = [f"sf:req:{rid}", f"sf:req:{rid}:deltas", f"sf:req:{rid}:owner", f"sf:done:{rid}",
                 *(_k(sid, part) for part in SESSION_PARTS)]
         digest, value = (alias[0], alias[1].encode()) if alias is not None else ("", "")
         return bool(await self._save_turn(keys=keys, args=[
             result, REQUEST_TTL, turn.turn_id, _turn_enc.encode(turn), turn.key, worker, self.ttl,
-            path.raw if path is not None else b"", turn.parent, digest, value, owner]))
+            path.raw if path is not None else b"", turn.parent, digest, value, owner, "1" if began else "0"]))
 
     async def set_reward(self, sid: str, reward: float) -> None:
         meta = await self.session(sid)

@@ -47,3 +47,10 @@ async def store(redis_url):
     s = Store.connect(redis_url, ttl=60)
     yield s
     await s.close()
+
+
+async def begin_request(store, rid: str, state, owner: str, lease_ms: int) -> bool:
+    """Begin a new request as a trajectory replica does: its lookup takes the lease, its state goes
+    with its first tokens (none here). False if another handling holds it or began it."""
+    look = await store.lookup(rid, "", owner=owner, lease_ms=lease_ms)
+    return look.leased and await store.append_deltas(rid, [], owner, begin=state)

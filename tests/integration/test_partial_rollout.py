@@ -173,7 +173,9 @@ async def test_tokens_after_an_update_come_from_the_new_weights(stack, tmp_path)
     headers = {"Authorization": f"Bearer {stack.api_key}"}
 
     async def attempt(k: int) -> tuple[list[int], list[int], str]:
-        s = httpx.post(f"{stack.gateway_url}/sessions", json={}, headers=headers).json()
+        r = httpx.post(f"{stack.gateway_url}/sessions", json={}, headers=headers)
+        assert r.status_code == 200, (r.status_code, r.text)
+        s = r.json()
         client = openai.AsyncOpenAI(base_url=stack.gateway_url, api_key=s["api_key"], max_retries=0, timeout=180)
         await warm_stream(client)
         # busy workers (a slot left free for this request), so that its 1500 tokens take seconds
@@ -265,7 +267,9 @@ async def test_abort_and_resume_elsewhere_equals_uninterrupted(stack, tmp_path):
         """Turn 2 is long and greedy while both workers are busy; with `cut`, both are vacated
         `delay` after its first token (it comes back "preempted" with its partial tokens) and
         resumed 0.3 s later: the re-dispatch prefers the worker that did not preempt it."""
-        s = httpx.post(f"{stack.gateway_url}/sessions", json={}, headers=headers).json()
+        r = httpx.post(f"{stack.gateway_url}/sessions", json={}, headers=headers)
+        assert r.status_code == 200, (r.status_code, r.text)
+        s = r.json()
         client = openai.AsyncOpenAI(base_url=stack.gateway_url, api_key=s["api_key"], max_retries=0, timeout=180)
         messages = [{"role": "user", "content": "hi"}]
         first = await warm_stream(client, messages)

@@ -8,13 +8,14 @@ import pytest
 from services.trajectory.store import Alias, InFlight, Store
 from services.trajectory.tokenpath import TokenPath
 from services.trajectory.turns import Segment, Turn
+from tests.integration.conftest import begin_request
 
 pytestmark = pytest.mark.integration
 
 
 async def saved_turn(store: Store, sid: str, rid: str, prompt: TokenPath, reply: list[int], digest: str) -> TokenPath:
     look = await store.lookup(rid, sid)
-    assert await store.begin_request(rid, InFlight(sid, look.turn_id, prompt.wire(), prompt.ids, -1, []), "me", 5_000)
+    assert await begin_request(store, rid, InFlight(sid, look.turn_id, prompt.wire(), prompt.ids, -1, []), "me", 5_000)
     turn = Turn(look.turn_id, -1, prompt.ids, [Segment(reply, [0.0] * len(reply), 0, "w")], "stop", rid, 0.0, key="tk")
     path = prompt + reply
     assert await store.save_turn(sid, turn, "w", path=path, owner="me",
@@ -51,7 +52,7 @@ async def test_an_alias_from_before_last_ids_still_leads_to_its_path(store):
 async def test_a_running_requests_spliced_prompt_reads_back_as_its_ids(store):
     prompt = TokenPath.from_raw(TokenPath.of([7] * 20).raw) + [1, 2]
     sid = await store.create_session()
-    assert await store.begin_request("st-run", InFlight(sid, 0, prompt.wire(), [1, 2], -1, []), "me", 5_000)
+    assert await begin_request(store, "st-run", InFlight(sid, 0, prompt.wire(), [1, 2], -1, []), "me", 5_000)
     state, deltas = await store.load_request("st-run")
     assert state.prompt_ids == [7] * 20 + [1, 2] and deltas == []
     await store.drop_request("st-run", "me")

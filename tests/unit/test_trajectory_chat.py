@@ -39,28 +39,25 @@ class FakeStore:
         self.sessions[sid] = {"status": "open", "anonymous": anonymous}
         return sid
 
-    async def lookup(self, rid, sid, follow=""):
+    async def lookup(self, rid, sid, follow="", owner="", lease_ms=0):
+        done, state = self.done_.get(rid), self.requests.get(rid)
+        leased = False
+        if owner and done is None and state is None:  # a new request: its lease, as store.py takes it
+            leased = self.owners.setdefault(rid, owner) == owner
         if sid and sid not in self.sessions:
             raise SessionNotFound(sid)
         turn_id = -1
         if sid:
             self.seq[sid] = self.seq.get(sid, 0) + 1
             turn_id = self.seq[sid] - 1
-        state = self.requests.get(rid)
-        return Lookup(self.done_.get(rid), state, dict(self.sessions[sid]) if sid else None, turn_id,
-                      state.session_id if state else sid)
+        return Lookup(done, state, dict(self.sessions[sid]) if sid else None, turn_id,
+                      state.session_id if state else sid, leased=leased)
 
     async def find_turn(self, sid, keys):
         return None
 
     async def turns(self, sid):
         return {}
-
-    async def begin_request(self, rid, state, owner, lease_ms):
-        if rid in self.requests:
-            return False
-        self.requests[rid], self.owners[rid], self.deltas[rid] = state, owner, []
-        return True
 
     async def claim_request(self, rid, owner, lease_ms):
         if self.owners.get(rid) not in (None, owner):
@@ -83,9 +80,14 @@ class FakeStore:
     def _holds(self, rid, owner):
         return rid in self.requests and self.owners.get(rid) in (None, owner)
 
-    async def append_deltas(self, rid, recs, owner):
-        if not self._holds(rid, owner):
+    def _new(self, rid, owner):  # nobody began or finished it, and nobody else holds its lease
+        return rid not in self.requests and rid not in self.done_ and self.owners.get(rid) in (None, owner)
+
+    async def append_deltas(self, rid, recs, owner, begin=None):
+        if not (self._holds(rid, owner) if begin is None else self._new(rid, owner)):
             return False
+        if begin is not None:
+            self.requests[rid] = begin
         self.deltas.setdefault(rid, []).extend(recs)
         return True
 
@@ -102,8 +104,8 @@ class FakeStore:
             d.pop(rid, None)
         return True
 
-    async def save_turn(self, sid, turn, worker, result=b"", owner="", **caches):
-        if owner and not self._holds(turn.request_id, owner):
+    async def save_turn(self, sid, turn, worker, result=b"", owner="", began=True, **caches):
+        if owner and not (self._holds(turn.request_id, owner) if began else self._new(turn.request_id, owner)):
             return False
         self.saved.append((sid, turn, worker))
         self.done_[turn.request_id] = result
@@ -186,8 +188,9 @@ async def test_a_resumed_anonymous_request_stays_in_the_session_it_began_in(rend
     first = await store.create_session(anonymous=True)
     prompt = renderer.prompt([{"role": "user", "content": "hi"}], [])
     state = InFlight(first, 0, prompt, prompt, -1, [{"role": "user", "content": "hi"}])
-    assert await store.begin_request("r2", state, "dead-replica", 3000)
-    await store.append_deltas("r2", [DeltaRecord("w0", True, 0, renderer.encode("hello"), [-0.5])], "dead-replica")
+    assert (await store.lookup("r2", "", owner="dead-replica")).leased
+    assert await store.append_deltas("r2", [DeltaRecord("w0", True, 0, renderer.encode("hello"), [-0.5])],
+                                     "dead-replica", begin=state)
     store.owners.pop("r2")  # the dead replica's lease lapsed
     h = TurnHandler(TrajectoryConfig(worker_wait=2), store, renderer, table(), worker(renderer, " there"))
     done, _ = await run(h, request("r2"))  # the gateway re-sends it, still without a session
@@ -378,6 +381,43 @@ async def test_unknown_session_is_404_and_finished_session_is_409(renderer):
     with pytest.raises(chat.TurnError) as e:
         await run(h, request("r6", sid))
     assert e.value.status == 409
+    assert "r6" not in store.owners  # the lease its lookup took is freed at once, for a retry
+
+
+async def test_a_new_turn_costs_three_store_calls_and_begins_with_its_first_tokens(renderer):
+    # issue 15: the lookup takes the lease, the first append writes the state: no call to begin a request
+    store = FakeStore()
+    sid = await store.create_session()
+    calls: list[str] = []
+    for name in ("lookup", "append_deltas", "save_turn", "drop_request", "claim_request", "load_request"):
+        method = getattr(store, name)
+
+        async def counted(*a, _name=name, _method=method, **kw):
+            begins = _name == "append_deltas" and kw.get("begin", a[3] if len(a) > 3 else None) is not None
+            calls.append(_name + "+begin" * begins)
+            return await _method(*a, **kw)
+
+        setattr(store, name, counted)
+    h = TurnHandler(TrajectoryConfig(worker_wait=2), store, renderer, table(), worker(renderer, "hi"))
+    done, _ = await run(h, request("r-calls", sid))
+    assert done.text == "hi" and len(store.saved) == 1
+    assert calls[0] == "lookup" and calls[1] == "append_deltas+begin" and calls[-1] == "save_turn"
+    assert set(calls[2:-1]) <= {"append_deltas"}, calls  # a plain reply's later tokens, if any
+
+
+async def test_a_resent_copy_of_a_request_whose_replica_died_before_its_first_tokens_starts_it(renderer):
+    # its lookup took the lease, then its replica died: nothing to resume, so the copy begins it once the lease lapses
+    store = FakeStore()
+    sid = await store.create_session()
+    store.owners["r-orphan"] = "dead-replica"
+    h = TurnHandler(TrajectoryConfig(worker_wait=2, resume_wait=10), store, renderer, table(), worker(renderer, "hello"))
+
+    async def lapse():
+        await asyncio.sleep(0.3)
+        del store.owners["r-orphan"]
+
+    (done, _), _ = await asyncio.wait_for(asyncio.gather(run(h, request("r-orphan", sid)), lapse()), 10)
+    assert done.text == "hello" and len(store.saved) == 1 and "r-orphan" not in store.owners
 
 
 class TreeStore(FakeStore):
@@ -406,18 +446,18 @@ class TreeStore(FakeStore):
         alias = self.alias[raw]
         return Followed(alias, self.paths.get(alias.turn_id))
 
-    async def lookup(self, rid, sid, follow=""):
+    async def lookup(self, rid, sid, follow="", owner="", lease_ms=0):
         """As Store.lookup: the follow in the same call (counted once, like a separate follow)."""
         from msgspec.structs import replace
 
-        look = await super().lookup(rid, sid)
+        look = await super().lookup(rid, sid, owner=owner, lease_ms=lease_ms)
         return replace(look, follow=follow, followed=await self.follow(sid, follow)) if sid and follow else look
 
     async def path(self, sid, tid):
         return self.paths.get(tid)
 
-    async def save_turn(self, sid, turn, worker, result=b"", path=None, alias=None, owner=""):
-        if not await super().save_turn(sid, turn, worker, result, owner):
+    async def save_turn(self, sid, turn, worker, result=b"", path=None, alias=None, owner="", began=True):
+        if not await super().save_turn(sid, turn, worker, result, owner, began):
             return False
         self.turns_[turn.turn_id] = turn
         self.idx[turn.key] = turn.turn_id
