@@ -8,7 +8,8 @@ engine's end-of-request marker, an exception) is kept in place and ends the run.
 
 `Held` merges on purpose: a requester whose tokens nobody watches live (an agent that does not
 stream) sets `Generate.hold_s`, and the worker sends a request's tokens at most that often; what
-it still holds at the end rides on the GenerateDone (`with_tail`, `split_tail`): one message.
+it still holds at the end rides on the GenerateDone (`with_tail`): one message, and for a reply
+shorter than `hold_s` the only one.
 """
 
 from __future__ import annotations
@@ -46,16 +47,18 @@ def _joined(prev: TokenDelta, nxt: TokenDelta) -> TokenDelta:
 
 class Held:
     """One request's deltas, sent at most every `hold_s` seconds (Generate.hold_s; 0 sends each as it
-    comes). The first goes at once (the requester records where a dispatch starts, and its first
-    token); later ones wait, merged, until `hold_s` has passed since the last send, checked as each
-    new one arrives, with no timer: a paused engine holds them until it goes on, as it would hold
-    tokens it has not sampled. A version change sends what is held first: a merge never crosses one.
-    The caller sends `flush()` before the request's end (GenerateDone): nothing held is lost."""
+    comes), counted from `start`, the request's arrival: the first ones too, so a reply shorter than
+    `hold_s` is one message, its GenerateDone (the requester then neither appends its tokens nor
+    shows them before it saves the turn). They wait, merged, until `hold_s` has passed since the last
+    send, checked as each new one arrives, with no timer: a paused engine holds them until it goes on,
+    as it would hold tokens it has not sampled. A version change sends what is held first: a merge
+    never crosses one. The caller sends `flush()` before the request's end (GenerateDone): nothing
+    held is lost."""
 
-    def __init__(self, hold_s: float) -> None:
+    def __init__(self, hold_s: float, start: float = -math.inf) -> None:
         self.hold_s = hold_s
         self.pending: TokenDelta | None = None
-        self.sent_at = -math.inf
+        self.sent_at = start
 
     def add(self, delta: TokenDelta, now: float) -> list[TokenDelta]:
         """What to send now, in order."""
@@ -86,8 +89,6 @@ def with_tail(done: GenerateDone, tail: TokenDelta | None) -> tuple[TokenDelta |
     return None, done
 
 
-def split_tail(reply: T) -> list:
-    """A GenerateDone with a tail as the TokenDelta and the GenerateDone it stands for; anything else as is."""
-    if isinstance(reply, GenerateDone) and reply.tail_ids:
-        return [TokenDelta(reply.request_id, reply.tail_ids, reply.tail_logprobs, reply.version), reply]
-    return [reply]
+def tail_of(done: GenerateDone) -> TokenDelta | None:
+    """The held tail a GenerateDone carries, as the TokenDelta it stands for (None: no tail)."""
+    return TokenDelta(done.request_id, done.tail_ids, done.tail_logprobs, done.version) if done.tail_ids else None

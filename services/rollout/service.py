@@ -197,7 +197,7 @@ class RolloutService:
         rid, n = req.request_id, len(req.prompt_ids)
         run = _Run(self.engine.version)
         t0 = time.monotonic()
-        held = Held(req.hold_s)  # tokens sent at most every hold_s (0: each as it comes); flushed before the end
+        held = Held(req.hold_s, t0)  # tokens sent at most every hold_s (0: each as it comes); flushed before the end
         if self.engine.dead:
             run.error = f"worker engine dead: {self.engine.dead}"
         elif rid in self._aborted:

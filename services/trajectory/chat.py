@@ -200,9 +200,11 @@ class TurnHandler:
             if piece is not None:
                 await emit(ChatDelta(rid, *piece))
 
-        async def on_tokens(delta: TokenDelta, worker: str, first: bool) -> int | None:
+        async def on_tokens(delta: TokenDelta, worker: str, first: bool, final: bool) -> int | None:
             nonlocal begin
             keep = stream.add(delta, worker, first)
+            if final:  # the generation's last tokens: saved with the turn, shown with its ChatDone
+                return keep
             if records := stream.to_persist(first):
                 await self._persist(rid, records, lease, begin)
                 begin = None  # the request's state went with its first tokens

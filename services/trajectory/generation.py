@@ -18,13 +18,15 @@ import msgspec
 
 from services.trajectory.tokenpath import TokenPath
 from services.trajectory.turns import Segment
+from shared.deltas import tail_of
 from shared.messages import Generate, GenerateDone, RolloutReply, Sampling, TokenDelta
 
 Call = Callable[[str, Generate], AsyncIterator[RolloutReply]]
 Pick = Callable[[frozenset[str]], Awaitable[str]]
-# (delta, worker, starts a dispatch) -> None, or how many of the delta's tokens to keep before
-# ending the generation "stop" (a stop string completed)
-OnTokens = Callable[[TokenDelta, str, bool], Awaitable[int | None]]
+# (delta, worker, starts a dispatch, ends the generation) -> None, or how many of the delta's tokens
+# to keep before ending the generation "stop" (a stop string completed). The last flag is set for the
+# held tail of a GenerateDone that ends it ("stop", "length"): nothing follows those tokens.
+OnTokens = Callable[[TokenDelta, str, bool, bool], Awaitable[int | None]]
 
 
 MAX_BACKOFF = 1.0  # seconds, between re-dispatches after repeated preemptions
@@ -87,6 +89,43 @@ def head(delta: TokenDelta, n: int) -> TokenDelta:
     return TokenDelta(delta.request_id, delta.token_ids[:n], delta.logprobs[:n], delta.version)
 
 
+async def _took(on_tokens: OnTokens, out: Generated, delta: TokenDelta, worker: str, first: bool,
+                final: bool) -> bool:
+    """Add `delta`'s tokens to `out`, as `on_tokens` keeps them; True if a stop string ended the generation."""
+    keep = await on_tokens(delta, worker, first, final)
+    out.add(delta if keep is None else head(delta, keep), worker, new_dispatch=first)
+    if keep is None:
+        return False
+    out.finish_reason = "stop"
+    return True
+
+
+async def _dispatch(call: Call, worker: str, cmd: Generate, on_tokens: OnTokens, out: Generated) -> GenerateDone | None:
+    """One dispatch's tokens into `out`: its GenerateDone, or None if a stop string ended the generation
+    (closing the call early aborts the worker's request)."""
+    first = True
+    done: GenerateDone | None = None
+    async with aclosing(call(worker, cmd)) as replies:
+        async for reply in replies:
+            match reply:
+                case TokenDelta():
+                    if not reply.token_ids:
+                        continue
+                    if await _took(on_tokens, out, reply, worker, first, final=False):
+                        return None
+                    first = False
+                case GenerateDone():
+                    done = reply
+                    break
+    if done is None:
+        raise GenerationFailed(f"worker {worker} ended the stream without a result", 502)
+    # the tokens the worker still held at the end ride on its GenerateDone (shared/deltas.Held)
+    if (tail := tail_of(done)) is not None:
+        if await _took(on_tokens, out, tail, worker, first, final=done.finish_reason in ("stop", "length")):
+            return None
+    return done
+
+
 async def generate(
     call: Call,
     pick: Pick,
@@ -121,27 +160,9 @@ async def generate(
             hold_s=hold_s,
         )
         out.dispatches += 1
-        first = True
-        done: GenerateDone | None = None
-        # 2. stream its tokens into the current segment; closing the call early (a stop string)
-        # aborts the worker's request
-        async with aclosing(call(worker, cmd)) as replies:
-            async for reply in replies:
-                match reply:
-                    case TokenDelta():
-                        if not reply.token_ids:
-                            continue
-                        keep = await on_tokens(reply, worker, first)
-                        out.add(reply if keep is None else head(reply, keep), worker, new_dispatch=first)
-                        first = False
-                        if keep is not None:
-                            out.finish_reason = "stop"
-                            return out
-                    case GenerateDone():
-                        done = reply
-                        break
-        if done is None:
-            raise GenerationFailed(f"worker {worker} ended the stream without a result", 502)
+        # 2. stream its tokens into the current segment
+        if (done := await _dispatch(call, worker, cmd, on_tokens, out)) is None:
+            return out  # a stop string completed
         # 3. finished, failed, or preempted: then go round again
         if done.finish_reason in ("stop", "length"):
             out.finish_reason = done.finish_reason

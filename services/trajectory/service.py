@@ -41,7 +41,7 @@ from shared.backpressure import Fill, HighWater
 from shared.codec import decode, encode
 from shared.config import Connections
 from shared.deadletter import Malformed
-from shared.deltas import merge_deltas, split_tail
+from shared.deltas import merge_deltas
 from shared.logonce import OncePerCause
 from shared.redispool import PoolExhausted
 from shared.weightfollow import WeightFollower
@@ -237,9 +237,9 @@ class TrajectoryService:
                 alive=lambda: self.table.same_process(worker, instance, time.time()),
             ) as replies:
                 async for data in replies:
-                    # a turn that fell behind its worker takes what has arrived in one go
-                    # (a GenerateDone may carry the held tail of a plain turn's tokens: split_tail)
-                    got = [r for d in (data, *replies.ready()) for r in split_tail(decode(d, RolloutReply))]
+                    # a turn that fell behind its worker takes what has arrived in one go (a GenerateDone
+                    # may carry the held tail of a plain turn's tokens: generation.py takes them off it)
+                    got = [decode(d, RolloutReply) for d in (data, *replies.ready())]
                     for reply in merge_deltas(got):
                         if isinstance(reply, GenerateDone):
                             finished = True

@@ -75,7 +75,7 @@ class GenerateDone(msgspec.Struct, tag=True, array_like=True, omit_defaults=True
     code: ErrorCode = ""
     scheduled: bool = False
     # the last tokens, when the Generate set hold_s: what the worker still held at the end (version
-    # `version`), sent with this message instead of in a TokenDelta of their own (shared/deltas.split_tail)
+    # `version`), sent with this message instead of in a TokenDelta of their own (shared/deltas.tail_of)
     tail_ids: list[int] = []
     tail_logprobs: list[float] = []
 

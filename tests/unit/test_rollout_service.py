@@ -91,8 +91,8 @@ async def test_a_vacate_publishes_its_status_before_waiting_for_in_flight_reques
 
 
 async def test_held_tokens_go_out_merged_and_all_before_the_end(make):
-    # Generate.hold_s (an agent that does not stream): the first tokens at once, the rest held and merged;
-    # a vacate mid-request sends everything held before its GenerateDone: no token is lost
+    # Generate.hold_s (an agent that does not stream): the tokens held and merged, the first ones too;
+    # a vacate mid-request sends everything held with its GenerateDone: no token is lost
     svc = await make()
     start(svc, "held", hold_s=60.0)
     start(svc, "each")
@@ -104,8 +104,8 @@ async def test_held_tokens_go_out_merged_and_all_before_the_end(make):
         deltas = replies[:-1]
         assert all(isinstance(m, TokenDelta) for m in deltas)
         if rid == "held":
-            # the first at once, then all that was held, merged, riding on the GenerateDone (one message)
-            assert len(deltas) == 1 and replies[-1].tail_ids and len(replies[-1].tail_logprobs) == len(replies[-1].tail_ids)
+            # all that was held, merged, riding on the GenerateDone: one message
+            assert len(deltas) == 0 and replies[-1].tail_ids and len(replies[-1].tail_logprobs) == len(replies[-1].tail_ids)
             held_ids = [t for m in deltas for t in m.token_ids] + replies[-1].tail_ids
         else:
             each_ids = [t for m in deltas for t in m.token_ids]

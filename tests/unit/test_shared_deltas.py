@@ -1,7 +1,7 @@
 """shared/deltas.py: queued TokenDeltas merge within one request and version, never across; Held sends
 one request's at most every hold_s."""
 
-from shared.deltas import Held, merge_deltas, split_tail, with_tail
+from shared.deltas import Held, merge_deltas, tail_of, with_tail
 from shared.messages import GenerateDone, TokenDelta
 
 
@@ -29,16 +29,19 @@ def test_empty_and_single():
     assert merge_deltas([one]) == [one]
 
 
-def test_held_sends_the_first_at_once_then_at_most_every_hold_s_merged():
-    h = Held(0.1)
+def test_held_sends_at_most_every_hold_s_from_the_start_merged():
+    h = Held(0.1, start=0.0)
     d = lambda t, v=0: TokenDelta("r", [t], [-t / 10], v)  # noqa: E731
-    assert h.add(d(1), now=0.0) == [d(1)]  # the first at once
-    assert h.add(d(2), now=0.03) == [] and h.add(d(3), now=0.06) == []  # held
-    [sent] = h.add(d(4), now=0.1)  # hold_s since the last send: all that was held, merged
+    # the first ones too: a reply shorter than hold_s is one message, its GenerateDone
+    assert h.add(d(0), now=0.01) == [] and h.add(d(1), now=0.02) == []
+    [sent] = h.add(d(2), now=0.1)  # hold_s since the start
+    assert sent.token_ids == [0, 1, 2]
+    assert h.add(d(2), now=0.13) == [] and h.add(d(3), now=0.16) == []  # held
+    [sent] = h.add(d(4), now=0.2)  # hold_s since the last send: all that was held, merged
     assert (sent.token_ids, sent.logprobs, sent.version) == ([2, 3, 4], [-0.2, -0.3, -0.4], 0)
-    assert h.add(d(5), now=0.15) == []
+    assert h.add(d(5), now=0.25) == []
     # a new version sends what is held first: a merge never crosses one
-    [before] = h.add(d(6, v=1), now=0.16)
+    [before] = h.add(d(6, v=1), now=0.26)
     assert (before.token_ids, before.version) == ([5], 0)
     assert h.flush() == TokenDelta("r", [6], [-0.6], 1) and h.flush() is None  # the end: nothing held is lost
 
@@ -54,10 +57,9 @@ def test_the_held_tail_rides_on_the_generate_done_and_comes_off_as_it_went_on():
     tail = TokenDelta("r", [7, 8], [-0.7, -0.8], 3)
     first, done = with_tail(GenerateDone("r", "stop", 5, 3, "w"), tail)
     assert first is None and done.tail_ids == [7, 8]
-    assert split_tail(done) == [tail, done]
+    assert tail_of(done) == tail
     # another version than the done's (never from a worker: its last tokens are its last version) goes first
     other = TokenDelta("r", [9], [-0.9], 2)
     first, done = with_tail(GenerateDone("r", "stop", 5, 3, "w"), other)
-    assert first == other and not done.tail_ids and split_tail(done) == [done]
+    assert first == other and not done.tail_ids and tail_of(done) is None
     assert with_tail(GenerateDone("r", "stop", 5, 3), None)[0] is None
-    assert split_tail(tail) == [tail]

@@ -405,6 +405,42 @@ async def test_a_new_turn_costs_three_store_calls_and_begins_with_its_first_toke
     assert set(calls[2:-1]) <= {"append_deltas"}, calls  # a plain reply's later tokens, if any
 
 
+async def test_a_reply_that_comes_whole_on_the_done_is_saved_with_the_turn_and_never_appended(renderer):
+    # a plain turn shorter than the worker's hold (shared/deltas.Held): lookup and save, two store calls
+    # a turn; its tokens are recorded and its text comes with the ChatDone
+    store = FakeStore()
+    sid = await store.create_session()
+    ids = renderer.encode("all at once") + [renderer.eos_id]
+
+    async def call(w, cmd):
+        yield GenerateDone(cmd.request_id, "stop", len(cmd.prompt_ids), 3, w, tail_ids=ids, tail_logprobs=[-0.5] * len(ids))
+
+    calls: list[str] = []
+    for name in ("lookup", "append_deltas", "save_turn"):
+        method = getattr(store, name)
+
+        async def counted(*a, _name=name, _method=method, **kw):
+            calls.append(_name)
+            return await _method(*a, **kw)
+
+        setattr(store, name, counted)
+    h = TurnHandler(TrajectoryConfig(worker_wait=2), store, renderer, table(), call)
+    done, sent = await run(h, request("r-whole", sid))
+    assert calls == ["lookup", "save_turn"] and done.text == "all at once" and done.finish_reason == "stop"
+    assert not [m for m in sent if isinstance(m, ChatDelta) and m.text]  # shown with the ChatDone only
+    (_, turn, _), = store.saved
+    assert [(s.token_ids, s.version) for s in turn.segments] == [(ids, 3)]
+    # a stop string inside it cuts it there, as it would a delta
+    done, _ = await run(h, replace_stop(request("r-whole-stop", sid), ["at"]))
+    assert done.text == "all " and done.finish_reason == "stop"
+
+
+def replace_stop(req: ChatRequest, stop: list[str]) -> ChatRequest:
+    from msgspec.structs import replace
+
+    return replace(req, stop=stop)
+
+
 async def test_a_resent_copy_of_a_request_whose_replica_died_before_its_first_tokens_starts_it(renderer):
     # its lookup took the lease, then its replica died: nothing to resume, so the copy begins it once the lease lapses
     store = FakeStore()

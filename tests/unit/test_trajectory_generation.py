@@ -27,7 +27,7 @@ async def _only_worker_w(exclude):
     return "w"
 
 
-async def _keep_every_token(delta, worker, first):
+async def _keep_every_token(delta, worker, first, final):
     return None  # no stop string: keep the whole delta
 
 async def test_generation_redispatches_prompt_plus_partial_after_preemption():
@@ -44,7 +44,7 @@ async def test_generation_redispatches_prompt_plus_partial_after_preemption():
 
     seen = []
 
-    async def on_tokens(delta, worker, first):
+    async def on_tokens(delta, worker, first, final):
         seen.extend(delta.token_ids)
 
     out = await generate(call, pick, "r", "s", TokenPath.of([1, 2, 3]), Sampling(max_tokens=8), on_tokens, 4)
@@ -93,7 +93,7 @@ async def test_generation_resumes_from_persisted_partial():
     async def pick(exclude):
         return "w2"
 
-    async def on_tokens(delta, worker, first):
+    async def on_tokens(delta, worker, first, final):
         pass
 
     out = await generate(call, pick, "r", "s", TokenPath.of([1, 2, 3]), Sampling(max_tokens=8), on_tokens, 4, resume=partial)
@@ -170,9 +170,42 @@ async def test_generation_ends_stop_when_on_tokens_says_so_and_closes_the_call()
     async def pick(exclude):
         return "w"
 
-    async def on_tokens(delta, worker, first):
+    async def on_tokens(delta, worker, first, final):
         return 2 if 4 in delta.token_ids else None  # "a stop string completed at token 4"
 
     out = await generate(call, pick, "r", "s", TokenPath.of([0]), Sampling(max_tokens=10), on_tokens, 3)
     assert out.finish_reason == "stop" and out.token_ids == [1, 2, 3, 4] and closed == [True]
     assert [s.logprobs for s in out.segments] == [[-0.1, -0.2, -0.3, -0.4]]
+
+
+async def test_the_held_tail_on_a_done_gives_its_tokens_marked_final_only_when_it_ends_the_generation():
+    # a plain turn's reply rides on the worker's GenerateDone (shared/deltas.Held); tokens that end the
+    # generation are marked final (chat.py saves them with the turn instead of appending them first), a
+    # preempted dispatch's tail is not (a resume must find them)
+    call, sent = _fake_worker({
+        0: [TokenDelta("r.0", [10], [-1.0], 0),
+            GenerateDone("r.0", "preempted", 3, 0, tail_ids=[11, 12], tail_logprobs=[-1.1, -1.2])],
+        1: [GenerateDone("r.1", "stop", 6, 1, tail_ids=[13, 2], tail_logprobs=[-1.3, -0.2])],
+    })
+    seen = []
+
+    async def on_tokens(delta, worker, first, final):
+        seen.append((delta.token_ids, delta.version, first, final))
+
+    out = await generate(call, _only_worker_w, "r", "s", TokenPath.of([1, 2, 3]), Sampling(max_tokens=8), on_tokens, 4)
+    assert seen == [([10], 0, True, False), ([11, 12], 0, False, False), ([13, 2], 1, True, True)]
+    assert out.finish_reason == "stop" and out.token_ids == [10, 11, 12, 13, 2]
+    assert [(s.token_ids, s.logprobs, s.version) for s in out.segments] == [
+        ([10, 11, 12], [-1.0, -1.1, -1.2], 0), ([13, 2], [-1.3, -0.2], 1)]
+    assert sent[1][1].prompt_ids == [1, 2, 3, 10, 11, 12]
+
+
+async def test_a_stop_string_in_the_held_tail_ends_the_generation_there():
+    call, _ = _fake_worker({0: [GenerateDone("r.0", "length", 1, 0, tail_ids=[1, 2, 3], tail_logprobs=[-0.1] * 3)]})
+
+    async def on_tokens(delta, worker, first, final):
+        assert final
+        return 2  # "a stop string completed at the tail's second token"
+
+    out = await generate(call, _only_worker_w, "r", "s", TokenPath.of([0]), Sampling(max_tokens=3), on_tokens, 3)
+    assert out.finish_reason == "stop" and out.token_ids == [1, 2]

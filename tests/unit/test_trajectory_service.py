@@ -158,15 +158,13 @@ class HeldTailNC(FakeNC):
             await self.cb(types.SimpleNamespace(subject=reply, data=encode(m), headers=None))
 
 
-async def test_a_done_carrying_the_held_tail_gives_its_tokens_before_it():
-    from shared.messages import GenerateDone
-
+async def test_a_done_carrying_the_held_tail_comes_with_it():
+    # generation.py takes the tail off the done: tokens that end the generation are saved with the turn
     s = service(None)
     s.nc = HeldTailNC()
     got = [r async for r in s._call("w0", Generate("r.0", [1, 2], Sampling(), hold_s=0.1))]
-    tokens = [t for r in got if isinstance(r, TokenDelta) for t in r.token_ids]
-    assert tokens == [1, 2, 3] and isinstance(got[-1], GenerateDone) and got[-1].finish_reason == "stop"
-    assert all(r.version == 4 for r in got if isinstance(r, TokenDelta))
+    assert [type(r).__name__ for r in got] == ["TokenDelta", "GenerateDone"] and got[0].token_ids == [1]
+    assert got[-1].finish_reason == "stop" and got[-1].tail_ids == [2, 3] and got[-1].version == 4
 
 
 async def test_a_turn_or_session_op_that_waited_out_its_place_in_the_redis_line_is_a_503_overloaded():
