@@ -111,12 +111,12 @@ class TurnHandler:
             self.live.discard(lease)  # no keepalive, no renewal from here on
 
     async def _lookup(self, req: ChatRequest, owner: str) -> Lookup:
-        """The request's state in one round trip, and a new request's lease for `owner`; a request
-        without a session that is not a resume gets a new anonymous one (a resume continues in the
-        session it began in)."""
+        """The request's state in one round trip, and a new request's lease for `owner`; a new request
+        without a session gets a new anonymous one once its lease is `owner`'s (a resume continues in
+        the session it began in; a re-sent copy waiting for the first makes none)."""
         try:
             look = await self.store.lookup(req.request_id, req.session_id, follow_digest(req), owner, LEASE_MS)
-            if look.done is None and look.state is None and not req.session_id:
+            if look.leased and not req.session_id:
                 sid = await self.store.create_session(anonymous=True)
                 look = await self.store.lookup(req.request_id, sid, "", owner, LEASE_MS)
         except SessionNotFound as e:
@@ -287,6 +287,8 @@ class TurnHandler:
                 return prompt, partial, turn_id, None, None
             # it ended with neither tokens nor a result: one that had begun was dropped (it failed); one
             # that had not lost its replica before its first tokens, and starts here
+            if look.state is None and look.meta is None:  # without a session: its own, now that it leads
+                look = await self._lookup(req, lease.owner)
         else:
             self._held(rid, lease)
         try:

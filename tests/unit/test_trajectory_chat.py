@@ -339,6 +339,15 @@ async def test_two_copies_that_both_begin_a_request_give_one_turn(renderer):
     assert done1 == done2 and len(store.saved) == 1
 
 
+async def test_two_copies_of_an_anonymous_request_give_one_turn_in_one_session(renderer):
+    # the copy that waits for the first (whose lookup took the lease) makes no session of its own
+    store = FakeStore()
+    h = TurnHandler(TrajectoryConfig(worker_wait=2, resume_wait=10), store, renderer, table(),
+                    worker(renderer, "a long answer " * 5, delay=0.005))
+    (done1, _), (done2, _) = await asyncio.wait_for(asyncio.gather(run(h, request("r8a")), run(h, request("r8a"))), 10)
+    assert done1 == done2 and len(store.saved) == 1 and len(store.sessions) == 1
+
+
 async def test_a_lease_that_lapsed_but_nobody_took_is_taken_back_and_the_turn_goes_on(renderer, monkeypatch):
     """Seen live on a loaded box: the event loop stalled past the 3 s lease, the key expired, and
     the replica abandoned a turn no other replica had taken (the agent waited for a re-send)."""
@@ -454,6 +463,14 @@ async def test_a_resent_copy_of_a_request_whose_replica_died_before_its_first_to
 
     (done, _), _ = await asyncio.wait_for(asyncio.gather(run(h, request("r-orphan", sid)), lapse()), 10)
     assert done.text == "hello" and len(store.saved) == 1 and "r-orphan" not in store.owners
+    # without a session: the copy makes the anonymous one once it leads, and only then
+    store.owners["r-orphan-anon"] = "dead-replica"
+    task = asyncio.create_task(run(h, request("r-orphan-anon")))
+    await asyncio.sleep(0.2)
+    assert len(store.sessions) == 1  # waiting: none made yet
+    del store.owners["r-orphan-anon"]
+    done, _ = await asyncio.wait_for(task, 10)
+    assert done.text == "hello" and len(store.sessions) == 2 and done.session_id != sid
 
 
 class TreeStore(FakeStore):
