@@ -25,7 +25,9 @@ result; absolute figures move with the machine's load.
 `--turns N` measures one growing session instead: turn n sends the n-1 earlier user messages and
 replies plus a new user message, and the CPU each turn costs the gateway and the trajectory manager
 is reported at turns 10, 50, 100, 200 (the median of the 10 turns ending there, over `--sessions`).
-CPU is read from /proc/<pid>/task/*/schedstat (nanoseconds, every thread).
+CPU is read from /proc/<pid>/task/*/schedstat (nanoseconds, every thread). `--idle S` (5 s) first
+reads what the services spend with no turn running (heartbeats, status, polls, metrics): the table's
+last column, in ms per second and as the part of each per-turn figure that is not per turn.
 `--profile DIR` runs both services under cProfile (CPU time of the event-loop thread) for the
 measured requests only (bench/profile_hook/sitecustomize.py): one .prof file per service and
 measured phase.
@@ -160,7 +162,18 @@ async def connect(side: Side, n_sessions: int, args) -> None:
     side.keys = [await side.new_session() for _ in range(n_sessions)]
 
 
+async def idle_rates(sides: list[Side], seconds: float) -> dict[str, dict[str, float]]:
+    """CPU seconds per second each side's processes spend with no turn running (heartbeats, status,
+    polls, metrics), all sides in the same window: the part of a per-turn figure that is not per turn."""
+    if seconds <= 0:
+        return {s.label: {n: 0.0 for n in s.pids} for s in sides}
+    before = {s.label: s.cpu() for s in sides}
+    await asyncio.sleep(seconds)
+    return {s.label: {n: (c - before[s.label][n]) / seconds for n, c in s.cpu().items()} for s in sides}
+
+
 async def concurrency_rows(sides: list[Side], messages: list[dict], prompt_ids: list[int], args) -> list[dict]:
+    idle = await idle_rates(sides, args.idle)
     rows = []
     for conc in args.concurrency:
         lat = {(s.label, p): [] for s in sides for p in ("direct", "gateway")}
@@ -202,6 +215,10 @@ async def concurrency_rows(sides: list[Side], messages: list[dict], prompt_ids: 
             for n in s.pids:
                 row[f"{n}_cpu_ms_per_turn"] = round(1000 * cpu[s.label, n] / turns, 3)
             row["turns_per_core_s"] = round(turns / max(sum(cpu[s.label, n] for n in s.pids), 1e-9), 1)
+            # of which idle work: what the processes would have spent in the gateway rounds' time anyway
+            idle_s = sum(idle[s.label].values()) * wall[s.label, "gateway"]
+            row["idle_cpu_ms_per_s"] = round(1000 * sum(idle[s.label].values()), 2)
+            row["idle_cpu_ms_per_turn"] = round(1000 * idle_s / turns, 3)
             row["added_p50_ms"] = round(row["gateway_p50_ms"] - row["direct_p50_ms"], 2)
             row["added_p99_ms"] = round(row["gateway_p99_ms"] - row["direct_p99_ms"], 2)
             rows.append(row)
@@ -304,6 +321,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=0, help="measure one session growing to this many turns")
     ap.add_argument("--sessions", type=int, default=2, help="with --turns: how many such sessions, in a row")
     ap.add_argument("--profile", metavar="DIR", help="cProfile the gateway and trajectory manager into DIR")
+    ap.add_argument("--idle", type=float, default=5.0,
+                    help="seconds of no turns first, to read the services' idle CPU (0: skip)")
     args = ap.parse_args()
     res = asyncio.run(run(args))
     if args.turns:
@@ -314,13 +333,15 @@ def main() -> None:
                   f"{r['latency_ms']} |")
         return
     print("\n| code | concurrency | direct p50 / p99 ms | gateway p50 / p99 ms | added p50 / p99 ms "
-          "| direct / gateway req/s | CPU ms per turn: gateway + trajectory | turns/s per core |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| direct / gateway req/s | CPU ms per turn: gateway + trajectory | turns/s per core "
+          "| idle CPU ms/s (of it per turn) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in res["rows"]:
         print(f"| {r['code']} | {r['concurrency']} | {r['direct_p50_ms']} / {r['direct_p99_ms']} | "
               f"{r['gateway_p50_ms']} / {r['gateway_p99_ms']} | {r['added_p50_ms']} / {r['added_p99_ms']} | "
               f"{r['direct_rps']} / {r['gateway_rps']} | {r['gateway_cpu_ms_per_turn']} + "
-              f"{r['trajectory_cpu_ms_per_turn']} | {r['turns_per_core_s']} |")
+              f"{r['trajectory_cpu_ms_per_turn']} | {r['turns_per_core_s']} | "
+              f"{r['idle_cpu_ms_per_s']} ({r['idle_cpu_ms_per_turn']}) |")
 
 
 if __name__ == "__main__":

@@ -91,6 +91,21 @@ def admin(stack, method: str, path: str):
 MAX_TURNS = 30  # up to ~49 tokens a turn (a reply of up to 24, "turn t", the template): within 2048
 
 
+def open_session(stack, headers: dict, wait: float = 60) -> dict:
+    """A new session, as an agent opens one: a 429 or 503 (back-pressure, or the stream's fill unread for
+    5 s on a starved replica) is retried after its Retry-After, for at most `wait` seconds. One run here
+    got no session right after the module's trajectory replica SIGKILL, status not recorded; the likely
+    cause is such a 503. Anything else fails with the status and body."""
+    deadline = time.monotonic() + wait
+    while True:
+        r = httpx.post(f"{stack.gateway_url}/sessions", json={}, headers=headers)
+        if r.status_code not in (429, 503) or time.monotonic() > deadline:
+            break
+        time.sleep(float(r.headers.get("retry-after", 1)))
+    assert r.status_code == 200, (r.status_code, r.text)
+    return r.json()
+
+
 async def agent(stack, http: httpx.AsyncClient, i: int, until: asyncio.Event, min_turns: int = 3) -> dict:
     """Multi-turn: at least `min_turns`, and on until `until` is set (the disturbances are over), at most
     MAX_TURNS: the context window is the limit, and a fast box (plain turns' tokens held: Generate.hold_s)
@@ -173,9 +188,7 @@ async def test_tokens_after_an_update_come_from_the_new_weights(stack, tmp_path)
     headers = {"Authorization": f"Bearer {stack.api_key}"}
 
     async def attempt(k: int) -> tuple[list[int], list[int], str]:
-        r = httpx.post(f"{stack.gateway_url}/sessions", json={}, headers=headers)
-        assert r.status_code == 200, (r.status_code, r.text)
-        s = r.json()
+        s = open_session(stack, headers)
         client = openai.AsyncOpenAI(base_url=stack.gateway_url, api_key=s["api_key"], max_retries=0, timeout=180)
         await warm_stream(client)
         # busy workers (a slot left free for this request), so that its 1500 tokens take seconds
@@ -267,9 +280,7 @@ async def test_abort_and_resume_elsewhere_equals_uninterrupted(stack, tmp_path):
         """Turn 2 is long and greedy while both workers are busy; with `cut`, both are vacated
         `delay` after its first token (it comes back "preempted" with its partial tokens) and
         resumed 0.3 s later: the re-dispatch prefers the worker that did not preempt it."""
-        r = httpx.post(f"{stack.gateway_url}/sessions", json={}, headers=headers)
-        assert r.status_code == 200, (r.status_code, r.text)
-        s = r.json()
+        s = open_session(stack, headers)
         client = openai.AsyncOpenAI(base_url=stack.gateway_url, api_key=s["api_key"], max_retries=0, timeout=180)
         messages = [{"role": "user", "content": "hi"}]
         first = await warm_stream(client, messages)
