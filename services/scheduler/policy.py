@@ -18,7 +18,13 @@ Tags decide what a host *may* do (`train`, `rollout`); the policy decides what i
   lent to rollout while the trainer waits for data, and reclaimed (vacated: its requests
   migrate with their partial tokens) as soon as a batch is ready. Lending is *predicted*:
   a host is lent only when the trainer's predicted wait, from the completion rate and the
-  trajectories still missing, exceeds the switch cost (lend + reclaim) by `lend_margin`.
+  trajectories still missing, exceeds the switch cost (lend + reclaim) by `lend_margin`, or
+  when no host outside the train pool can roll out (every rollout host dead or cordoned):
+  the missing trajectories can then only come from the pool, whatever the rate of the last
+  30 s says. Seen in CI: host-1's worker killed right after a reclaim; no lend for 21 s,
+  host-0 idle while the requests the kill cut waited for host-1 to restart (the prediction:
+  the trainer's buffer counts members of groups the kill left incomplete, so few
+  trajectories looked missing, at the rate of the last 30 s).
 
   Two knobs trade the trainer's time for re-prefill (a reclaim vacates a lent host's running
   sequences, which carry their whole context to prefill again where they land):
@@ -151,6 +157,11 @@ def predicted_wait(trainer: Trainer, rate: float) -> float:
     return math.inf if rate <= 0 else trainer.samples_needed / rate
 
 
+def _can_roll_out_outside(s: Snapshot, pool: frozenset[str]) -> bool:
+    """Is there a healthy, uncordoned rollout host outside the train pool (serving or on its way)?"""
+    return any(h.healthy and not h.cordoned and h.can_rollout and h.id not in pool for h in s.hosts)
+
+
 def lend_verdict(s: Snapshot) -> tuple[bool, str]:
     """Is lending the train pool worth it now? (seamless only)"""
     if s.trainer.state == "absent" or s.trainer.state == "stopped":
@@ -160,6 +171,8 @@ def lend_verdict(s: Snapshot) -> tuple[bool, str]:
     if s.reclaim_grace_s > 0 and s.now < s.trainer.waiting_since + s.lend_settle_s:
         return False, (f"settling: waited {s.now - s.trainer.waiting_since:.1f}s < {s.lend_settle_s:g}s "
                        f"(grace {s.reclaim_grace_s:g}s)")
+    if not _can_roll_out_outside(s, train_pool(s)):
+        return True, "no host outside the train pool can roll out"
     # the drain margin is cut from the window: a lent host takes no turn in its last drain_margin_s
     wait = predicted_wait(s.trainer, s.completion_rate) - s.drain_margin_s
     cost = s.costs.lend_s + s.costs.reclaim_s + s.reclaim_grace_s  # a lend may hold the trainer the grace

@@ -69,6 +69,27 @@ def test_seamless_does_not_lend_when_the_wait_is_shorter_than_the_switch():
     assert modes(decide(s)) == {"host-0": "rollout"}
 
 
+def test_seamless_lends_whatever_the_prediction_when_no_other_host_rolls_out():
+    # live: host-1's worker killed right after a reclaim; the trainer 1 trajectory short (its buffer counts
+    # members of groups the kill left incomplete) and a 30 s rate predicting a short wait: host-0 sat idle
+    # 21 s while the cut requests waited for host-1 to restart
+    costs = Costs(lend_s=0.4, reclaim_s=0.4)
+    dead = (Host("host-0", BOTH, mode="train", target="train", epoch=1),
+            Host("host-1", ROLL, mode="rollout", target="rollout", epoch=1, healthy=False))
+    s = Snapshot("seamless", 0, dead, Trainer("waiting", 1), completion_rate=2.0, costs=costs)
+    assert predicted_wait(s.trainer, s.completion_rate) < s.lend_margin * 0.8
+    assert lend_verdict(s) == (True, "no host outside the train pool can roll out")
+    assert modes(decide(s)) == {"host-0": "rollout"}
+    cordoned = (dead[0], replace(dead[1], healthy=True, cordoned=True, mode="idle", target="idle"))
+    assert lend_verdict(replace(s, hosts=cordoned))[0] is True
+    # host-1 serving, or healthy and on its way to serving: the prediction decides, as before
+    s = replace(s, hosts=two_hosts())
+    assert lend_verdict(s)[0] is False and decide(s) == []
+    assert lend_verdict(replace(s, hosts=two_hosts(mode1="idle")))[0] is False
+    # a trainer that computes keeps its hosts, rollout or not
+    assert decide(replace(s, hosts=dead, trainer=Trainer("computing", 0))) == []
+
+
 def test_colocated_alternates_every_host_and_holds_requests():
     rolling = two_hosts("rollout", "rollout")
     ds = decide(Snapshot("colocated", 0, rolling, Trainer("ready", 0)))
@@ -170,9 +191,11 @@ def test_property_no_lend_when_the_predicted_wait_is_below_the_switch_cost(s: Sn
         return
     wait = predicted_wait(s.trainer, s.completion_rate)
     pool = train_pool(s)
+    others_roll_out = any(h.healthy and not h.cordoned and h.can_rollout and h.id not in pool for h in s.hosts)
     for d in decide(s):
         if d.mode == "rollout" and d.host in pool:
-            assert wait > s.lend_margin * (s.costs.lend_s + s.costs.reclaim_s)
+            # the exception: nothing else rolls out, so the data can only come from the pool
+            assert wait > s.lend_margin * (s.costs.lend_s + s.costs.reclaim_s) or not others_roll_out
             assert not s.trainer.wants_hosts
 
 
