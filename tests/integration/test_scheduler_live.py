@@ -7,9 +7,9 @@ the DeepSpeed trainer gated by the scheduler, and openai-SDK agents running the 
 One stack serves every test: switching policy is a config change (`set_policy`), not code.
 Each policy test drives agents until the trainer has taken a few more steps, then checks:
 no agent request failed, every step's gate was granted (it started after its hosts were
-reclaimed), and what the policy promises (seamless: lend/reclaim cycles, requests that
-migrated between workers and versions; disaggregated: host-0 never lent; colocated:
-host-1 idles while the trainer computes). The last test kills host-1's worker mid-rollout.
+reclaimed), and what the policy promises (seamless: lend/reclaim cycles; disaggregated:
+host-0 never lent; colocated: host-1 idles while the trainer computes). The last test kills
+host-1's worker mid-rollout: its requests continue on another worker.
 """
 
 from __future__ import annotations
@@ -46,15 +46,15 @@ GROUP_SIZE, GROUPS_PER_STEP = 4, 2
 # with 64-192 tokens lent, but turns were then too short for a weight update to land in one; with the
 # same 1 s for every agent, a group generated in lockstep and the update (CI: 0.6-3 s after a batch) fell
 # in the group's think time: no turn spanned versions. The think time is drawn per turn from [0, 2 s].
-# Even so CI once saw 0 of 8 updates land in a turn, so the seamless test ends with a phase of long turns
-# alone (LONG_TOKENS, two groups at a time, no think time): turns in flight whenever an update lands. (Run
-# beside the short agents, they kept the trainer busy: 1 lend in 8 steps. One group at a time, 0 of 20
-# spanned: a long turn takes ~1 s here, less than a step, and the next group's turns had not started or
-# had ended; the last update of a phase finds no agents, so the phase runs 3 steps.)
+# Whether a turn spans two weight versions here is chance, so these tests print it and do not assert it:
+# CI once saw 0 in the seamless window (1-6 in other runs), and long turns did not make it certain (an
+# update comes right after the step, which takes the 2 cores while the workers catch up on what they
+# generated meanwhile: CI 0 of 32 long turns in groups, here 1 and 0 of 20-30 long turns back to back
+# beside the agents; colocated's held requests: 0 in one run). Turns that span versions are asserted by
+# test_partial_rollout, whose updates are published while a stream is under way.
 CONCURRENT_GROUPS = 1
 REPLY_TOKENS = (160, 320)
 THINK_S = 1.0
-LONG_TOKENS = (400, 440)  # a long turn (max_model_len 512)
 TRAINER = {"group_size": GROUP_SIZE, "groups_per_step": GROUPS_PER_STEP, "lr": 1e-5, "publish_every": 1,
            "checkpoint_every": 5, "keep_versions": 3, "gate_timeout": 60}
 
@@ -108,14 +108,14 @@ def gates_refused(stack) -> int:
     return (stack.logs / "trainer.log").read_text().count("gate not granted")
 
 
-def run_policy(stack, policy: str, steps: int, timeout: float = 240, tokens: tuple[int, int] = REPLY_TOKENS,
-               lanes: int = CONCURRENT_GROUPS, turns: int = 2, think_s: float = THINK_S, seed: int = 0):
+def run_policy(stack, policy: str, steps: int, timeout: float = 240):
+    """Drive the agents until the trainer has taken `steps` more steps: (agents, timeline, counts' deltas)."""
     ask(stack, "set_policy", policy=policy)
     wait_for(lambda: all(h.mode == h.target for h in ask(stack).hosts), 60, "hosts settled")
     before = ask(stack)
     start = len(trained_steps(stack))
-    agents = GroupAgents(stack.gateway_url, stack.api_key, GROUP_SIZE, lanes, seed=len(policy) + seed,
-                         min_tokens=tokens[0], max_tokens=tokens[1], turns=turns, think_s=think_s)
+    agents = GroupAgents(stack.gateway_url, stack.api_key, GROUP_SIZE, CONCURRENT_GROUPS, seed=len(policy),
+                         min_tokens=REPLY_TOKENS[0], max_tokens=REPLY_TOKENS[1], think_s=THINK_S)
     assert asyncio.run(agents.run(lambda: len(trained_steps(stack)) >= start + steps, timeout)), \
         f"{policy}: fewer than {steps} trainer steps within {timeout:.0f}s"
     after = ask(stack, "timeline")
@@ -144,15 +144,9 @@ def test_seamless_lends_and_reclaims_while_agents_never_notice(cluster):
     assert sum(iv.activity == "switch" for iv in host0.timeline) >= 10
     # Reclaims rarely catch a turn: predicted lending routes to a lent host only turns whose group's
     # p90 length fits before the reclaim. Turns that move between workers are shown by the host-loss
-    # test below; here, turns that span weight versions, the short ones' by chance, then long ones'
+    # test below; turns that span weight versions, here by chance, by test_partial_rollout
     moved, versions = spans(agents)
-    long, _, long_delta = run_policy(cluster, "seamless", steps=3, tokens=LONG_TOKENS, lanes=2, turns=1,
-                                     think_s=0, seed=1)
-    assert long.failures == [] and long_delta["gates_timed_out"] == 0, long_delta
-    long_moved, long_versions = spans(long)
-    print(f"seamless: {delta}; {moved} turn(s) moved between workers, {versions} spanned versions; "
-          f"long turns: {long_delta}; {long_moved} moved, {long_versions} of {long.ok} spanned versions")
-    assert long_versions >= 1, "no long turn spans two weight versions"
+    print(f"seamless: {delta}; {moved} turn(s) moved between workers, {versions} spanned versions")
 
 
 def test_disaggregated_never_lends_the_trainer_host(cluster):
@@ -172,6 +166,8 @@ def test_colocated_alternates_every_host_with_held_requests(cluster):
     assert delta["gates_granted"] >= 3 - 1 and delta["gates_timed_out"] == 0 and gates_refused(cluster) == 0, delta
     host1 = next(h for h in after.hosts if h.host == "host-1")
     assert sum(iv.activity == "idle" for iv in host1.timeline) > idle_before  # host-1 waits out train phases
+    moved, versions = spans(agents)
+    print(f"colocated: {delta}; {moved} turn(s) moved between workers, {versions} spanned versions")
 
 
 def test_cordon_drains_a_host_uncordon_brings_it_back_and_the_timeline_exports(cluster, tmp_path):
