@@ -24,13 +24,14 @@ import openai
 class GroupAgents:
     def __init__(self, base_url: str, api_key: str, group_size: int = 4, lanes: int = 4, seed: int = 0,
                  min_tokens: int = 32, max_tokens: int = 160, turns: int = 2, model: str = "seamlessflow-tiny",
-                 think_s: float = 0.0):
+                 think_s: float = 0.0, stream: bool = False):
         self.base_url, self.api_key, self.group_size, self.lanes = base_url, api_key, group_size, lanes
         self.rng = random.Random(seed)
         self.min_tokens, self.max_tokens, self.turns, self.model = min_tokens, max_tokens, turns, model
         # between an agent's turns, as a tool call would take (no device works for it): drawn uniformly
         # from [0, 2 * think_s], so a group's agents do not all generate at the same moments
         self.think_s = think_s
+        self.stream = stream  # streamed turns: every token reaches the trajectory manager (and Redis) as it comes
         self.ok = 0
         self.failures: list[str] = []
         self.latencies: list[tuple[float, float]] = []  # (start, seconds) of each successful turn
@@ -51,17 +52,14 @@ class GroupAgents:
                     await asyncio.sleep(self.rng.uniform(0.0, 2.0 * self.think_s))
                 t0 = time.monotonic()
                 try:
-                    c = await agent.chat.completions.create(
-                        model=self.model, messages=messages, temperature=1.0,
-                        max_tokens=self.rng.randint(self.min_tokens, self.max_tokens))
+                    text, used = await self._turn(agent, messages, self.rng.randint(self.min_tokens, self.max_tokens))
                 except openai.APIError as e:
                     self.failures.append(f"{gid}: {type(e).__name__}: {e}")
                     return
                 self.ok += 1
                 self.latencies.append((t0, time.monotonic() - t0))
-                tokens += c.usage.completion_tokens if c.usage else 0
-                messages += [{"role": "assistant", "content": c.choices[0].message.content or ""},
-                             {"role": "user", "content": "again"}]
+                tokens += used
+                messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "again"}]
         finally:
             await agent.close()
         f = await http.post(f"/sessions/{s['id']}/finish", json={"reward": self.rng.random()})
@@ -69,6 +67,18 @@ class GroupAgents:
         self.sessions.append(s["id"])
         self.session_tokens[s["id"]] = tokens
         self.completion_tokens += tokens
+
+    async def _turn(self, agent: openai.AsyncOpenAI, messages: list[dict], max_tokens: int) -> tuple[str, int]:
+        """One turn: (the reply's text, its completion tokens)."""
+        if not self.stream:
+            c = await agent.chat.completions.create(model=self.model, messages=messages, temperature=1.0,
+                                                    max_tokens=max_tokens)
+            return c.choices[0].message.content or "", c.usage.completion_tokens if c.usage else 0
+        chunks = [c async for c in await agent.chat.completions.create(
+            model=self.model, messages=messages, temperature=1.0, max_tokens=max_tokens, stream=True,
+            stream_options={"include_usage": True})]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return text, next((c.usage.completion_tokens for c in reversed(chunks) if c.usage), 0)
 
     async def run(self, until: Callable[[], bool], timeout: float) -> bool:
         """Keep `lanes` groups in flight until `until()` or `timeout`; returns until()."""

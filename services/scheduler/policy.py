@@ -248,6 +248,8 @@ def decide(s: Snapshot) -> list[Decision]:
     lend = lend_verdict(s) if s.policy == "seamless" else (False, "")
     wait = predicted_wait(s.trainer, s.completion_rate)
     reclaim_at = s.now + max(0.0, wait - s.costs.reclaim_s - s.drain_margin_s)
+    if s.policy == "seamless" and not _can_roll_out_outside(s, pool):
+        reclaim_at = math.inf  # the pool is the only rollout there is: a lent host takes every turn
     out: list[Decision] = []
     # _wanted reads a host only through this key, so hosts that share it share the answer
     # (the simulator decides for thousands of hosts; this keeps it to a few distinct calls)

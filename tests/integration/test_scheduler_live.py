@@ -200,8 +200,11 @@ def test_a_killed_worker_is_detected_its_requests_resume_and_the_host_rejoins(cl
     # longer replies than the policy tests: a turn lasts long enough that a kill finds tokens in flight
     # (think time as in the policy tests: the trainer waits for data, so seamless lends host-0, where the
     # requests cut by the kill resume while host-1's worker restarts)
+    # streamed, so that a request's persisted tokens are all it has generated (a plain turn's come held and
+    # are persisted in chunks: CI killed a worker whose request showed 64 tokens in Redis and had just ended
+    # by length, and no turn moved)
     agents = GroupAgents(cluster.gateway_url, cluster.api_key, GROUP_SIZE, 2, seed=7, min_tokens=256, max_tokens=384,
-                         think_s=THINK_S)
+                         think_s=THINK_S, stream=True)
     killed = {"t": 0.0, "tokens": 0}
 
     async def started_on_host_1(r) -> int:

@@ -79,7 +79,10 @@ def test_seamless_lends_whatever_the_prediction_when_no_other_host_rolls_out():
     s = Snapshot("seamless", 0, dead, Trainer("waiting", 1), completion_rate=2.0, costs=costs)
     assert predicted_wait(s.trainer, s.completion_rate) < s.lend_margin * 0.8
     assert lend_verdict(s) == (True, "no host outside the train pool can roll out")
-    assert modes(decide(s)) == {"host-0": "rollout"}
+    (d,) = decide(s)
+    # lent until the batch is ready, with no prediction (lent_until 0): a router sends it every turn, the long
+    # ones the kill cut too (CI: lent until a predicted 1 s, host-0 took none of them; they waited for host-1)
+    assert (d.host, d.mode, d.lent_until) == ("host-0", "rollout", 0.0)
     cordoned = (dead[0], replace(dead[1], healthy=True, cordoned=True, mode="idle", target="idle"))
     assert lend_verdict(replace(s, hosts=cordoned))[0] is True
     # host-1 serving, or healthy and on its way to serving: the prediction decides, as before
