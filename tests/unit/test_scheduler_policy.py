@@ -294,12 +294,15 @@ def test_the_drain_margin_closes_lent_hosts_before_the_predicted_reclaim():
     assert decide(replace(short, drain_margin_s=0.0))[0].mode == "rollout"  # 8 s > 4 s
     assert decide(short) == []  # 8 - 5 = 3 s < 4 s
     # lent, and the reclaim is now predicted well before its lent_until: lent_until moves earlier
-    lent = Snapshot("seamless", 110.0, (lent_host(lent_until=121.0),), Trainer("waiting", 30), completion_rate=2.0,
-                    drain_margin_s=10.0)
+    serving = Host("host-1", ROLL, mode="rollout", target="rollout", epoch=1)  # rollout outside the pool
+    lent = Snapshot("seamless", 110.0, (lent_host(lent_until=121.0), serving), Trainer("waiting", 30),
+                    completion_rate=2.0, drain_margin_s=10.0)
     (d,) = decide(lent)
     assert (d.mode, d.epoch, d.lent_until) == ("rollout", 4, 110.0 + 15.0 - 1.0 - 10.0)
     assert decide(replace(lent, drain_margin_s=0.0)) == []  # without a margin a lent host is left alone
-    assert decide(replace(lent, hosts=(lent_host(lent_until=114.5),))) == []  # moved less than 1 s: left alone
+    assert decide(replace(lent, hosts=(lent_host(lent_until=114.5), serving))) == []  # moved less than 1 s
+    # the pool the only rollout there is: no prediction, so no margin either
+    assert decide(replace(lent, hosts=(lent_host(lent_until=121.0),))) == []
 
 
 def test_rollout_to_rollout_leaves_the_trainer_rank_alone():
