@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import httpx
+import nats.errors
 import openai
 import pytest
 import torch
@@ -58,14 +59,20 @@ def variant(src: Path, dst: Path, how: str, seed: int = 0) -> Path:
     return dst
 
 
-async def publish(stack, src: Path) -> int:
-
-    nc = await bus.connect(Connections(nats_url=stack.nats_url), name="test")
-    try:
-        ev = await weightstore.publish_dir(nc.jetstream(), stack.weights_dir, src)
-    finally:
-        await bus.wait_closed(nc)
-    return ev.version
+async def publish(stack, src: Path, tries: int = 3) -> int:
+    """Publish `src` as the next version. A JetStream API call that times out is tried again, `tries` times in
+    all (CI: `stream_info` timed out once while 30 long requests ran on the two engines); a retried publish
+    may announce one version more, of the same weights."""
+    for attempt in range(1, tries + 1):
+        nc = await bus.connect(Connections(nats_url=stack.nats_url), name="test")
+        try:
+            return (await weightstore.publish_dir(nc.jetstream(), stack.weights_dir, src)).version
+        except nats.errors.TimeoutError:
+            if attempt == tries:
+                raise
+        finally:
+            await bus.wait_closed(nc)
+    raise AssertionError("unreachable")
 
 
 def served_versions(stack) -> dict[str, int]:
