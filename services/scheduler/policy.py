@@ -162,8 +162,9 @@ def _can_roll_out_outside(s: Snapshot, pool: frozenset[str]) -> bool:
     return any(h.healthy and not h.cordoned and h.can_rollout and h.id not in pool for h in s.hosts)
 
 
-def lend_verdict(s: Snapshot) -> tuple[bool, str]:
-    """Is lending the train pool worth it now? (seamless only)"""
+def lend_verdict(s: Snapshot, others_roll_out: bool | None = None) -> tuple[bool, str]:
+    """Is lending the train pool worth it now? (seamless only) `others_roll_out`: _can_roll_out_outside,
+    when the caller has it already (decide: one pass over the hosts, not two)."""
     if s.trainer.state == "absent" or s.trainer.state == "stopped":
         return True, "no trainer running"
     if s.trainer.wants_hosts:
@@ -171,7 +172,7 @@ def lend_verdict(s: Snapshot) -> tuple[bool, str]:
     if s.reclaim_grace_s > 0 and s.now < s.trainer.waiting_since + s.lend_settle_s:
         return False, (f"settling: waited {s.now - s.trainer.waiting_since:.1f}s < {s.lend_settle_s:g}s "
                        f"(grace {s.reclaim_grace_s:g}s)")
-    if not _can_roll_out_outside(s, train_pool(s)):
+    if not (_can_roll_out_outside(s, train_pool(s)) if others_roll_out is None else others_roll_out):
         return True, "no host outside the train pool can roll out"
     # the drain margin is cut from the window: a lent host takes no turn in its last drain_margin_s
     wait = predicted_wait(s.trainer, s.completion_rate) - s.drain_margin_s
@@ -245,10 +246,11 @@ def _wanted(s: Snapshot, h: Host, pool: frozenset[str], lend: tuple[bool, str]) 
 def decide(s: Snapshot) -> list[Decision]:
     """The assignments to issue now: one per settled, healthy host whose target must change."""
     pool = train_pool(s)
-    lend = lend_verdict(s) if s.policy == "seamless" else (False, "")
+    others_roll_out = s.policy != "seamless" or _can_roll_out_outside(s, pool)
+    lend = lend_verdict(s, others_roll_out) if s.policy == "seamless" else (False, "")
     wait = predicted_wait(s.trainer, s.completion_rate)
     reclaim_at = s.now + max(0.0, wait - s.costs.reclaim_s - s.drain_margin_s)
-    if s.policy == "seamless" and not _can_roll_out_outside(s, pool):
+    if not others_roll_out:
         reclaim_at = math.inf  # the pool is the only rollout there is: a lent host takes every turn
     out: list[Decision] = []
     # _wanted reads a host only through this key, so hosts that share it share the answer

@@ -59,7 +59,7 @@ def test_the_simulator_runs_the_real_policy(monkeypatch):
     """Patch the policy module's lend rule: the simulated outcome changes with it."""
     base = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", steps=6, seed=1)
     assert base.lends > 0
-    monkeypatch.setattr(policy, "lend_verdict", lambda s: (False, "patched: never lend"))
+    monkeypatch.setattr(policy, "lend_verdict", lambda s, *_: (False, "patched: never lend"))
     never = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", steps=6, seed=1)
     assert never.lends == 0
     disagg = simulate(Cluster.uniform(4, 2), CAL, SMALL, "disaggregated", steps=6, seed=1)
