@@ -24,7 +24,7 @@ import openai
 class GroupAgents:
     def __init__(self, base_url: str, api_key: str, group_size: int = 4, lanes: int = 4, seed: int = 0,
                  min_tokens: int = 32, max_tokens: int = 160, turns: int = 2, model: str = "seamlessflow-tiny",
-                 think_s: float = 0.0, stream: bool = False):
+                 think_s: float = 0.0, stream: bool = False, logit_bias: dict[str, float] | None = None):
         self.base_url, self.api_key, self.group_size, self.lanes = base_url, api_key, group_size, lanes
         self.rng = random.Random(seed)
         self.min_tokens, self.max_tokens, self.turns, self.model = min_tokens, max_tokens, turns, model
@@ -32,6 +32,9 @@ class GroupAgents:
         # from [0, 2 * think_s], so a group's agents do not all generate at the same moments
         self.think_s = think_s
         self.stream = stream  # streamed turns: every token reaches the trajectory manager (and Redis) as it comes
+        # sent with every turn: {"<eos id>": -100} makes each reply exactly its drawn length (a tiny model
+        # emits EOS at random: a turn cut short where a test needs one still generating)
+        self.extra = {"logit_bias": logit_bias} if logit_bias else {}
         self.ok = 0
         self.failures: list[str] = []
         self.latencies: list[tuple[float, float]] = []  # (start, seconds) of each successful turn
@@ -72,11 +75,11 @@ class GroupAgents:
         """One turn: (the reply's text, its completion tokens)."""
         if not self.stream:
             c = await agent.chat.completions.create(model=self.model, messages=messages, temperature=1.0,
-                                                    max_tokens=max_tokens)
+                                                    max_tokens=max_tokens, **self.extra)
             return c.choices[0].message.content or "", c.usage.completion_tokens if c.usage else 0
         chunks = [c async for c in await agent.chat.completions.create(
             model=self.model, messages=messages, temperature=1.0, max_tokens=max_tokens, stream=True,
-            stream_options={"include_usage": True})]
+            stream_options={"include_usage": True}, **self.extra)]
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         return text, next((c.usage.completion_tokens for c in reversed(chunks) if c.usage), 0)
 

@@ -192,7 +192,7 @@ def test_cordon_drains_a_host_uncordon_brings_it_back_and_the_timeline_exports(c
         assert all(t0 <= t1 for _, t0, t1 in h["intervals"])
 
 
-def test_a_killed_worker_is_detected_its_requests_resume_and_the_host_rejoins(cluster):
+def test_a_killed_worker_is_detected_its_requests_resume_and_the_host_rejoins(cluster, tiny_model):
     ask(cluster, "set_policy", policy="seamless")
     wait_for(lambda: serving(cluster) == {"host-0", "host-1"}, 90, "both hosts serving")
     restarts = {h.host: h for h in ask(cluster).hosts}["host-1"].epoch
@@ -203,21 +203,24 @@ def test_a_killed_worker_is_detected_its_requests_resume_and_the_host_rejoins(cl
     # streamed, so that a request's persisted tokens are all it has generated (a plain turn's come held and
     # are persisted in chunks: CI killed a worker whose request showed 64 tokens in Redis and had just ended
     # by length, and no turn moved)
+    # and never end early: CI once killed the worker as a request 42 tokens in ended by EOS, and nothing moved
+    eos = json.loads((tiny_model / "generation_config.json").read_text())["eos_token_id"]
     agents = GroupAgents(cluster.gateway_url, cluster.api_key, GROUP_SIZE, 2, seed=7, min_tokens=256, max_tokens=384,
-                         think_s=THINK_S, stream=True)
-    killed = {"t": 0.0, "tokens": 0}
+                         think_s=THINK_S, stream=True, logit_bias={str(eos): -100.0})
+    killed = {"t": 0.0, "tokens": 0, "rid": ""}
 
-    async def started_on_host_1(r) -> int:
-        """Tokens of a request that runs on host-1 and has just begun (its first persisted delta records
-        name host-1, at most 64 tokens so far: 190+ to go), else 0. The first delta of a dispatch is
-        persisted at once (docs/architecture.md, sf:req:<rid>:deltas): a kill then surely cuts a request
-        mid-generation, which a heartbeat's running count (up to 1 s old, turns of ~1 s) did not promise."""
+    async def started_on_host_1(r) -> tuple[str, int]:
+        """(request id, tokens) of a request that runs on host-1 and has just begun (its first persisted
+        delta records name host-1, at most 64 tokens so far: 190+ to go), else ("", 0). The first delta of
+        a dispatch is persisted at once (docs/architecture.md, sf:req:<rid>:deltas): a kill then surely
+        cuts a request mid-generation, which a heartbeat's running count (up to 1 s old, turns of ~1 s)
+        did not promise."""
         async for key in r.scan_iter(match="sf:req:*:deltas", count=500):
             recs = [msgspec.msgpack.decode(x, type=DeltaRecord) for x in await r.lrange(key, 0, -1)]
             n = sum(len(d.token_ids) for d in recs)
             if recs and all(d.worker == "host-1-rollout" for d in recs) and 0 < n <= 64:
-                return n
-        return 0
+                return key.decode().removeprefix("sf:req:").removesuffix(":deltas"), n
+        return "", 0
 
     async def scenario():
         r = aioredis.from_url(cluster.conn.redis_url)
@@ -225,12 +228,12 @@ def test_a_killed_worker_is_detected_its_requests_resume_and_the_host_rejoins(cl
         async def kill_mid_request():
             await asyncio.sleep(4.0)
             deadline = time.monotonic() + 60
-            while not (n := await started_on_host_1(r)):
+            while not (found := await started_on_host_1(r))[1]:
                 if time.monotonic() > deadline:
                     raise AssertionError("no request began on host-1's worker within 60 s")
                 await asyncio.sleep(0.02)
             os.kill(pid, signal.SIGKILL)
-            killed["t"], killed["tokens"] = time.monotonic(), n
+            killed["t"], (killed["rid"], killed["tokens"]) = time.monotonic(), found
 
         try:
             await asyncio.gather(kill_mid_request(),
@@ -245,12 +248,17 @@ def test_a_killed_worker_is_detected_its_requests_resume_and_the_host_rejoins(cl
     spanning = [d for t0, d in agents.latencies if t0 < killed["t"] < t0 + d]
     turn = max(d for t0, d in agents.latencies if t0 + d < killed["t"])
     assert spanning and max(spanning) < HEARTBEAT_STALE_AFTER + 2 * turn + 3.0, (sorted(spanning)[-3:], turn)
-    # and their trajectories show it: segments from the dead worker, then from another
-    workers = [[s["worker_id"] for s in turn["segments"]] for t in agents.trajectories() for turn in t["turns"]]
-    moved = [w for w in workers if "host-1-rollout" in w and len(set(w)) > 1]
-    print(f"host loss (a request {killed['tokens']} tokens in at the kill): {len(moved)} turn(s) continued on another "
-          f"worker: {moved[:3]}")
-    assert moved, f"no turn continued on another worker after host-1's worker died: {workers}"
+    # and the request the kill cut shows it: segments from the dead worker, then from another
+    turns = {turn["request_id"]: turn for t in agents.trajectories() for turn in t["turns"]}
+    cut = turns.get(killed["rid"])
+    assert cut is not None, f"the request cut by the kill ({killed['rid']}) is in no finished session"
+    path = [(s["worker_id"], len(s["token_ids"])) for s in cut["segments"]]
+    moved = [w for w in ([s["worker_id"] for s in t["segments"]] for t in turns.values())
+             if "host-1-rollout" in w and len(set(w)) > 1]
+    print(f"host loss: request {killed['rid']} was {killed['tokens']} tokens in at the kill; its segments "
+          f"(worker, tokens): {path}; {len(moved)} turn(s) in all continued on another worker")
+    assert path[0][0] == "host-1-rollout" and len(path) > 1 and path[-1][0] != "host-1-rollout", path
+
     wait_for(lambda: {h.host: h for h in ask(cluster).hosts}["host-1"].epoch > restarts
              and "host-1" in serving(cluster), 120, "host-1 back in rollout after its worker restarted")
     log = (cluster.logs / "scheduler.log").read_text()
