@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import time
@@ -98,20 +97,35 @@ async def _disconnected(request: Request) -> None:
 
 async def unless_disconnected(request: Request, work: Awaitable[T],
                               on_gone: Callable[[], Awaitable[None]]) -> T:
-    """Await `work`; if the client disconnects first, cancel it, await `on_gone()` and raise ClientGone."""
-    task = asyncio.ensure_future(work)
+    """Await `work`; if the client disconnects first, cancel it, await `on_gone()` and raise ClientGone.
+
+    `work` runs in this task; a watcher task cancels this one if the client goes first. (Every turn
+    comes here: one task instead of two and an asyncio.wait.)"""
+    me = asyncio.current_task()
+    assert me is not None
+    state = {"active": True, "gone": False}
+
+    def on_watch_done(watch: asyncio.Task) -> None:
+        if watch.cancelled() or watch.exception() is not None:  # ours at the end, or receive() failed
+            return
+        if state["active"]:
+            state["gone"] = True
+            me.cancel()
+
     watch = asyncio.ensure_future(_disconnected(request))
+    watch.add_done_callback(on_watch_done)
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        result = await work
+    except asyncio.CancelledError:
+        # cancelled by the watcher alone: the client left; by anyone else too (shutdown): cancelled
+        if not state["gone"] or me.uncancel() > 0:
+            raise
+    else:
+        if state["gone"]:  # the watcher's cancel came too late to stop `work`: it is spent here
+            me.uncancel()
+        return result
     finally:
-        for t in (task, watch):
-            if not t.done():
-                t.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await watch
-    if task.done() and not task.cancelled():
-        return task.result()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
+        state["active"] = False
+        watch.cancel()
     await on_gone()
     raise ClientGone
