@@ -22,6 +22,7 @@ from collections.abc import Callable
 import httpx
 import openai
 import pytest
+import redis
 
 from seamlessflow import hosts as hostops
 from seamlessflow import ops
@@ -90,8 +91,25 @@ def test_rollout_worker_sigkill_mid_generation(stack):
     assert cut, "no request was generating on the worker when it was killed"
 
 
+def _holds_a_request(r: redis.Redis, pid: int) -> bool:
+    """Does the replica with this pid hold a request's lease (its owner names the pid: chat.py)?"""
+    keys = list(r.scan_iter(match="sf:req:*:owner", count=500))
+    return any(v is not None and f"-{pid}-" in v.decode() for v in (r.mget(keys) if keys else []))
+
+
 def test_trajectory_replica_sigkill_mid_request(stack):
-    run_case(stack, lambda: stack.kill_and_restart("trajectory-0", wait=False), seed=2)
+    def inject() -> Fault:
+        # mid-request: killed while it holds a request's lease (CI once killed it between turns: the
+        # invariants held, but no request was cut and the gateway re-sent none)
+        r = redis.Redis.from_url(stack.conn.redis_url)
+        try:
+            pid = stack.proc("trajectory-0").popen.pid
+            wait_for(lambda: _holds_a_request(r, pid), 20, "a request held by trajectory-0", every=0)
+        finally:
+            r.close()
+        return stack.kill_and_restart("trajectory-0", wait=False)
+
+    run_case(stack, inject, seed=2)
     assert "re-sending" in stack.log("gateway")
 
 
