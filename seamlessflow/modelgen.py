@@ -125,3 +125,9 @@ def init_model(out: str | Path, size: str = "tiny", seed: int = 0, vocab_size: i
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(eos_token_id=eos, pad_token_id=tok.pad_token_id).save_pretrained(out)
     return out
+
+
+def eos_id(model_dir: Path) -> int:
+    """The end-of-sequence token id of a checkpoint directory (its generation_config.json), e.g. to bar
+    it with `logit_bias={eos_id(d): -100}` where a test needs replies of their full length."""
+    return json.loads((Path(model_dir) / "generation_config.json").read_text())["eos_token_id"]

@@ -9,7 +9,6 @@ come from transformers on the same directory.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import shutil
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from seamlessflow import servers
+from seamlessflow.modelgen import eos_id
 from shared import bus, subjects
 from shared.codec import decode, encode
 from shared.config import Connections
@@ -97,10 +97,6 @@ def hf_logprobs(model, prompt: list[int], output: list[int]) -> list[float]:
         logits = model(torch.tensor([prompt + output])).logits[0].float()
     lp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
     return lp[torch.arange(len(output)), torch.tensor(output)].tolist()
-
-
-def eos_id(tiny_model: Path) -> int:
-    return json.loads((tiny_model / "generation_config.json").read_text())["eos_token_id"]
 
 
 # -- the worker ------------------------------------------------------------------------------------

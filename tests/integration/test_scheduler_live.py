@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 
 from seamlessflow import hosts as hostops
 from seamlessflow import servers
+from seamlessflow.modelgen import eos_id
 from seamlessflow.workload import GroupAgents
 from services.trajectory.store import DeltaRecord
 from shared.config import connections
@@ -204,7 +205,7 @@ def test_a_killed_worker_is_detected_its_requests_resume_and_the_host_rejoins(cl
     # are persisted in chunks: CI killed a worker whose request showed 64 tokens in Redis and had just ended
     # by length, and no turn moved)
     # and never end early: CI once killed the worker as a request 42 tokens in ended by EOS, and nothing moved
-    eos = json.loads((tiny_model / "generation_config.json").read_text())["eos_token_id"]
+    eos = eos_id(tiny_model)
     agents = GroupAgents(cluster.gateway_url, cluster.api_key, GROUP_SIZE, 2, seed=7, min_tokens=256, max_tokens=384,
                          think_s=THINK_S, stream=True, logit_bias={str(eos): -100.0})
     killed = {"t": 0.0, "tokens": 0, "rid": ""}
