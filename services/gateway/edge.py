@@ -106,8 +106,9 @@ async def unless_disconnected(request: Request, work: Awaitable[T],
     state = {"active": True, "gone": False}
 
     def on_watch_done(watch: asyncio.Task) -> None:
-        if watch.cancelled() or watch.exception() is not None:  # ours at the end, or receive() failed
+        if watch.cancelled():  # ours, at the end
             return
+        watch.exception()  # retrieved: a receive() that failed counts as the client gone, as a disconnect does
         if state["active"]:
             state["gone"] = True
             me.cancel()

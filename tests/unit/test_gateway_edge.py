@@ -94,3 +94,19 @@ async def test_work_that_swallows_the_cancel_still_gives_its_result():
     asyncio.get_running_loop().call_later(0.02, req.leave.set)
     assert await unless_disconnected(req, stubborn(), on_gone) == 3
     assert asyncio.current_task().cancelling() == 0
+
+
+async def test_a_failed_receive_counts_as_the_client_gone():
+    class Broken(FakeRequest):
+        async def receive(self) -> dict:
+            await asyncio.sleep(0.02)
+            raise RuntimeError("the connection broke")
+
+    gone = []
+
+    async def on_gone() -> None:
+        gone.append(True)
+
+    with pytest.raises(ClientGone):
+        await unless_disconnected(Broken(), asyncio.sleep(10), on_gone)
+    assert gone == [True] and asyncio.current_task().cancelling() == 0
