@@ -287,8 +287,10 @@ class TrajectoryService:
         try:
             done = await self.turns.handle(req, emit)
             await emit(done)
-            log.info("turn %s session %s: %d+%d tokens in %.2fs", req.request_id, done.session_id,
-                     done.usage.prompt_tokens, done.usage.completion_tokens, time.monotonic() - started)
+            # debug, not info: a line a turn is hundreds a second at scale, and writing it cost 7% of this
+            # process's CPU per turn (py-spy, BENCHMARKS.md issue 15); the metrics and the live view count turns
+            log.debug("turn %s session %s: %d+%d tokens in %.2fs", req.request_id, done.session_id,
+                      done.usage.prompt_tokens, done.usage.completion_tokens, time.monotonic() - started)
         except TurnError as e:
             await emit(ChatFailed(req.request_id, e.status, e.code, e.message))
         except LeaseLost as e:  # the gateway re-sent it; the replica that holds the lease answers
