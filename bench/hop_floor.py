@@ -15,9 +15,11 @@ metrics or leases. What a hop costs the operating system and the event loop, it 
 
 It runs beside the real stack of this checkout (bench/gateway_overhead.py's side), each side with
 its own NATS, Redis and SIMULATED engine (bench/simulated_engine.py, never real inference), started
-the same way, and alternates between them round by round, so both see the same machine. The table gives CPU ms per turn for each process and the
-floor's share of the real figure: what is left above the floor is what the services do per turn;
-the floor itself moves only with fewer hops or a cheaper runtime.
+the same way, and alternates between them round by round, so both see the same machine (a third
+path, NATS straight to the worker as in gateway_overhead.py, gives the latency each adds). The
+table gives CPU ms per turn for each process and the floor's share of the real figure: what is
+left above the floor is what the services do per turn; the floor itself moves only with fewer
+hops or a cheaper runtime.
 """
 
 from __future__ import annotations
@@ -167,7 +169,8 @@ async def run(args) -> list[dict]:
         for _ in range(3):
             await floor_turn()
             await real_turn(0)
-        sides = {"services": (real, real_turn), "floor": (floor_stack, lambda i: floor_turn())}
+        sides = {"services": (real, real_turn), "floor": (floor_stack, lambda i: floor_turn()),
+                 "direct": (real, lambda i: real.direct(prompt_ids, args.max_tokens))}  # no control plane
         for conc in args.concurrency:
             lat = {k: [] for k in sides}
             cpu = {(k, n): 0.0 for k in sides for n in ("gateway", "trajectory")}
@@ -185,10 +188,11 @@ async def run(args) -> list[dict]:
                     await asyncio.gather(*(loop(i) for i in range(conc)))
                     for n, c in side.cpu().items():
                         cpu[name, n] += c - c0[n]
-            for name in sides:
+            for name in ("services", "floor"):
                 turns = len(lat[name])
                 row = {"side": name, "concurrency": conc, "turns": turns,
                        "p50_ms": round(1000 * statistics.median(lat[name]), 2),
+                       "added_p50_ms": round(1000 * (statistics.median(lat[name]) - statistics.median(lat["direct"])), 2),
                        **{f"{n}_cpu_ms_per_turn": round(1000 * cpu[name, n] / turns, 3) for n in ("gateway", "trajectory")}}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -220,14 +224,15 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     os.chdir(tempfile.mkdtemp(prefix="sf-floor-cwd-"))
     rows = asyncio.run(run(args))
-    print("\n| side | concurrency | p50 ms | CPU ms per turn: gateway + trajectory = total | floor / services |")
+    print("\n| side | concurrency | p50 ms (added to direct) | CPU ms per turn: gateway + trajectory = total "
+          "| of the services' |")
     print("|---|---|---|---|---|")
     by = {(r["side"], r["concurrency"]): r for r in rows}
     for r in rows:
         total = r["gateway_cpu_ms_per_turn"] + r["trajectory_cpu_ms_per_turn"]
         real = by["services", r["concurrency"]]
         share = total / (real["gateway_cpu_ms_per_turn"] + real["trajectory_cpu_ms_per_turn"])
-        print(f"| {r['side']} | {r['concurrency']} | {r['p50_ms']} | {r['gateway_cpu_ms_per_turn']} + "
+        print(f"| {r['side']} | {r['concurrency']} | {r['p50_ms']} ({r['added_p50_ms']}) | {r['gateway_cpu_ms_per_turn']} + "
               f"{r['trajectory_cpu_ms_per_turn']} = {total:.3f} | {share:.2f} |")
 
 

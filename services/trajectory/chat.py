@@ -25,7 +25,7 @@ from msgspec.structs import replace
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.generation import Call, Generated, GenerationFailed, generate
 from services.trajectory.messagelist import InvalidMessage
-from services.trajectory.prompts import PromptBuilder, follow_digest
+from services.trajectory.prompts import PromptBuilder, request_digests
 from services.trajectory.record import Prompt, last_worker, record
 from services.trajectory.rendering import Renderer, RenderError
 from services.trajectory.routing import LengthHistory, Picker, WorkerTable
@@ -114,13 +114,15 @@ class TurnHandler:
         """The request's state in one round trip, and a new request's lease for `owner`; a new request
         without a session gets a new anonymous one once its lease is `owner`'s (a resume continues in
         the session it began in; a re-sent copy waiting for the first makes none)."""
+        digests = request_digests(req)
         try:
-            look = await self.store.lookup(req.request_id, req.session_id, follow_digest(req), owner, LEASE_MS)
+            look = await self.store.lookup(req.request_id, req.session_id, digests.follow, owner, LEASE_MS)
             if look.leased and not req.session_id:
                 sid = await self.store.create_session(anonymous=True)
                 look = await self.store.lookup(req.request_id, sid, "", owner, LEASE_MS)
         except SessionNotFound as e:
             raise TurnError(404, "session_not_found", f"session {e.args[0]} does not exist") from None
+        look.raw = digests.whole
         return look
 
     async def _tick(self) -> None:
@@ -358,6 +360,6 @@ class TurnHandler:
 
     async def _prompt(self, look: Lookup, req: ChatRequest) -> Prompt:
         try:
-            return await self.prompts.build(look.session_id, req, (look.follow, look.followed))
+            return await self.prompts.build(look.session_id, req, (look.follow, look.followed), look.raw)
         except RenderError as e:
             raise TurnError(400, "invalid_messages", str(e)) from None

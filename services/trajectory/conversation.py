@@ -105,10 +105,23 @@ def prefix_keys(tools: list[dict[str, Any]], messages: list[dict[str, Any]], ks:
 
 
 def raw_digest(tools: list[dict[str, Any]], messages: Sequence[dict[str, Any]]) -> str:
-    """A hash of the exact messages as sent (key order, ids and spacing included). Messages not yet
-    decoded (messagelist.Messages) are hashed as the bytes they came in, the same bytes."""
-    return hashlib.sha256(_raw.encode((tools, messages.raws if isinstance(messages, Messages) else messages))
-                          ).hexdigest()[:32]
+    """A hash of the exact messages as sent (key order, ids and spacing included): of the tools' msgpack
+    bytes and then each message's, one after the other (each is one whole msgpack value, so the
+    concatenation reads back one way only). Messages not yet decoded (messagelist.Messages) are hashed
+    as the bytes they came in, the same bytes."""
+    return raw_digests(tools, messages, len(messages))[1]
+
+
+def raw_digests(tools: list[dict[str, Any]], messages: Sequence[dict[str, Any]], k: int) -> tuple[str, str]:
+    """(raw_digest(tools, messages[:k]), raw_digest(tools, messages)), hashing the messages once: a
+    request's digest of what it resends and its own (prompts.request_digests) cost one pass over the
+    history, not two (each pass ~18 µs at turn 200)."""
+    raws = messages.raws if isinstance(messages, Messages) else [_raw.encode(m) for m in messages]
+    h = hashlib.sha256(_raw.encode(tools))
+    h.update(b"".join(raws[:k]))
+    head = h.hexdigest()[:32]
+    h.update(b"".join(raws[k:]))
+    return head, h.hexdigest()[:32]
 
 
 def candidate_prefixes(messages: list[dict[str, Any]]) -> list[int]:

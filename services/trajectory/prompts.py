@@ -16,7 +16,7 @@ store.py; the rest is pure.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from services.trajectory.conversation import (
     candidate_prefixes,
@@ -25,6 +25,7 @@ from services.trajectory.conversation import (
     last_reply,
     prefix_keys,
     raw_digest,
+    raw_digests,
 )
 from services.trajectory.record import Prompt
 from services.trajectory.rendering import Renderer, RenderError
@@ -34,29 +35,42 @@ from services.trajectory.turns import path, token_ids
 from shared.messages import ChatRequest
 
 
+class Digests(NamedTuple):
+    follow: str  # what step 1 looks up ("" where it does not apply): the part before the last assistant message
+    whole: str  # the request's own, which its turn is saved under for the next request to follow
+
+
+def request_digests(req: ChatRequest) -> Digests:
+    """Both raw digests of a chat request, its messages hashed once (conversation.raw_digests)."""
+    if req.kind != "chat" or not req.messages:
+        return Digests("", "")
+    if not (k := last_reply(req.messages)):
+        return Digests("", raw_digest(req.tools, req.messages))
+    return Digests(*raw_digests(req.tools, req.messages, k - 1))
+
+
 def follow_digest(req: ChatRequest) -> str:
     """The raw digest step 1 looks up for this request ("" where step 1 does not apply): the part
     before its last assistant message, which the turn that reply came from was saved under."""
-    if req.kind != "chat" or not req.messages or not (k := last_reply(req.messages)):
-        return ""
-    return raw_digest(req.tools, req.messages[:k - 1])
+    return request_digests(req).follow
 
 
 class PromptBuilder:
     def __init__(self, store: Store, renderer: Renderer):
         self.store, self.renderer = store, renderer
 
-    async def build(self, sid: str, req: ChatRequest, looked: tuple[str, Followed | None] = ("", None)) -> Prompt:
+    async def build(self, sid: str, req: ChatRequest, looked: tuple[str, Followed | None] = ("", None),
+                    raw: str = "") -> Prompt:
         """Raises RenderError for messages the template cannot render. `looked`: (follow_digest(req),
         what it found), when the request's lookup asked it already (Store.lookup): step 1 then
-        costs no round trip of its own."""
+        costs no round trip of its own. `raw`: request_digests(req).whole, where already computed."""
         if req.kind == "completion":
             ids = self.renderer.encode(req.prompt)
             return Prompt(ids, ids, -1, [{"role": "user", "content": req.prompt}])
         if not req.messages:
             raise RenderError("messages must not be empty")
         msgs, tools = req.messages, req.tools
-        raw = raw_digest(tools, msgs)
+        raw = raw or raw_digest(tools, msgs)
         if k := last_reply(msgs):
             if (found := await self._follow(sid, req, k, raw, looked)) is not None:
                 return found

@@ -123,6 +123,7 @@ class Lookup(msgspec.Struct):
     follow: str = ""  # the raw digest looked up with it ("": none was asked) ...
     followed: Followed | None = None  # ... and the turn it names, as Store.follow returns it
     leased: bool = False  # a new request (no result, no state) whose lease the lookup's owner holds
+    raw: str = ""  # the request's own raw digest, where its caller computed it with `follow` (not the store's)
 
 
 def _followed(raw_alias: bytes, path: bytes | None) -> Followed:

@@ -8,9 +8,9 @@ import random
 import msgspec
 import pytest
 
-from services.trajectory.conversation import conversation_key, last_reply, prefix_keys, raw_digest
+from services.trajectory.conversation import conversation_key, last_reply, prefix_keys, raw_digest, raw_digests
 from services.trajectory.messagelist import InvalidMessage, Messages, decode_chat
-from services.trajectory.prompts import follow_digest
+from services.trajectory.prompts import follow_digest, request_digests
 from services.trajectory.rendering import Renderer, short_history
 from shared.codec import decode, encode
 from shared.messages import ChatRequest, Sampling
@@ -55,6 +55,23 @@ def test_digests_and_keys_are_the_decoded_lists(seed):
     assert prefix_keys(TOOLS, lazy.messages, ks) == prefix_keys(TOOLS, plain.messages, ks)
     assert conversation_key(TOOLS, lazy.messages + [{"role": "assistant", "content": "x"}]) == \
         conversation_key(TOOLS, plain.messages + [{"role": "assistant", "content": "x"}])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_one_pass_gives_the_digest_of_a_prefix_and_of_the_whole(seed):
+    plain, lazy = both(conversation(12, seed))
+    n = len(plain.messages)
+    for k in (0, 1, 5, n):
+        for req in (plain, lazy):
+            assert raw_digests(TOOLS, req.messages, k) == (raw_digest(TOOLS, plain.messages[:k]),
+                                                           raw_digest(TOOLS, plain.messages))
+    assert len({raw_digest(TOOLS, plain.messages[:k]) for k in range(n + 1)}) == n + 1  # every prefix its own
+    k = last_reply(plain.messages)
+    assert request_digests(lazy) == request_digests(plain) == (raw_digest(TOOLS, plain.messages[:k - 1]),
+                                                              raw_digest(TOOLS, plain.messages))
+    # where the messages end before any reply, nothing is followed but the request is still named
+    first = both([{"role": "user", "content": "hi"}])[1]
+    assert request_digests(first) == ("", raw_digest(TOOLS, first.messages))
 
 
 def test_a_long_request_decodes_only_its_end_for_the_follow():
