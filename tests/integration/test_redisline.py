@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 import redis
@@ -32,6 +33,8 @@ async def test_many_commands_in_flight_each_get_their_own_reply(line):
     values = await asyncio.gather(*(line.execute("GET", f"sf:test:line:{i}") for i in range(300)))
     assert values == [str(i).encode() for i in range(300)]
     assert await line.execute("GET", "sf:test:line:absent") is None
+    sock = line._wire.transport.get_extra_info("socket")  # a silent peer is found while idle, too
+    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
 
 
 async def test_a_script_runs_by_digest_and_is_loaded_again_after_redis_forgets_it(line, redis_url):
