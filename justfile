@@ -40,6 +40,10 @@ test-unit *ARGS:
 bench-gateway *ARGS:
     {{py}} bench/gateway_overhead.py "$@"
 
+# the same hops with nothing done at each, beside the services: the floor under a turn's CPU
+bench-floor *ARGS:
+    {{py}} bench/hop_floor.py "$@"
+
 # one service each, for running them apart (connections from SF_NATS_URL / SF_REDIS_URL)
 gateway:
     {{py}} -m services.gateway
