@@ -12,7 +12,7 @@ same prompt token ids and greedy sampling (so both generate the same tokens):
   gateway: HTTP POST /v1/chat/completions with a session key (gateway -> trajectory -> worker),
            one fresh single-turn conversation per request, recorded in Redis as usual.
 Reports p50/p99 latency per path at each concurrency, the added latency, and requests/s.
-`--engine simulated` swaps vLLM for bench/simulated_engine.py (a calibrated stand-in, for
+`--engine simulated` swaps vLLM for services/rollout/simulated.py (a calibrated stand-in, for
 measuring the gateway's own capacity; never real inference).
 
 `--code A,B,...` starts one whole stack per checkout (`A+VAR=value+...` also sets environment
@@ -53,7 +53,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from seamlessflow import servers  # noqa: E402
+from seamlessflow.stack import servers  # noqa: E402
 from seamlessflow.modelgen import init_model  # noqa: E402
 from seamlessflow.stack import Stack, StackOptions  # noqa: E402
 from shared import bus, subjects  # noqa: E402
@@ -147,7 +147,7 @@ def start_side(label: str, spec: str | None, model: Path, tmp: Path, args) -> Si
     stack = Stack(opts)
     stack.start()
     if args.engine == "simulated":
-        stack.wait_ready(stack.spawn(WORKER, [sys.executable, str(ROOT / "bench" / "simulated_engine.py"),
+        stack.wait_ready(stack.spawn(WORKER, [sys.executable, "-m", "services.rollout.simulated",
                                               "--worker-id", WORKER, "--model", str(model),
                                               "--capacity", str(max(args.concurrency))],
                                      ready=f"rollout worker {WORKER} ready"))

@@ -14,7 +14,7 @@ second call and answers. No auth, validation, chat template, tokenizer, prefix t
 metrics or leases. What a hop costs the operating system and the event loop, it costs here too.
 
 It runs beside the real stack of this checkout (bench/gateway_overhead.py's side), each side with
-its own NATS, Redis and SIMULATED engine (bench/simulated_engine.py, never real inference), started
+its own NATS, Redis and SIMULATED engine (services/rollout/simulated.py, never real inference), started
 the same way, and alternates between them round by round, so both see the same machine (a third
 path, NATS straight to the worker as in gateway_overhead.py, gives the latency each adds). The
 table gives CPU ms per turn for each process and the floor's share of the real figure: what is
@@ -127,7 +127,7 @@ async def run(args) -> list[dict]:
     from transformers import AutoTokenizer
 
     import gateway_overhead as go
-    from seamlessflow import servers
+    from seamlessflow.stack import servers
     from seamlessflow.modelgen import init_model
 
     tmp = Path(tempfile.mkdtemp(prefix="sf-floor-"))

@@ -8,7 +8,7 @@
 For each trajectory-replica count in `--replicas` (one after the other, each on a fresh stack): the real
 gateway, N trajectory managers, NATS (JetStream, file store) and Redis (AOF on), started by
 `seamlessflow.stack` on free loopback ports in a temp dir, with `--workers` rollout workers around the
-SIMULATED engine (bench/simulated_engine.py: no model; one step = `--step-ms` + 0.25 ms per running
+SIMULATED engine (services/rollout/simulated.py: no model; one step = `--step-ms` + 0.25 ms per running
 request, `--capacity` requests at once), so that the control plane, not the engines, is the bottleneck.
 
 The load: `--sessions` agents spread over `--procs` generator processes (each its own event loop and one
@@ -261,8 +261,7 @@ def _profiling(pids: list[int], on: bool) -> None:
 
 
 def start_stack(replicas: int, code: str, model: Path, tmp: Path, args):
-    from seamlessflow import servers
-    from seamlessflow.stack import Stack, StackOptions
+    from seamlessflow.stack import Stack, StackOptions, servers
     from tests.integration.stack_fixture import simulated_worker_cmd
 
     hook = [str(ROOT / "bench" / "profile_hook")] if args.profile else []

@@ -3,7 +3,7 @@
     .venv/bin/python bench/pipeline.py [--steps 30] [--sweep-steps 10] [--out var/bench/pipeline]
                                        [--reclaim-grace 0] [--drain-margin 0] [--skip-scale] [--skip-drain]
 
-No GPU and no model: services/scheduler/sim.py drives the scheduler's own policy module
+No GPU and no model: services/scheduler/sim/simulator.py drives the scheduler's own policy module
 (services/scheduler/policy.py) in virtual time on calibrated 8-accelerator hosts
 (docs/capacity-planning.md). Every figure here is simulated.
 
@@ -37,8 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from seamlessflow.plan import POLICIES, plot_sweep, run, sized, splits
-from services.scheduler.sim_workload import CALIBRATIONS, WORKLOADS
+from seamlessflow.planner.plan import POLICIES, plot_sweep, run, sized, splits
+from services.scheduler.sim.workload import CALIBRATIONS, WORKLOADS
 
 COLORS = {"train": "#d62728", "rollout": "#2ca02c", "switch": "#ff7f0e", "idle": "#c7c7c7"}
 
@@ -140,7 +140,7 @@ def main() -> None:
     t_all = time.perf_counter()
     dh, th = CALIBRATIONS["decode-heavy"], CALIBRATIONS["train-heavy"]
     report: dict = {}
-    md: list[str] = [("SIMULATED (services/scheduler/sim.py driving services/scheduler/policy.py); "
+    md: list[str] = [("SIMULATED (services/scheduler/sim/simulator.py driving services/scheduler/policy.py); "
                       f"`.venv/bin/python bench/pipeline.py --steps {a.steps} --sweep-steps {a.sweep_steps}"
                       f" --reclaim-grace {a.reclaim_grace:g} --drain-margin {a.drain_margin:g}`"), ""]
 

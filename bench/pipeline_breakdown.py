@@ -3,9 +3,9 @@
     .venv/bin/python bench/pipeline_breakdown.py                       # fixed split, 64/48, diagnostics (~1 min)
     .venv/bin/python bench/pipeline_breakdown.py --steps 10 --no-diagnostics
 
-No GPU and no model: services/scheduler/sim.py drives the scheduler's own policy.py, as in
+No GPU and no model: services/scheduler/sim/simulator.py drives the scheduler's own policy.py, as in
 bench/pipeline.py, on the same workload (decode-heavy, long tail, 30 steps). The physical limit
-(sim_result.py) is every host busy at full efficiency; this script splits the rest of the
+(sim/result.py) is every host busy at full efficiency; this script splits the rest of the
 host-seconds into idle, switching, the trainer's publish, stalls (prefill, re-prefill, weight
 loads), decode below full batch (a step of `a + b*k` s for k sequences makes k/K of a full step's
 tokens), and tokens generated but not trained when the run ends. Decode time is also split by
@@ -27,9 +27,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from seamlessflow.plan import run, scale_factors, sized
+from seamlessflow.planner.plan import run, scale_factors, sized
 from services.scheduler import sim as S
-from services.scheduler.sim_workload import CALIBRATIONS, WORKLOADS
+from services.scheduler.sim.workload import CALIBRATIONS, WORKLOADS
 
 EIGHTHS = 8
 WHO = ("rollout hosts, trainer waiting", "rollout hosts, trainer busy", "lent pool, trainer waiting",
@@ -73,7 +73,7 @@ class Metered(S.Simulator):
 
 
 def metered(policy: str, hosts: int, split: int, steps: int) -> tuple[Metered, object]:
-    """One run as seamlessflow.plan.run makes it (same tick, replicas, host groups)."""
+    """One run as seamlessflow.planner.plan.run makes it (same tick, replicas, host groups)."""
     cal = CALIBRATIONS["decode-heavy"]
     wl = sized(WORKLOADS["long-tail"], cal, hosts, fill=1.0)
     if policy == "colocated":
@@ -137,7 +137,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--no-diagnostics", action="store_true")
     a = ap.parse_args()
-    md = ["SIMULATED (services/scheduler/sim.py driving services/scheduler/policy.py)", ""]
+    md = ["SIMULATED (services/scheduler/sim/simulator.py driving services/scheduler/policy.py)", ""]
     for policy, hosts, split in (("seamless", 64, 32), ("disaggregated", 64, 32), ("seamless", 64, 48),
                                  ("colocated", 64, 48)):
         md += breakdown(policy, hosts, split, a.steps)

@@ -4,13 +4,13 @@
 
 Everything that computes is SIMULATED; everything that coordinates is real.
 - Live: the real scheduler, host agents, NATS, Redis, trajectory manager and gateway. Each
-  host agent's resident worker is the real RolloutService around bench/simulated_engine.py's
+  host agent's resident worker is the real RolloutService around services/rollout/simulated.py's
   stand-in engine (SF_HOST_WORKER_CMD); the trainer is the real TrainerService and Runner
   around bench/sim_trainer.py's engine, which sleeps per token. host-0 is {train, rollout},
   the others {rollout}. Agents (this process) keep sessions open as fast as the trajectory
   manager's staleness admission allows (SF_TRAJECTORY_MAX_STALENESS): one turn of
   --tokens tokens each, sessions filling GRPO groups in order.
-- Simulated: services/scheduler/sim.py with Cluster.uniform(hosts, 1) and
+- Simulated: services/scheduler/sim/simulator.py with Cluster.uniform(hosts, 1) and
   CALIBRATIONS["live-mini"] set to the engine's step costs, with switch costs (lend,
   reclaim: the host agents' measured p50), weight sync (the trainer's measured publish) and
   the train cost per token (the trainer's measured compute per token) taken from the live
@@ -19,7 +19,7 @@ Everything that computes is SIMULATED; everything that coordinates is real.
 Compared over the same steps (warmup+1 .. steps; the simulator is run to `warmup` and to
 `steps` with one seed, and the difference taken): trained tokens/s (prompt + generated
 tokens of the trained samples, per second) and the overall idle fraction (the scheduler's
-timeline, services/scheduler/registry.py `fractions`; policy.activity in both). Also the
+timeline, shared/messages/scheduler.py `fractions`; policy.activity in both). Also the
 live run's wall-clock overrun: its time for the same steps over the simulator's.
 
 The live idle fraction is taken twice. "idle" is the scheduler's timeline, whose rollout/idle
@@ -27,7 +27,7 @@ split follows each worker's running count in its heartbeats (1 s apart): sampled
 (engine logs)" is exact: over the compared window [t_k, t_n], per host, the time the host is
 neither training nor switching (the timeline's train and switch intervals, as above) and has no
 request running in its engine (the union of the [t0, t1] intervals of every request that
-host's engine logged, bench/simulated_engine.py --timing-dir), over t_n - t_k; overall = the
+host's engine logged, services/rollout/simulated.py --timing-dir), over t_n - t_k; overall = the
 mean over hosts (`exact_idle`). Both are set against the simulator's idle, which is exact.
 
 The simulator runs twice: as before, and "sim + control" with the control plane's CPU
@@ -42,7 +42,7 @@ A third simulator column, "sim + latency", adds the latency a turn spends outsid
 session's wall time as the agents see it (POST /sessions sent -> /finish answered: one turn,
 its HTTP calls, the gateway, the trajectory manager's Redis and NATS hops, the streamed
 deltas) and each request's time inside the simulated engine (generate() called -> last delta,
-logged by the engine itself: bench/simulated_engine.py --timing-dir), both over the sessions
+logged by the engine itself: services/rollout/simulated.py --timing-dir), both over the sessions
 the compared steps' window opened; latency = mean of the first - mean of the second. Never
 fitted: --turn-latency-ms sets it instead.
 
@@ -85,16 +85,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench.load import machine_busy  # noqa: E402
 from scheduler_ab import switches  # noqa: E402
 
-from seamlessflow import hosts as hostops  # noqa: E402
-from seamlessflow import servers  # noqa: E402
+from seamlessflow.ops import hosts as hostops  # noqa: E402
+from seamlessflow.stack import servers  # noqa: E402
 from seamlessflow.modelgen import init_model  # noqa: E402
 from seamlessflow.stack import Stack, StackOptions  # noqa: E402
-from services.scheduler.registry import fractions  # noqa: E402
 from services.scheduler.sim import Cluster, Simulator, Options  # noqa: E402
-from services.scheduler.sim_result import ACTS  # noqa: E402
-from services.scheduler.sim_workload import CALIBRATIONS, WORKLOADS  # noqa: E402
+from services.scheduler.sim.result import ACTS  # noqa: E402
+from services.scheduler.sim.workload import CALIBRATIONS, WORKLOADS  # noqa: E402
 from shared.config import connections  # noqa: E402
-from shared.messages.scheduler import Interval  # noqa: E402
+from shared.messages.scheduler import Interval, fractions  # noqa: E402
 
 WL = WORKLOADS["live-mini"]
 
@@ -268,7 +267,7 @@ def _jsonl(path: Path) -> list[dict]:
 
 def live(a, tmp: Path) -> dict:
     model = init_model(tmp / "model", size="tiny")
-    engine = f"{sys.executable} {ROOT / 'bench' / 'simulated_engine.py'} --capacity {a.capacity} " \
+    engine = f"{sys.executable} -m services.rollout.simulated --capacity {a.capacity} " \
              f"--step-ms {a.step_ms} --per-seq-ms {a.per_seq_ms} --follow-weights --timing-dir {tmp / 'engine_timing'}"
     trainer = {"group_size": WL.group_size, "groups_per_step": WL.groups_per_step, "publish_every": 1,
                "checkpoint_every": 5, "keep_versions": 3, "gate_timeout": 60}

@@ -4,7 +4,7 @@ A single-process simulation of the real RL loop in plain torch + HF transformers
 NATS, no vLLM, no DeepSpeed. Per step it samples `groups` prompts x `group_size`
 answers from the current policy (temperature 1, top_k 0, top_p 1, at most 8 new
 tokens, EOS kept in the answer and in the loss like the real system), scores them
-with seamlessflow/tasks.py, builds the global batch with the trainer's own code
+with seamlessflow/demo/tasks.py, builds the global batch with the trainer's own code
 (services/trainer/batching.py: build_global_batch -> micro_batches, i.e. the real
 advantages, shift and loss mask) and runs the same update as
 services/trainer/engine.py TrainEngine.train_step: per PPO epoch, gradient
@@ -59,8 +59,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from seamlessflow.tasks import reverse_prompt, reverse_reward
-from seamlessflow.warmstart import _prompt_ids
+from seamlessflow.demo.tasks import reverse_prompt, reverse_reward
+from seamlessflow.demo.warmstart import _prompt_ids
 from services.trainer.algorithms import AlgoConfig, merge_metrics, policy_loss
 from services.trainer.batching import build_global_batch, micro_batches
 from shared.messages.trajectory import Sample, TrajectoryCompleted
@@ -136,7 +136,7 @@ class Evaluator:
 
 DEFAULTS = {
     "model": "/tmp/probe/warm0.3", "steps": 60, "seed": 0, "task_seed": 1, "eval_every": 10, "eval_n": 256,
-    # TrainerConfig engine/data knobs (defaults: seamlessflow/rl.py TRAINER_SETTINGS)
+    # TrainerConfig engine/data knobs (defaults: seamlessflow/demo/rl.py TRAINER_SETTINGS)
     "lr": 3e-4, "lr_warmup_steps": 5, "beta1": 0.9, "beta2": 0.999, "adam_eps": 1e-8, "weight_decay": 0.0,
     "grad_clip": 1.0, "ppo_epochs": 1, "group_size": 8, "groups_per_step": 4, "micro_batch_tokens": 4096,
     # AlgoConfig knobs
@@ -248,7 +248,7 @@ def prepare(dirpath: Path, targets: list[float], warm_steps: list[int]) -> None:
     import shutil
 
     from seamlessflow.modelgen import init_model
-    from seamlessflow.warmstart import warm_start
+    from seamlessflow.demo.warmstart import warm_start
 
     tiny = dirpath / "tiny"
     if not (tiny / "config.json").exists():

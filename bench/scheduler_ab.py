@@ -5,7 +5,7 @@
 One stack: host-0 {train, rollout, cpu} runs the DeepSpeed trainer and a resident vLLM-CPU
 worker, host-1 {rollout, cpu} a vLLM-CPU worker (each host its own core), the scheduler, a
 trajectory manager and the gateway. For each policy, in turn on the same stack (a
-`set_policy` between them), the same agent workload (seamlessflow/workload.py: GRPO groups
+`set_policy` between them), the same agent workload (seamlessflow/demo/workload.py: GRPO groups
 of openai-SDK agents, two turns of 32-160 tokens) runs for --seconds after a settle. Reported
 per policy: trained tokens/s (completion tokens of the sessions the trainer's audit log
 says it trained in the window), trainer steps, host-0's activity fractions from the
@@ -29,14 +29,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from seamlessflow import hosts as hostops  # noqa: E402
-from seamlessflow import servers  # noqa: E402
+from seamlessflow.ops import hosts as hostops  # noqa: E402
+from seamlessflow.stack import servers  # noqa: E402
 from seamlessflow.modelgen import init_model  # noqa: E402
 from seamlessflow.stack import Stack, StackOptions  # noqa: E402
-from seamlessflow.workload import GroupAgents  # noqa: E402
-from services.scheduler.registry import fractions  # noqa: E402
+from seamlessflow.demo.workload import GroupAgents  # noqa: E402
 from shared.config import connections  # noqa: E402
-from shared.messages.scheduler import Interval  # noqa: E402
+from shared.messages.scheduler import Interval, fractions  # noqa: E402
 
 SWITCH = re.compile(r"host (host-\d+): (\w+) -> (\w+) \(epoch \d+\) in (\d+) ms")
 TRAINER = {"group_size": 4, "groups_per_step": 2, "lr": 1e-5, "publish_every": 1, "checkpoint_every": 5,

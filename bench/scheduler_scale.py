@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from seamlessflow import servers  # noqa: E402
+from seamlessflow.stack import servers  # noqa: E402
 from services.scheduler import policy  # noqa: E402
 from services.scheduler.config import load_host  # noqa: E402
 from services.scheduler.host import HostAgent  # noqa: E402

@@ -8,7 +8,7 @@ Real: the NATS consumer and its acks, intake and ledger, the scheduler's gate, T
 heartbeats, offload/reload control, weight publishing (a version directory in the weight
 store, announced on sf.weights.published, garbage-collected) and the audit log. Replaced:
 `TrainEngine`. `train_step` sleeps `s_per_token` x every non-pad token of the batch (prompt
-and generated, as services/scheduler/sim.py charges a trained token); `save_hf` hard-links
+and generated, as services/scheduler/sim/simulator.py charges a trained token); `save_hf` hard-links
 the starting checkpoint's files into the version directory (the weights never change);
 checkpoints are a JSON file of the client state (written to a temp file, then renamed), and a
 restart resumes from it as the real trainer resumes from its DeepSpeed checkpoint: the fault

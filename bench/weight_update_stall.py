@@ -35,7 +35,7 @@ import openai
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from seamlessflow import servers  # noqa: E402
+from seamlessflow.stack import servers  # noqa: E402
 from seamlessflow.modelgen import init_model  # noqa: E402
 from seamlessflow.stack import Stack, StackOptions  # noqa: E402
 from shared import bus, weightstore  # noqa: E402

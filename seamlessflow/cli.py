@@ -42,7 +42,7 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train", action="store_true", help="with --policy: also run the trainer on the first train host")
     p.add_argument("--worker-cmd", default="",
                    help="run each rollout worker with this command instead of `python -m services.rollout` "
-                        "(--model and --worker-id are appended); e.g. bench/simulated_engine.py, SIMULATED")
+                        "(--model and --worker-id are appended); e.g. 'python -m services.rollout.simulated', SIMULATED")
 
 
 def _stack_options(a: argparse.Namespace):
@@ -82,9 +82,9 @@ def cmd_init_model(a: argparse.Namespace) -> None:
 
 def cmd_up(a: argparse.Namespace) -> None:
     """Start the stack, then supervise it (keeper.py) until Ctrl-C/SIGTERM."""
-    from seamlessflow.keeper import Keeper
+    from seamlessflow.stack.keeper import Keeper
     from seamlessflow.stack import Stack, StackError
-    from seamlessflow.supervisor import RestartPolicy
+    from seamlessflow.stack.supervisor import RestartPolicy
     from shared.lifecycle import run_until_signalled
 
     try:
@@ -121,7 +121,8 @@ def cmd_up(a: argparse.Namespace) -> None:
 def cmd_status(a: argparse.Namespace) -> None:
     import json
 
-    from seamlessflow import control, ops
+    from seamlessflow.ops import workers as ops
+    from seamlessflow.stack import control
 
     try:
         st = control.ask(a.data_dir, {"op": "status"})
@@ -133,8 +134,8 @@ def cmd_status(a: argparse.Namespace) -> None:
 
 
 def cmd_scale(a: argparse.Namespace) -> None:
-    from seamlessflow import control
-    from seamlessflow.supervisor import ScaleError, parse_scale
+    from seamlessflow.stack import control
+    from seamlessflow.stack.supervisor import ScaleError, parse_scale
 
     try:
         counts = parse_scale(a.counts)
@@ -149,8 +150,8 @@ def cmd_scale(a: argparse.Namespace) -> None:
 
 
 def cmd_demo(a: argparse.Namespace) -> None:
-    from seamlessflow import servers
-    from seamlessflow.demo import prepare_model, run_demo
+    from seamlessflow.stack import servers
+    from seamlessflow.demo.run import prepare_model, run_demo
 
     # the demo is self-contained: a busy default port is replaced by a free one
     for name in ("gateway_port", "admin_port", "nats_port", "redis_port"):
@@ -178,7 +179,7 @@ def _demo_command(a: argparse.Namespace) -> str:
 
 
 def cmd_export(a: argparse.Namespace) -> None:
-    from seamlessflow.export import export_file
+    from seamlessflow.ops.export import export_file
 
     n = asyncio.run(export_file(_connections(a), a.out))
     print(f"wrote {n} samples to {a.out}")
@@ -213,7 +214,7 @@ def _weights_dir(a: argparse.Namespace) -> Path:
 
 
 def cmd_workers(a: argparse.Namespace) -> None:
-    from seamlessflow import ops
+    from seamlessflow.ops import workers as ops
 
     if a.action == "list":
         print(ops.format_workers(asyncio.run(ops.worker_statuses(_connections(a)))))
@@ -225,7 +226,7 @@ def cmd_workers(a: argparse.Namespace) -> None:
 
 
 def cmd_weights(a: argparse.Namespace) -> None:
-    from seamlessflow import ops
+    from seamlessflow.ops import workers as ops
     from shared.weightstore import CheckpointError
 
     store = _weights_dir(a)
@@ -249,7 +250,7 @@ def cmd_weights(a: argparse.Namespace) -> None:
 
 
 def cmd_hosts(a: argparse.Namespace) -> None:
-    from seamlessflow import hosts
+    from seamlessflow.ops import hosts
 
     conn = _connections(a)
     if a.action in ("cordon", "uncordon") and not a.arg:
@@ -263,13 +264,13 @@ def cmd_hosts(a: argparse.Namespace) -> None:
 
 
 def cmd_timeline(a: argparse.Namespace) -> None:
-    from seamlessflow import hosts
+    from seamlessflow.ops import hosts
 
     print(hosts.write_timeline(asyncio.run(hosts.ask(_connections(a), "timeline")), a.out))
 
 
 def cmd_dead(a: argparse.Namespace) -> None:
-    from seamlessflow import dead
+    from seamlessflow.ops import dead
 
     conn = _connections(a)
     try:
@@ -364,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs (for its URLs)")
     p.set_defaults(fn=cmd_dead)
 
-    from seamlessflow import plan
+    from seamlessflow.planner import plan
 
     plan.add_parser(sub)
 

@@ -19,7 +19,7 @@ EOS = "<|im_end|>"
 
 # Hermes/Qwen-style template. Tool calls are written as
 # <tool_call>{"name": ..., "arguments": {...}}</tool_call> inside the assistant turn;
-# services/trajectory/toolcalls.py parses that same format back.
+# shared/toolcalls.py parses that same format back.
 CHAT_TEMPLATE = (
     "{%- set sys = messages[0].content if messages and messages[0].role == 'system' else '' -%}"
     "{%- if tools -%}"
@@ -59,7 +59,7 @@ _WORDS = (
 
 def _corpus(n: int, seed: int) -> list[str]:
     """Digit-free on purpose: digits stay one byte-level token each, so the built-in digit
-    tasks (seamlessflow/tasks.py) map one character to one token."""
+    tasks (seamlessflow/demo/tasks.py) map one character to one token."""
     rng = random.Random(seed)
     lines = []
     for _ in range(n):

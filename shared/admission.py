@@ -1,5 +1,5 @@
 """Staleness admission control (pure): the trajectory manager enforces it on session
-creation, and the scheduler's simulator (services/scheduler/sim.py) applies the same rule
+creation, and the scheduler's simulator (services/scheduler/sim/simulator.py) applies the same rule
 in virtual time, so both import it from here.
 
 With `max_staleness = k`, a sample may be trained at most k policy versions after the

@@ -81,7 +81,7 @@ def tiny_model() -> Path:
 
 @pytest.fixture(scope="session")
 def nats_url(tmp_path_factory):
-    from seamlessflow import servers
+    from seamlessflow.stack import servers
 
     port = servers.free_port()
     proc = servers.start_nats(port, tmp_path_factory.mktemp("nats"))
@@ -91,7 +91,7 @@ def nats_url(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
-    from seamlessflow import servers
+    from seamlessflow.stack import servers
 
     port = servers.free_port()
     proc = servers.start_redis(port, tmp_path_factory.mktemp("redis"))
@@ -111,9 +111,9 @@ def warm_model() -> Path:
     """The "small" model (hidden 256, 4 layers) after the documented supervised warm start on
     the reverse task: the learning test's starting policy (the tiny one learns too little of
     the task for a clear margin: bench/probe_learning.py)."""
-    from seamlessflow.warmstart import warm_start
+    from seamlessflow.demo.warmstart import warm_start
 
-    src = (ROOT / "seamlessflow" / "warmstart.py").read_bytes()
+    src = (ROOT / "seamlessflow" / "demo" / "warmstart.py").read_bytes()
     path = CACHE / f"model-small-warm-{_model_key()}-{hashlib.sha256(src).hexdigest()[:8]}-t0.3c25"  # see below
     if not (path / "config.json").exists():
         # the settings the learning test's margin was measured with (BENCHMARKS.md, "Learning"):

@@ -13,6 +13,7 @@ Modules, from the wire inwards:
                   predicted lending; the gate; the steps of a host transition
     store.py      the registry in Redis (the only module touching Redis)
     config.py     SF_SCHEDULER_* and SF_HOST_* settings
+    sim/          a SIMULATED cluster driving policy.py, for benchmarks and planning (never run here)
 
 It knows nothing about tokens or trajectories: it moves hosts between modes, and the
 partial rollout of the data plane makes those moves invisible to agents.

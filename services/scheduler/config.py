@@ -49,7 +49,7 @@ class HostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     restart_backoff_max: float = 30.0  # a crashed worker is restarted after 0.5 s, doubling up to this
     log_dir: str = ""  # where the worker's log goes ("" = inherit the agent's stdout)
     # benchmarks only: a command line run as the resident worker instead of `python -m services.rollout`
-    # (e.g. bench/simulated_engine.py); `--model MODEL --worker-id ID` are appended. "" = the real worker
+    # (e.g. `python -m services.rollout.simulated`); `--model MODEL --worker-id ID` are appended. "" = the real worker
     worker_cmd: str = ""
     metrics_port: int = 0  # Prometheus /metrics (sf_bus_malformed_total); 0 = off
     metrics_host: str = "127.0.0.1"

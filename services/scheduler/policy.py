@@ -3,7 +3,7 @@
     decisions = decide(snapshot)      # Snapshot in, list[Decision] out; no I/O, no clock
 
 The live scheduler (service.py) builds a `Snapshot` from heartbeats and its Redis
-registry every tick; the simulator (sim.py) builds one in virtual time. Both call this
+registry every tick; the simulator (sim/simulator.py) builds one in virtual time. Both call this
 same code, so a policy measured in simulation is the policy that runs.
 
 Tags decide what a host *may* do (`train`, `rollout`); the policy decides what it does:

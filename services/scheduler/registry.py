@@ -248,14 +248,3 @@ class Registry:
 
 def _ewma(old: float, new: float) -> float:
     return (1 - EWMA) * old + EWMA * new
-
-
-def fractions(intervals: list[Interval], t0: float = 0.0, t1: float = float("inf")) -> dict[str, float]:
-    """Share of [t0, t1] (clipped to the intervals) spent on each activity."""
-    spent: dict[str, float] = {"train": 0.0, "rollout": 0.0, "switch": 0.0, "idle": 0.0}
-    for iv in intervals:
-        a, b = max(iv.t_start, t0), min(iv.t_end, t1)
-        if b > a:
-            spent[iv.activity] += b - a
-    total = sum(spent.values())
-    return {k: (v / total if total else 0.0) for k, v in spent.items()}

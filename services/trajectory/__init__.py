@@ -7,15 +7,14 @@ Modules, from the wire inwards:
     service.py       NATS wiring (the only module touching NATS): sf.chat, sf.session.*,
                      sf.chat.cancel, sf.rollout.status, the policy-version watch
     chat.py          one agent turn, in numbered steps: lookup, prompt, generation, record; the lease
-    turnstream.py    a turn's streaming state: stop-string and tool-call hold-back, offsets,
-                     progress cadence, deltas waiting to be persisted
+    turnstream.py    a turn's streaming state: stop-string and tool-call hold-back
+                     (shared/toolcalls.py), offsets, progress cadence, deltas waiting to be persisted
     record.py        a finished generation -> the Turn to store and the ChatDone to send
     sessions.py      create (admission) / get / reward / finish (TrajectoryCompleted)
     generation.py    one generation across preemptions: dispatch, segments, re-dispatch
     rendering.py     chat templates and tokens; continuation without re-tokenizing; streamed text
     conversation.py  canonical messages and conversation keys
     turns.py         the per-session token prefix tree and its samples
-    toolcalls.py     <tool_call> parsing and stream hold-back
     routing.py       worker table (shared/heartbeats.py) and the picker: sticky, then least loaded
     store.py         Redis (the only module touching it)
     config.py        SF_TRAJECTORY_* settings

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.trajectory import toolcalls
 from services.trajectory.conversation import conversation_key, extend_key
 from services.trajectory.generation import Generated
 from services.trajectory.tokenpath import TokenPath
 from services.trajectory.turns import Turn
+from shared import toolcalls
 from shared.messages import ChatDone, ChatRequest, TokenLogprob, Usage
 
 # generated token ids -> (index of each token that shows in the text, its text)

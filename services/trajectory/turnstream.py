@@ -17,11 +17,11 @@ It knows nothing about NATS or Redis: chat.py sends what it returns.
 
 from __future__ import annotations
 
-from services.trajectory import toolcalls
 from services.trajectory.generation import head
 from services.trajectory.rendering import IncrementalText, Renderer
 from services.trajectory.stopstrings import StopMatcher
 from services.trajectory.store import DeltaRecord
+from shared import toolcalls
 from shared.messages import ChatRequest, TokenDelta
 
 PERSIST_CHUNK = 32  # tokens a plain (non-stream) request buffers before persisting

@@ -1,7 +1,7 @@
 """Agents for the fault suite: `n` openai-SDK agents in flight, each running sessions of a few
 turns one after another, on a thread of their own while the test injects a fault.
 
-Unlike seamlessflow/workload.py (load that looks like RL), these record every call they make,
+Unlike seamlessflow/demo/workload.py (load that looks like RL), these record every call they make,
 with its outcome, for the invariant checker: when it started and ended, the HTTP status and
 the error body of a failure, and the request id, text and token count of a success. Like a
 real agent, they retry a failure that says it is retryable (429, 502-504, or no connection)

@@ -6,10 +6,10 @@ that a case may kill and restart them; the gateway; two trajectory replicas; the
 restarting it when it dies); the DeepSpeed trainer (gloo on CPU) on the suite's tiny model,
 checkpointing and publishing real weights. SIMULATED, because vLLM is not what these cases test
 (and a worker starts in a second instead of minutes): each resident worker is the real
-RolloutService around bench/simulated_engine.py's calibrated stand-in (SF_HOST_WORKER_CMD),
+RolloutService around services/rollout/simulated.py's calibrated stand-in (SF_HOST_WORKER_CMD),
 which follows each published version as a version bump.
 
-`seamlessflow/stack.py` does the launching (spawn, respawn, tiered stop, process groups);
+`seamlessflow/stack/processes.py` does the launching (spawn, respawn, tiered stop, process groups);
 this module only chooses the commands and adds the fault helpers: kill, restart, pause, and
 the `Fault` window each injection records for the invariant checker (invariants.py).
 """
@@ -25,11 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from seamlessflow import servers
-from seamlessflow.stack import Proc, Stack, StackOptions
+from seamlessflow.stack import Proc, Stack, StackOptions, servers
 from shared.config import connections
 
-ROOT = Path(__file__).resolve().parents[2]
 
 # One GRPO "group" per session and one group per step: every finished session is trained
 # without waiting for its group mates (a session a fault ended early would leave its group
@@ -59,7 +57,7 @@ class FaultStack:
     def __init__(self, tmp: Path, model: Path):
         env = {f"SF_TRAINER_{k.upper()}": str(v) for k, v in TRAINER.items()}
         env |= {"SF_TRAINER_AUDIT_LOG": str(tmp / "trainer" / "trained.jsonl"), "SF_LOG_LEVEL": "INFO"}
-        engine = " ".join([sys.executable, str(ROOT / "bench" / "simulated_engine.py"), *ENGINE])
+        engine = " ".join([sys.executable, "-m", "services.rollout.simulated", *ENGINE])
         self.opts = StackOptions(
             model=model, data_dir=tmp, trajectory_replicas=2, gateway_port=servers.free_port(),
             admin_port=servers.free_port(), nats_port=servers.free_port(), redis_port=servers.free_port(),

@@ -24,8 +24,8 @@ import openai
 import pytest
 import redis
 
-from seamlessflow import hosts as hostops
-from seamlessflow import ops
+from seamlessflow.ops import hosts as hostops
+from seamlessflow.ops import workers as ops
 from tests.faults.agents import FaultAgents
 from tests.faults.harness import Fault, FaultStack, wait_for
 from tests.faults.invariants import check

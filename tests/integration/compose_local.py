@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from seamlessflow import servers
+from seamlessflow.stack import servers
 
 VENV_BIN = Path(sys.executable).parent
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from seamlessflow import servers
+from seamlessflow.stack import servers
 from tests.integration.stack_fixture import make_stack
 
 

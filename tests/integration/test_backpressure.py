@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from seamlessflow import servers
+from seamlessflow.stack import servers
 from services.trainer import audit
 from services.trajectory.store import FINISHING, Store
 from services.trajectory.turns import Segment, Turn

@@ -215,7 +215,7 @@ def test_branching_conversation_becomes_a_branch(stack):
 def test_finish_publishes_and_export_writes_jsonl(stack, tmp_path):
     import asyncio
 
-    from seamlessflow.export import export_file
+    from seamlessflow.ops.export import export_file
     from shared.config import Connections
 
     sid, _ = run_conversation(stack, stream=False, turns=2)
@@ -302,7 +302,7 @@ def test_demo_calc_rounds_through_the_stack(stack):
     warm-started, so it rarely calls the tool; the tool turn itself is test_tools_turn_with_the_sdk.)"""
     import asyncio
 
-    from seamlessflow.rl import run_rounds
+    from seamlessflow.demo.rl import run_rounds
 
     lines: list = []
     result = asyncio.run(run_rounds(stack, rounds=2, groups=1, group_size=2, task="calc", max_tokens=12,

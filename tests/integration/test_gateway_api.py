@@ -25,7 +25,7 @@ import pytest
 import redis.asyncio as aioredis
 import uvicorn
 
-from seamlessflow import servers
+from seamlessflow.stack import servers
 from services.gateway.app import build_apps
 from services.gateway.config import GatewayConfig
 from services.gateway.service import Gateway

@@ -11,7 +11,7 @@ import asyncio
 import openai
 import pytest
 
-from seamlessflow import servers
+from seamlessflow.stack import servers
 from shared.config import Connections
 from tests.integration.test_gateway_api import MODEL, FakeTrajectory, run_gateway, user
 

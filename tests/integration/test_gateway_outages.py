@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from seamlessflow import servers
+from seamlessflow.stack import servers
 from shared.config import Connections
 from tests.integration.test_gateway_api import MODEL, USER_KEY, FakeTrajectory, run_gateway, user
 

@@ -1,6 +1,6 @@
 """The status page (/ui) against a running stack (2 rollout workers), in real headless Chromium.
 
-The workers are the real rollout service around the SIMULATED engine (bench/simulated_engine.py):
+The workers are the real rollout service around the SIMULATED engine (services/rollout/simulated.py):
 the page is the subject here, not vLLM, and the stack starts in seconds.
 
 Chromium is Debian's `chromium`: `bash scripts/bootstrap.sh browser` installs it where apt is
@@ -29,7 +29,7 @@ import nats
 import openai
 import pytest
 
-from seamlessflow import servers
+from seamlessflow.stack import servers
 from shared import subjects
 from shared.codec import encode
 from shared.messages.scheduler import TrainerStatus

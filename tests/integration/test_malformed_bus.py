@@ -12,13 +12,12 @@ TrainGateReply, which no subscription reads). Afterwards every service
 The services run in this process, as their `run()` coroutines, against a private nats-server (the
 trainer consumes the whole TRAJECTORIES stream and DEAD must hold only this test's letters). Only
 the edges are stand-ins: the trainer's Runner (no DeepSpeed: the bus is the subject) and the rollout
-worker's engine (bench/simulated_engine.py, SIMULATED, inside the real RolloutService).
+worker's engine (services/rollout/simulated.py, SIMULATED, inside the real RolloutService).
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import random
@@ -31,9 +30,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from seamlessflow import servers
+from seamlessflow.stack import servers
 from services.rollout.config import RolloutConfig
 from services.rollout.service import RolloutService
+from services.rollout.simulated import SimulatedEngine
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.service import SchedulerService
 from services.trainer.config import TrainerConfig
@@ -94,10 +94,7 @@ class FakeRunner:
 
 
 def simulated_engine():
-    spec = importlib.util.spec_from_file_location("simulated_engine", ROOT / "bench" / "simulated_engine.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.SimulatedEngine(capacity=4, step_ms=1.0)
+    return SimulatedEngine(capacity=4, step_ms=1.0)
 
 
 def scrape(port: int) -> dict[tuple[str, str], float]:

@@ -26,7 +26,7 @@ MODEL = "seamlessflow-tiny"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_model, redis_url):
-    from seamlessflow import servers
+    from seamlessflow.stack import servers
 
     # its own NATS: the weight versions published here (WEIGHTS stream, last value) must not
     # reach workers that other test modules start

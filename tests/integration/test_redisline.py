@@ -9,7 +9,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from seamlessflow import servers
+from seamlessflow.stack import servers
 from shared.redisline import RedisLine
 
 pytestmark = pytest.mark.integration

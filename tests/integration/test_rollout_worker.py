@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from seamlessflow import servers
+from seamlessflow.stack import servers
 from seamlessflow.modelgen import eos_id
 from shared import bus, subjects
 from shared.codec import decode, encode

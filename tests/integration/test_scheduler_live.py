@@ -25,10 +25,10 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from seamlessflow import hosts as hostops
-from seamlessflow import servers
+from seamlessflow.ops import hosts as hostops
+from seamlessflow.stack import servers
 from seamlessflow.modelgen import eos_id
-from seamlessflow.workload import GroupAgents
+from seamlessflow.demo.workload import GroupAgents
 from services.trajectory.store import DeltaRecord
 from shared.config import connections
 from shared.timeouts import HEARTBEAT_STALE_AFTER
@@ -172,7 +172,7 @@ def test_colocated_alternates_every_host_with_held_requests(cluster):
 
 
 def test_cordon_drains_a_host_uncordon_brings_it_back_and_the_timeline_exports(cluster, tmp_path):
-    from seamlessflow import ops
+    from seamlessflow.ops import workers as ops
 
     ask(cluster, "set_policy", policy="seamless")
     wait_for(lambda: serving(cluster) == {"host-0", "host-1"}, 90, "both hosts serving")

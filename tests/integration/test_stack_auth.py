@@ -18,8 +18,7 @@ import nats
 import pytest
 import redis
 
-from seamlessflow import servers
-from seamlessflow.stack import client_env
+from seamlessflow.stack import client_env, servers
 from tests.integration.stack_fixture import make_stack
 
 pytestmark = pytest.mark.integration

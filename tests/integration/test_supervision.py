@@ -15,7 +15,7 @@ ports), supervising a stack while openai-SDK agents are in flight:
 
 One main stack serves every test, in order; the crash-looping stack has no workers and runs
 alongside it while the main one starts. The main stack's workers are the real rollout service
-around the SIMULATED engine (`up --worker-cmd bench/simulated_engine.py`): supervision is the
+around the SIMULATED engine (`up --worker-cmd "python -m services.rollout.simulated"`): supervision is the
 subject, not vLLM, and a worker starts in about a second instead of vLLM-CPU's 20 s to minutes.
 A killed vLLM worker's engine process is cleared by the same `Stack.clear_group`, which
 test_scheduler_live's host-loss test runs against vLLM.
@@ -36,8 +36,8 @@ from pathlib import Path
 
 import pytest
 
-from seamlessflow import control, servers
-from seamlessflow.workload import GroupAgents
+from seamlessflow.stack import control, servers
+from seamlessflow.demo.workload import GroupAgents
 from tests.integration.stack_fixture import simulated_worker_cmd
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from seamlessflow import servers
+from seamlessflow.stack import servers
 from services.trainer import audit
 from shared import bus, deadletter, subjects, weightstore
 from shared.codec import decode, encode

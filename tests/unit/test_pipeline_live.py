@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.pipeline_live import exact_idle, merged, split_latency  # noqa: E402
-from bench.simulated_engine import SimulatedEngine  # noqa: E402
+from services.rollout.simulated import SimulatedEngine  # noqa: E402
 from shared.messages.rollout import Sampling  # noqa: E402
 
 

@@ -16,14 +16,14 @@ def test_default_worker_is_the_rollout_service():
 
 
 def test_worker_cmd_replaces_the_worker_for_benchmarks():
-    a = _agent(model="var/model", worker_cmd="python bench/simulated_engine.py --capacity 64")
+    a = _agent(model="var/model", worker_cmd="python -m services.rollout.simulated --capacity 64")
     assert a.has_worker
-    assert a.worker_argv == ["python", "bench/simulated_engine.py", "--capacity", "64", "--model", "var/model",
+    assert a.worker_argv == ["python", "-m", "services.rollout.simulated", "--capacity", "64", "--model", "var/model",
                              "--worker-id", "h0-rollout"]
 
 
 def test_no_model_no_worker_even_with_worker_cmd():
-    a = _agent(worker_cmd="python bench/simulated_engine.py")
+    a = _agent(worker_cmd="python -m services.rollout.simulated")
     assert not a.has_worker
 
 

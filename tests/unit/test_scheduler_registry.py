@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.scheduler.registry import Registry, fractions
-from shared.messages.scheduler import HostHeartbeat, HostModeChanged, Interval, TrainerStatus
+from services.scheduler.registry import Registry
+from shared.messages.scheduler import HostHeartbeat, HostModeChanged, Interval, TrainerStatus, fractions
 
 
 def hb(host="host-1", mode="idle", epoch=0, restarts=0, tags=("rollout", "cpu")) -> HostHeartbeat:

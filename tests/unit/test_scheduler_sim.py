@@ -1,4 +1,4 @@
-"""The SIMULATED cluster (services/scheduler/sim.py): conservation, a case computed by hand,
+"""The SIMULATED cluster (services/scheduler/sim/simulator.py): conservation, a case computed by hand,
 determinism, and that it runs the real policy module (a policy change changes the outcome)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from services.scheduler import policy
 from services.scheduler.sim import ACTS, Cluster, simulate
-from services.scheduler.sim_workload import CALIBRATIONS, WORKLOADS, Calibration, Workload
+from services.scheduler.sim.workload import CALIBRATIONS, WORKLOADS, Calibration, Workload
 
 SMALL = Workload(group_size=4, groups_per_step=8, prompt_tokens=64, length_median=200, length_sigma=1.0,
                  length_cap=2000, max_staleness=1)

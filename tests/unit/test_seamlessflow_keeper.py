@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from seamlessflow import control
-from seamlessflow.keeper import Keeper
+from seamlessflow.stack import control
+from seamlessflow.stack.keeper import Keeper
 from seamlessflow.stack import Proc
-from seamlessflow.supervisor import RestartPolicy
+from seamlessflow.stack.supervisor import RestartPolicy
 
 
 class FakePopen:

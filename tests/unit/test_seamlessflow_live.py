@@ -9,8 +9,8 @@ import time
 
 from rich.console import Console
 
-from seamlessflow.live import DemoView, sparkline
-from seamlessflow.rl import Round
+from seamlessflow.demo.live import DemoView, sparkline
+from seamlessflow.demo.rl import Round
 from shared.messages import WorkerStatus
 from shared.messages.scheduler import HostInfo
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-import seamlessflow.plan as plan_mod
-from seamlessflow.plan import (
+import seamlessflow.planner.plan as plan_mod
+from seamlessflow.planner.plan import (
     DRAIN_MARGINS,
     GRACES,
     MARGINS,
@@ -18,7 +18,7 @@ from seamlessflow.plan import (
     sized,
     splits,
 )
-from services.scheduler.sim_workload import CALIBRATIONS, WORKLOADS
+from services.scheduler.sim.workload import CALIBRATIONS, WORKLOADS
 
 CAL = CALIBRATIONS["decode-heavy"]
 

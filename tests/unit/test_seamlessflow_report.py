@@ -10,7 +10,7 @@ import random
 import pytest
 from matplotlib.image import imread
 
-from seamlessflow.report import (
+from seamlessflow.demo.report import (
     ReportData,
     build_report,
     margin,
@@ -19,8 +19,8 @@ from seamlessflow.report import (
     version_loads,
     worker_rates,
 )
-from seamlessflow.rl import Round
-from seamlessflow.telemetry import Sample
+from seamlessflow.demo.rl import Round
+from seamlessflow.demo.telemetry import Sample
 
 T0 = 1_700_000_000.0
 
@@ -96,7 +96,7 @@ def test_helpers():
 
 
 def test_host_activity_before_the_rounds_is_clipped_to_a_short_lead_in():
-    from seamlessflow.report import clip_before
+    from seamlessflow.demo.report import clip_before
 
     ivs = [("idle", -250.0, -3.0), ("switch", -3.0, -1.0), ("train", -1.0, 4.0), ("idle", -400.0, -300.0)]
     assert clip_before(ivs, -2.0) == [("switch", -2.0, -1.0), ("train", -1.0, 4.0)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from seamlessflow.supervisor import (
+from seamlessflow.stack.supervisor import (
     GiveUp,
     Restart,
     RestartPolicy,

@@ -10,10 +10,10 @@ import random
 import httpx
 import openai
 
-from seamlessflow.rl import calc_agent, reverse_agent
-from seamlessflow.tasks import (CALCULATOR_TOOL, TASKS, answer_reward, calc_prompt, calc_tool_call_text, calculate,
+from seamlessflow.demo.rl import calc_agent, reverse_agent
+from seamlessflow.demo.tasks import (CALCULATOR_TOOL, TASKS, answer_reward, calc_prompt, calc_tool_call_text, calculate,
                                 calculator_call, reverse_prompt)
-from services.trajectory.toolcalls import parse
+from shared.toolcalls import parse
 
 
 def test_reverse_prompt_and_reward():

@@ -1,4 +1,4 @@
-"""The warm start's stopping rule (seamlessflow/warmstart.py), with the sampled check replaced:
+"""The warm start's stopping rule (seamlessflow/demo/warmstart.py), with the sampled check replaced:
 coarse checks every CHECK_EVERY steps, then, past half the target, a quarter of the lr and a
 larger check after every step, stopping at the first check at or above the target. The
 supervised steps are real (the tiny model), so the saved model is a loadable checkpoint."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from seamlessflow import warmstart
+from seamlessflow.demo import warmstart
 
 
 @pytest.fixture

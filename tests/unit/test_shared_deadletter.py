@@ -10,7 +10,7 @@ import logging
 import pytest
 from nats.aio.msg import Msg
 
-from seamlessflow.dead import format_letters, to_json
+from seamlessflow.ops.dead import format_letters, to_json
 from shared import deadletter, subjects
 from shared.deadletter import DeadLetter, Malformed
 

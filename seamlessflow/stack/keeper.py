@@ -28,9 +28,9 @@ from collections.abc import Callable
 
 import msgspec
 
-from seamlessflow import control
-from seamlessflow.stack import Proc, Stack, log_tail
-from seamlessflow.supervisor import (
+from seamlessflow.stack import control
+from seamlessflow.stack.processes import Proc, Stack, log_tail
+from seamlessflow.stack.supervisor import (
     GiveUp,
     RestartPolicy,
     ScaleError,

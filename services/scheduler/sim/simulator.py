@@ -6,10 +6,10 @@
     print(r.trained_tokens_per_s, r.idle_fraction)
 
 No model runs here: hosts generate and train tokens at a calibrated speed
-(sim_workload.Calibration), for benchmarks and capacity planning only.
+(workload.Calibration), for benchmarks and capacity planning only.
 
 What it owns: virtual time, the hosts' running sequences, the trainer's state machine and
-the bookkeeping (sim_result.Result). What it borrows, never copies:
+the bookkeeping (result.Result). What it borrows, never copies:
 - placement: services/scheduler/policy.py `decide`, `apply`, `gate_open`, `lend_verdict`
   and `activity` (host timelines) are called as the live scheduler calls them, but only when
   what they read has changed (`Options.decide_every_tick` asks decide every tick during a
@@ -76,8 +76,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.scheduler import policy as P
-from services.scheduler.sim_result import Result, Totals
-from services.scheduler.sim_workload import Calibration, Workload
+from services.scheduler.sim.result import Result, Totals
+from services.scheduler.sim.workload import Calibration, Workload
 from shared.admission import Admission, Backlog
 
 MODES = ("idle", "rollout", "train")  # array codes 0, 1, 2

@@ -18,7 +18,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from seamlessflow.rl import Round
+from seamlessflow.demo.rl import Round
 from shared.messages import WorkerStatus
 from shared.messages.scheduler import HostInfo
 

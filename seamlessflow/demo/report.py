@@ -7,7 +7,7 @@
                      sampled heartbeats and, with the tag scheduler, each host's activity
                      (train / rollout / switch / idle) from its timeline
     metrics.csv      one row per round
-    trajectories.jsonl   the exported trajectories (seamlessflow/export.py), when given
+    trajectories.jsonl   the exported trajectories (seamlessflow/ops/export.py), when given
     summary.md       results, settings and the commands that reproduce the run
 
 Pure files in, files out: it is given plain data (rl.Round, telemetry.Sample, the
@@ -26,8 +26,8 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from seamlessflow.rl import Round
-from seamlessflow.telemetry import Sample
+from seamlessflow.demo.rl import Round
+from seamlessflow.demo.telemetry import Sample
 
 WINDOW = 8
 COLORS = {"serving": "#2ca02c", "updating": "#ff7f0e", "paused": "#bcbd22", "vacated": "#d62728",
@@ -43,7 +43,7 @@ class ReportData:
     newest_version: list[int]  # per round: the newest weight version when it ended
     started_at: float  # wall clock when the first round started (heartbeats are wall clock)
     samples: list[Sample] = field(default_factory=list)
-    host_timeline: dict | None = None  # seamlessflow/hosts.py timeline_doc
+    host_timeline: dict | None = None  # seamlessflow/ops/hosts.py timeline_doc
     settings: dict = field(default_factory=dict)
     commands: list[str] = field(default_factory=list)
     trajectories: Path | None = None

@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from seamlessflow import servers
-from seamlessflow.supervisor import shutdown_tiers
+from seamlessflow.stack import servers
+from seamlessflow.stack.supervisor import shutdown_tiers
 
 ENGINE_ENV = {  # not VLLM_CPU_KVCACHE_SPACE: the rollout worker sets it from SF_ROLLOUT_KV_CACHE_GIB
     "HF_HUB_OFFLINE": "1",
@@ -61,7 +61,7 @@ class StackOptions:
     train: bool = False  # also run the DeepSpeed trainer, on the first train host, gated by the scheduler
     trainer_settings: dict[str, str] = field(default_factory=dict)  # SF_TRAINER_<NAME> for --train
     # another command line for every rollout worker instead of `python -m services.rollout`
-    # (e.g. bench/simulated_engine.py, SIMULATED, for tests of supervision and benchmarks);
+    # (e.g. `python -m services.rollout.simulated`, SIMULATED, for tests of supervision and benchmarks);
     # `--model MODEL --worker-id NAME` are appended. Host agents get it as SF_HOST_WORKER_CMD.
     worker_cmd: str = ""
 

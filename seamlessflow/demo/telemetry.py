@@ -3,8 +3,8 @@
 runs the tag scheduler, each host's mode (SchedulerControl "status") and, at the end, every
 host's timeline (SchedulerControl "timeline").
 
-It keeps the latest state for the live view (seamlessflow/live.py) and the sampled history
-for the report (seamlessflow/report.py); it knows nothing about either's drawing.
+It keeps the latest state for the live view (seamlessflow/demo/live.py) and the sampled history
+for the report (seamlessflow/demo/report.py); it knows nothing about either's drawing.
 """
 
 from __future__ import annotations
@@ -72,11 +72,11 @@ class Telemetry:
             self._nc = None
 
     async def host_timeline(self) -> dict | None:
-        """Every host's activity intervals (seamlessflow/hosts.py timeline_doc), or None
+        """Every host's activity intervals (seamlessflow/ops/hosts.py timeline_doc), or None
         without a scheduler."""
         if not self.scheduler:
             return None
-        from seamlessflow import hosts
+        from seamlessflow.ops import hosts
 
         try:
             return hosts.timeline_doc(await hosts.ask(self.conn, "timeline", timeout=10))
@@ -99,7 +99,7 @@ class Telemetry:
         self.published.append((w.published_at or time.time(), w.version))
 
     async def _poll_hosts(self) -> None:
-        from seamlessflow import hosts
+        from seamlessflow.ops import hosts
 
         while True:
             try:

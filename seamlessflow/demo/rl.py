@@ -2,14 +2,14 @@
 gateway -> trajectory manager -> vLLM rollout -> TrajectoryCompleted -> DeepSpeed trainer ->
 WeightsPublished -> rollout workers reload in place -> the next agents.
 
-The tasks are seamlessflow/tasks.py's verifiable ones: "reverse the digits" (one turn) and
+The tasks are seamlessflow/demo/tasks.py's verifiable ones: "reverse the digits" (one turn) and
 "calc" (a `calculator` tool call, the tool's result, then the answer: two turns in one
 session). Agents run in rounds of `groups` GRPO groups of `group_size` sessions that share
 a prompt; the trainer steps once per round's worth of groups and publishes a new version
 after each step. Rounds do not wait for the trainer: rollout runs ahead within the
 staleness bound, and the loss corrects for the versions that generated each token.
-This module knows nothing about how rounds are shown (seamlessflow/live.py) or kept
-(seamlessflow/report.py).
+This module knows nothing about how rounds are shown (seamlessflow/demo/live.py) or kept
+(seamlessflow/demo/report.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import httpx
 import openai
 
 from seamlessflow.stack import Stack
-from seamlessflow.tasks import CALCULATOR_TOOL, TASKS, answer_reward, calculator_call
+from seamlessflow.demo.tasks import CALCULATOR_TOOL, TASKS, answer_reward, calculator_call
 
 # Trainer settings for the demo and the learning test (bench/probe_learning.py swept them:
 # with 32 samples per step, lr >= 3e-4 follows noise on a model this small and collapses it

@@ -1,8 +1,8 @@
-"""services/trajectory/toolcalls.py: <tool_call> parsing and stream hold-back."""
+"""shared/toolcalls.py: <tool_call> parsing and stream hold-back."""
 
 from __future__ import annotations
 
-from services.trajectory import toolcalls
+from shared import toolcalls
 
 
 def test_toolcall_parse_and_stream_holdback():

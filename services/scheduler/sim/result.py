@@ -1,4 +1,4 @@
-"""What a SIMULATED run measured (services/scheduler/sim.py): totals while it runs, and the
+"""What a SIMULATED run measured (services/scheduler/sim/simulator.py): totals while it runs, and the
 derived figures every report prints (bench/pipeline.py, seamlessflow plan).
 
 The physical limit is the trained tokens/s of the same cluster if every host were busy

@@ -1,13 +1,13 @@
 """What the SIMULATED cluster runs: host costs (a calibration) and the RL workload.
 
-    from services.scheduler.sim_workload import CALIBRATIONS, Workload
+    from services.scheduler.sim.workload import CALIBRATIONS, Workload
     cal = CALIBRATIONS["decode-heavy"]; wl = Workload(groups_per_step=64, group_size=16)
 
 A `Calibration` is what one host (by default an 8-accelerator host) costs: a decode step of
 `decode_a_s + decode_b_s * k` seconds for `k` running sequences (up to `max_seqs`), prefill
 per prompt token, training per token, a weight sync, and the switch costs of lending and
 reclaiming. A host's capacity weight divides every cost. The figures and their sources are
-in docs/capacity-planning.md; `live-mini` mirrors bench/simulated_engine.py for comparing
+in docs/capacity-planning.md; `live-mini` mirrors services/rollout/simulated.py for comparing
 the simulator with a small live run.
 
 A `Workload` is GRPO: `groups_per_step` groups of `group_size` sessions per trainer step;
@@ -66,14 +66,14 @@ CALIBRATIONS: dict[str, Calibration] = {
         prefill_s_per_token=1 / (8 * 4_000), train_s_per_token=1 / (8 * 1_100),
         weight_sync_s=8.0, lend_s=9.1, reclaim_s=3.3,
         source="scaled from the 8B figures by parameter count; ratio checked against this machine"),
-    # bench/simulated_engine.py's default speeds (one step = 2 ms + 0.25 ms per running
+    # services/rollout/simulated.py's default speeds (one step = 2 ms + 0.25 ms per running
     # request, capacity 64) and the tiny model's DeepSpeed ZeRO-0 step (17,123 tok/s) on
     # one CPU host: the configuration for comparing the simulator with a live run.
     "live-mini": Calibration(
         "live-mini", decode_a_s=0.002, decode_b_s=0.00025, max_seqs=64,
         prefill_s_per_token=0.002 / 32, train_s_per_token=1 / 17_123,
         weight_sync_s=0.05, lend_s=0.5, reclaim_s=0.5,
-        source="bench/simulated_engine.py defaults; BENCHMARKS.md trainer step (tiny, zero0)"),
+        source="services/rollout/simulated.py defaults; BENCHMARKS.md trainer step (tiny, zero0)"),
 }
 
 
@@ -117,7 +117,7 @@ WORKLOADS: dict[str, Workload] = {
     # agentic: 4 turns of ~300 tokens, 2 s tools with 200 tokens of output each
     "agentic": Workload(group_size=8, groups_per_step=32, prompt_tokens=1024, turns=4, tool_latency_s=2.0,
                         tool_tokens=200, length_median=300, length_sigma=0.8, length_cap=4096),
-    # what `bench/simulated_engine.py` live runs use: 4 groups x 8 sessions, 96 tokens fixed
+    # what `services/rollout/simulated.py` live runs use: 4 groups x 8 sessions, 96 tokens fixed
     "live-mini": Workload(group_size=8, groups_per_step=4, prompt_tokens=32, length="fixed",
                           length_median=96, length_cap=96),
 }

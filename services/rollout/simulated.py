@@ -1,6 +1,6 @@
 """SIMULATED rollout engine, for benchmarks and capacity planning only: never real inference.
 
-    .venv/bin/python bench/simulated_engine.py --worker-id rollout-0 --model DIR [--capacity 64]
+    .venv/bin/python -m services.rollout.simulated --worker-id rollout-0 --model DIR [--capacity 64]
 
 It is the real rollout worker (services/rollout/service.py: NATS wiring, heartbeats,
 control, weights) around a stand-in for vLLM that samples no model. Like vLLM's scheduler it
@@ -34,14 +34,11 @@ import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from services.rollout.config import load_config  # noqa: E402
-from services.rollout.engine import Delta, EngineAsleep, EngineDead, EngineError  # noqa: E402
-from services.rollout.service import RolloutService  # noqa: E402
-from shared.config import ConfigError, connections  # noqa: E402
-from shared.messages.rollout import Sampling  # noqa: E402
+from services.rollout.config import load_config
+from services.rollout.engine import Delta, EngineAsleep, EngineDead, EngineError
+from services.rollout.service import RolloutService
+from shared.config import ConfigError, connections
+from shared.messages.rollout import Sampling
 
 # see the module docstring for where these come from
 STEP_MS = 2.0
@@ -199,7 +196,8 @@ class SimulatedEngine:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m services.rollout.simulated", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker-id", required=True)
     ap.add_argument("--model", required=True, help="the served model's dir (heartbeats name it; never loaded)")
     ap.add_argument("--capacity", type=int, default=16, help="max running requests (max_num_seqs)")

@@ -16,7 +16,7 @@ none does, says so and keeps the fastest), runs all three policies at the split 
 staleness and re-prefill for each. It writes the sweep as a PNG and the results as JSON
 under --out.
 
-Every figure comes from services/scheduler/sim.py, which drives the scheduler's own policy
+Every figure comes from services/scheduler/sim/simulator.py, which drives the scheduler's own policy
 module in virtual time; none is measured on hardware. Large clusters are simulated with
 session replicas and host groups (see sim.py); the table says which were used.
 """
@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from services.scheduler.sim import Cluster, simulate
-from services.scheduler.sim_result import Result
-from services.scheduler.sim_workload import (
+from services.scheduler.sim.result import Result
+from services.scheduler.sim.workload import (
     CALIBRATIONS,
     WORKLOADS,
     Calibration,

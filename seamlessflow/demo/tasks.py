@@ -5,8 +5,8 @@ calc:    "what is 37*48?" -> the agent calls the `calculator` tool through an Op
          call, reads the result in a second turn and answers "1776".
 
 Both score the final answer the same way: 0.5 * (fraction of positions right) + 0.5 * exact.
-The agents that run these tasks through the gateway live in seamlessflow/rl.py; the warm
-start that teaches their format lives in seamlessflow/warmstart.py.
+The agents that run these tasks through the gateway live in seamlessflow/demo/rl.py; the warm
+start that teaches their format lives in seamlessflow/demo/warmstart.py.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def calc_reward(answer: str, target: str) -> float:
 
 def calc_tool_call_text(expression: str) -> str:
     """What the model writes to call the tool: the format the chat template renders and
-    services/trajectory/toolcalls.py parses (arguments as json.dumps writes them)."""
+    shared/toolcalls.py parses (arguments as json.dumps writes them)."""
     return '<tool_call>{"name": "calculator", "arguments": ' + json.dumps({"expression": expression}) + "}</tool_call>"
 
 

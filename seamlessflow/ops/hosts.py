@@ -15,11 +15,10 @@ import json
 import time
 from pathlib import Path
 
-from services.scheduler.registry import fractions
 from shared import bus, subjects
 from shared.codec import decode, encode
 from shared.config import Connections
-from shared.messages.scheduler import SchedulerControl, SchedulerReply
+from shared.messages.scheduler import SchedulerControl, SchedulerReply, fractions
 
 
 async def ask(conn: Connections, op: str, host: str = "", policy: str = "", timeout: float = 10.0) -> SchedulerReply:

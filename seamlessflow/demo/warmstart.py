@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from seamlessflow.tasks import CALCULATOR_TOOL, answer_reward, calc_prompt, calc_tool_call_text, calculator_call, \
+from seamlessflow.demo.tasks import CALCULATOR_TOOL, answer_reward, calc_prompt, calc_tool_call_text, calculator_call, \
     reverse_prompt
 
 
@@ -136,7 +136,7 @@ def sampled_reward(model, tok, rng: random.Random, n: int = 64, max_new: int = 8
 
 
 def _calc_sampled_reward(model, tok, rng: random.Random, n: int) -> float:
-    from services.trajectory.toolcalls import parse
+    from shared.toolcalls import parse
 
     problems = [calc_prompt(rng) for _ in range(n)]
     prompts = [_prompt_ids(tok, q, [CALCULATOR_TOOL]) for q, _, _ in problems]
