@@ -1,7 +1,7 @@
 """What a weight directory holds, read without loading it: tensor specs from the
 safetensors headers.
 
-A failed in-place reload leaves vLLM dead (ENV-NOTES), so a directory is checked
+A failed in-place reload leaves vLLM dead (docs/environment.md), so a directory is checked
 here first: config.json parses, every *.safetensors file is whole and readable, and
 its tensors have the names and shapes of the checkpoint the engine started from.
 The trainer checks each snapshot before announcing it, the operator CLI before publishing,
