@@ -32,7 +32,7 @@ from services.gateway.errors import EXCEPTION_HANDLERS, ApiError
 from services.gateway.schemas import KeyCreate, decode
 from services.gateway.service import Gateway
 from services.gateway.store import key_id
-from shared.bus import BusUnavailable, ReplyTimeout
+from shared.bus import NoResponders, ReplyTimeout
 
 # a worker id is one NATS subject token (services/rollout/config.py): no dots, wildcards or spaces
 WORKER_ID = re.compile(r"[A-Za-z0-9_\-:@]{1,200}")
@@ -95,7 +95,7 @@ async def steer_worker(request: Request) -> Response:
         raise ApiError(404, f"no rollout worker {worker_id!r} is listening", "worker_not_found")
     try:
         status = await gw.control_worker(worker_id, op)
-    except BusUnavailable:
+    except NoResponders:  # NATS itself down stays a 503 (errors.py)
         raise ApiError(404, f"no rollout worker {worker_id!r} is listening", "worker_not_found") from None
     except ReplyTimeout:
         raise ApiError(504, f"rollout worker {worker_id!r} did not answer", "timeout") from None
@@ -107,7 +107,7 @@ async def list_hosts(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     try:
         reply = await gw.scheduler_status()
-    except BusUnavailable:
+    except NoResponders:  # NATS itself down stays a 503 (errors.py)
         raise ApiError(404, "no scheduler is running (start the stack with --policy)", "scheduler_not_found") from None
     except ReplyTimeout:
         raise ApiError(504, "the scheduler did not answer", "timeout") from None
