@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from services.gateway import openapi, ui
 from services.gateway.edge import JSON, read_body, same_secret
 from services.gateway.errors import EXCEPTION_HANDLERS, ApiError
+from services.gateway.limits import TenantLimits
 from services.gateway.schemas import KeyCreate, decode
 from services.gateway.service import Gateway
 from services.gateway.store import key_id
@@ -68,9 +69,18 @@ async def create_key(request: Request) -> Response:
     """A new user API key. The key itself is in this response only; Redis keeps its hash."""
     gw: Gateway = request.app.state.gateway
     body = decode(await read_body(request, gw.cfg.max_body_bytes), KeyCreate)
-    key, record = await gw.keys.add_user_key(body.name or "")
+    own = TenantLimits(body.rate_limit, body.rate_burst, body.max_concurrent)
+    key, record = await gw.keys.add_user_key(body.name or "", own if own != TenantLimits() else None)
     return JSON({"api_key": key, "key_id": key_id(key), "kind": record.kind, "name": record.name,
-                 "created": record.created}, status_code=201)
+                 "created": record.created, "limits": _limits_json(gw, record.limits)}, status_code=201)
+
+
+def _limits_json(gw: Gateway, own: TenantLimits | None) -> dict:
+    """The limits that hold for the key on this gateway: its own, else the gateway's settings."""
+    own = own or TenantLimits()
+    return {"rate_limit": gw.cfg.rate_limit if own.rate_limit is None else own.rate_limit,
+            "rate_burst": gw.cfg.rate_burst if own.rate_burst is None else own.rate_burst,
+            "max_concurrent": gw.cfg.max_concurrent if own.max_concurrent is None else own.max_concurrent}
 
 
 def _worker_json(s) -> dict:
