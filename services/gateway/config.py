@@ -41,9 +41,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # a key minted with its own (POST /admin/keys) overrides them. One training job is one tenant of
     # up to thousands of agents, each with at most one turn in flight. The defaults admit 8,192 turns
     # in flight (4,096 agents twice over) and 20,000 requests/s (4,096 agents each with a turn every
-    # half second and their sessions' share send ~11,000/s); one gateway process on a laptop serves
-    # ~1,000 requests/s (bench/load.py, 500 agents of one key), so they stop only a runaway client
-    # (429 with Retry-After past them).
+    # half second and their sessions' share send ~11,000/s); one gateway process on a 2-core box
+    # serves ~1,200 requests/s (bench/load.py, 500 agents of one key: ~880 turns/s, no 429), so they
+    # stop only a runaway client (429 with Retry-After past them).
     rate_limit: float = 20000.0  # requests per second (a token bucket)
     rate_burst: int = 40000  # requests at once after a quiet spell
     max_concurrent: int = 8192  # turns (chat, completions, responses) in flight
