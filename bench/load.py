@@ -17,8 +17,13 @@ conversation with the session's key (each turn sends the history and the replies
 the session with a reward, and starts the next, until the run ends; then it finishes the session it has
 open. `--warmup` seconds of load come before the `--seconds` measured.
 
-Reports, per replica count: turns/s and p50/p99 turn latency in the measured window; errors over the
-whole run by kind (expected 0); Redis `used_memory` after minus before, per finished session; the
+A 429 (a limit of the key, services/gateway/limits.py) is waited out as its Retry-After says (at most
+`RETRY_AFTER_MAX` s), then the same request is sent again, up to `RETRIES_429` times, as the openai SDK
+does; a turn's latency includes those waits.
+
+Reports, per replica count: turns/s and p50/p99 turn latency in the measured window; 429s over the whole
+run by kind (each refused try; expected 0 with the default limits), apart from errors (everything else,
+and a request still refused after its last try; expected 0), by kind; Redis `used_memory` after minus before, per finished session; the
 JetStream lag of the trainer's durable consumer on TRAJECTORIES (a stand-in trainer in this process acks
 each trajectory as it comes, `--no-drain` leaves them pending; num_pending is sampled every second);
 and the CPU each process used in the window (/proc schedstat, every thread) as ms per turn and as cores,
@@ -37,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import multiprocessing as mp
 import os
 import random
@@ -59,6 +65,9 @@ from bench.cpu_cap import CpuCap  # noqa: E402
 from bench.gateway_overhead import MODEL_NAME, cpu_seconds, pct, use_profiler  # noqa: E402
 
 REQUEST_TIMEOUT = 120.0  # seconds: one HTTP call (the gateway's own turn timeouts are shorter)
+RETRY_AFTER_MAX = 10.0  # seconds: the longest Retry-After a 429 is waited out for
+RETRIES_429 = 5  # tries after a 429 before the request counts as an error (5 x 10 s stays well
+                 # within the REQUEST_TIMEOUT + 60 s that the bench waits for a generator's tally)
 _enc, _dec = msgspec.json.Encoder(), msgspec.json.Decoder()
 
 
@@ -74,6 +83,16 @@ def classify(status: int, body: bytes | None = None, exc: BaseException | None =
     except (msgspec.DecodeError, AttributeError):
         code = "unparsed"
     return f"http-{status}:{code}" if code else f"http-{status}"
+
+
+def retry_after(header: str | None) -> float:
+    """Seconds to wait before trying a 429'd request again: its Retry-After (delay-seconds), within
+    [0, RETRY_AFTER_MAX]; 1 s when it has none or one this cannot read (an HTTP date)."""
+    try:
+        wait = float(header or "")
+    except ValueError:
+        return 1.0
+    return min(max(wait, 0.0), RETRY_AFTER_MAX) if math.isfinite(wait) else 1.0
 
 
 def group(name: str) -> str:
@@ -109,11 +128,21 @@ class Tally:
     turns_total: int = 0
     sessions_finished: int = 0
     errors: Counter = field(default_factory=Counter)
-    examples: dict[str, str] = field(default_factory=dict)  # error kind -> its first message
+    limited: Counter = field(default_factory=Counter)  # 429s (each refused try), by kind: not errors
+    examples: dict[str, str] = field(default_factory=dict)  # error or 429 kind -> its first message
 
     def error(self, kind: str, what: str) -> None:
         self.errors[kind] += 1
         self.examples.setdefault(kind, what[:300])
+
+    def refused(self, kind: str, what: str) -> None:
+        self.limited[kind] += 1
+        self.examples.setdefault(kind, what[:300])
+
+    def as_dict(self) -> dict:
+        return {"latencies": self.latencies, "turns": self.turns, "turns_total": self.turns_total,
+                "sessions_finished": self.sessions_finished, "errors": dict(self.errors),
+                "limited": dict(self.limited), "examples": self.examples}
 
     def add(self, other: dict) -> None:
         self.latencies += other["latencies"]
@@ -121,20 +150,35 @@ class Tally:
         self.turns_total += other["turns_total"]
         self.sessions_finished += other["sessions_finished"]
         self.errors.update(other["errors"])
+        self.limited.update(other.get("limited", {}))
         self.examples = other["examples"] | self.examples
 
 
-async def _post(http: aiohttp.ClientSession, url: str, key: str, body: dict, tally: Tally) -> dict | None:
-    """POST JSON; the decoded answer, or None with the error counted."""
-    try:
-        async with http.post(url, data=_enc.encode(body), headers={"Authorization": f"Bearer {key}",
-                                                                   "Content-Type": "application/json"}) as r:
-            raw = await r.read()
-            if r.status == 200:
-                return _dec.decode(raw)
-            tally.error(classify(r.status, raw), f"{url.rsplit('/', 1)[-1]}: {raw.decode(errors='replace')}")
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        tally.error(classify(0, exc=e), f"{url.rsplit('/', 1)[-1]}: {e!r}")
+async def _post(http: aiohttp.ClientSession, url: str, key: str, body: dict, tally: Tally,
+                retries: int = RETRIES_429) -> dict | None:
+    """POST JSON; the decoded answer, or None with the error counted. A 429 is counted apart, waited
+    out (`retry_after`) and the same body sent again, at most `retries` times; the 429 after the last
+    try counts as an error too."""
+    data, what = _enc.encode(body), url.rsplit("/", 1)[-1]
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    for attempt in range(retries + 1):
+        try:
+            async with http.post(url, data=data, headers=headers) as r:
+                raw = await r.read()
+                if r.status == 200:
+                    return _dec.decode(raw)
+                kind, text = classify(r.status, raw), f"{what}: {raw.decode(errors='replace')}"
+                if r.status != 429:
+                    tally.error(kind, text)
+                    return None
+                tally.refused(kind, text)
+                wait = retry_after(r.headers.get("Retry-After"))
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            tally.error(classify(0, exc=e), f"{what}: {e!r}")
+            return None
+        if attempt < retries:
+            await asyncio.sleep(wait)
+    tally.error(f"{kind}:after-{retries}-retries", text)
     return None
 
 
@@ -180,8 +224,7 @@ async def _generate(index: int, spec: dict) -> dict:
         await asyncio.gather(*(_start_later(i / spec["agents"], _agent(http, spec["base"], spec["user_key"], spec,
                                                                          rng, tally))
                                for i in range(spec["agents"])))
-    return {"latencies": tally.latencies, "turns": tally.turns, "turns_total": tally.turns_total,
-            "sessions_finished": tally.sessions_finished, "errors": dict(tally.errors), "examples": tally.examples}
+    return tally.as_dict()
 
 
 async def _start_later(delay: float, coro) -> None:
@@ -345,7 +388,9 @@ async def _measure(stack, replicas: int, procs: list, args, caps: dict[str, CpuC
         "p50_ms": round(pct(lat_ms, 0.5), 1) if lat_ms else None,
         "p99_ms": round(pct(lat_ms, 0.99), 1) if lat_ms else None,
         "turns_total": tally.turns_total, "sessions_finished": tally.sessions_finished,
-        "errors": dict(tally.errors), "error_count": sum(tally.errors.values()), "error_examples": tally.examples,
+        "errors": dict(tally.errors), "error_count": sum(tally.errors.values()),
+        "rate_limited": dict(tally.limited), "rate_limited_count": sum(tally.limited.values()),
+        "error_examples": tally.examples,
         "redis_bytes_per_session": round((mem1 - mem0) / max(tally.sessions_finished, 1)),
         "redis_used_memory_before_after": [mem0, mem1],
         "consumer": {**consumer, "drained": not args.no_drain,
@@ -363,20 +408,21 @@ async def _measure(stack, replicas: int, procs: list, args, caps: dict[str, CpuC
 
 def print_table(rows: list[dict]) -> None:
     buckets = sorted({b for r in rows for b in r["cpu"]}, key=lambda b: (b == "bench", b == "generator", b))
-    print("\n| code | replicas | turns/s | p50 / p99 ms | errors | Redis B / session | consumer lag max (final) "
+    print("\n| code | replicas | turns/s | p50 / p99 ms | errors | 429s | Redis B / session | consumer lag max (final) "
           "| machine busy cores | " + " | ".join(buckets) + " |")
-    print("|---" * (8 + len(buckets)) + "|")
+    print("|---" * (9 + len(buckets)) + "|")
     for r in rows:
         cells = [f"{r['cpu'][b]['ms_per_turn']} ms ({r['cpu'][b]['cores']})" if b in r["cpu"] else "" for b in buckets]
         c = r["consumer"]
         code = r["code"] + (f" (each replica capped at {r['replica_cpu']} core)" if r.get("replica_cpu") else "")
         print(f"| {code} | {r['replicas']} | {r['turns_per_s']} | {r['p50_ms']} / {r['p99_ms']} | {r['error_count']} "
-              f"| {r['redis_bytes_per_session']} | {c['window_num_pending_max']} ({c['final_num_pending']}) "
+              f"| {r['rate_limited_count']} | {r['redis_bytes_per_session']} | {c['window_num_pending_max']} ({c['final_num_pending']}) "
               f"| {r['machine_busy_cores']} / {r['machine_cores']} | " + " | ".join(cells) + " |")
     print("(CPU cells: ms per turn (cores) in the measured window)")
     for r in rows:
-        if r["errors"]:
-            print(f"errors with {r['replicas']} replica(s): {r['errors']}; first of each: {r['error_examples']}")
+        if r["errors"] or r["rate_limited"]:
+            print(f"errors with {r['replicas']} replica(s): {r['errors']}; 429s: {r['rate_limited']}; "
+                  f"first of each: {r['error_examples']}")
 
 
 def main() -> None:

@@ -33,7 +33,15 @@ _warn = OncePerCause(log)
 
 
 class BusUnavailable(ConnectionError):
-    """NATS could not be reached, or nobody serves the subject."""
+    """NATS could not be reached, or nobody serves the subject (NoResponders)."""
+
+
+class NoResponders(BusUnavailable):
+    """NATS is up, but nothing subscribes to the subject: the service behind it is not running."""
+
+    def __init__(self, subject: str) -> None:
+        super().__init__(f"nobody serves {subject}")
+        self.subject = subject
 
 
 class ReplyTimeout(TimeoutError):
@@ -154,7 +162,7 @@ class Replies:
 
     def _data(self, msg: Msg) -> bytes:
         if _is_no_responders(msg):
-            raise BusUnavailable(f"nobody serves {self.subject}")
+            raise NoResponders(self.subject)
         self._timeout = self._idle
         return msg.data
 
@@ -256,7 +264,7 @@ async def request(nc: NATS, subject: str, payload: bytes, timeout: float) -> byt
     try:
         msg = await nc.request(subject, payload, timeout=timeout)
     except nats.errors.NoRespondersError:
-        raise BusUnavailable(f"nobody serves {subject}") from None
+        raise NoResponders(subject) from None
     except NatsTimeout:
         raise ReplyTimeout(f"no reply on {subject} within {timeout:.1f}s") from None
     return msg.data

@@ -29,10 +29,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from services.gateway import openapi, ui
 from services.gateway.edge import JSON, read_body, same_secret
 from services.gateway.errors import EXCEPTION_HANDLERS, ApiError
+from services.gateway.limits import TenantLimits
 from services.gateway.schemas import KeyCreate, decode
 from services.gateway.service import Gateway
 from services.gateway.store import key_id
-from shared.bus import BusUnavailable, ReplyTimeout
+from shared.bus import NoResponders, ReplyTimeout
 
 # a worker id is one NATS subject token (services/rollout/config.py): no dots, wildcards or spaces
 WORKER_ID = re.compile(r"[A-Za-z0-9_\-:@]{1,200}")
@@ -68,9 +69,18 @@ async def create_key(request: Request) -> Response:
     """A new user API key. The key itself is in this response only; Redis keeps its hash."""
     gw: Gateway = request.app.state.gateway
     body = decode(await read_body(request, gw.cfg.max_body_bytes), KeyCreate)
-    key, record = await gw.keys.add_user_key(body.name or "")
+    own = TenantLimits(body.rate_limit, body.rate_burst, body.max_concurrent)
+    key, record = await gw.keys.add_user_key(body.name or "", own if own != TenantLimits() else None)
     return JSON({"api_key": key, "key_id": key_id(key), "kind": record.kind, "name": record.name,
-                 "created": record.created}, status_code=201)
+                 "created": record.created, "limits": _limits_json(gw, record.limits)}, status_code=201)
+
+
+def _limits_json(gw: Gateway, own: TenantLimits | None) -> dict:
+    """The limits that hold for the key on this gateway: its own, else the gateway's settings."""
+    own = own or TenantLimits()
+    return {"rate_limit": gw.cfg.rate_limit if own.rate_limit is None else own.rate_limit,
+            "rate_burst": gw.cfg.rate_burst if own.rate_burst is None else own.rate_burst,
+            "max_concurrent": gw.cfg.max_concurrent if own.max_concurrent is None else own.max_concurrent}
 
 
 def _worker_json(s) -> dict:
@@ -95,7 +105,7 @@ async def steer_worker(request: Request) -> Response:
         raise ApiError(404, f"no rollout worker {worker_id!r} is listening", "worker_not_found")
     try:
         status = await gw.control_worker(worker_id, op)
-    except BusUnavailable:
+    except NoResponders:  # NATS itself down stays a 503 (errors.py)
         raise ApiError(404, f"no rollout worker {worker_id!r} is listening", "worker_not_found") from None
     except ReplyTimeout:
         raise ApiError(504, f"rollout worker {worker_id!r} did not answer", "timeout") from None
@@ -107,7 +117,7 @@ async def list_hosts(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     try:
         reply = await gw.scheduler_status()
-    except BusUnavailable:
+    except NoResponders:  # NATS itself down stays a 503 (errors.py)
         raise ApiError(404, "no scheduler is running (start the stack with --policy)", "scheduler_not_found") from None
     except ReplyTimeout:
         raise ApiError(504, "the scheduler did not answer", "timeout") from None

@@ -85,7 +85,7 @@ class Turn:
         turns in flight (429). The prompt-token limit rides on the request, to the tokenizer."""
         limits.check_turn(chat, gw.turn_limits, kind)
         chat.max_prompt_tokens = gw.cfg.max_prompt_tokens
-        return cls(gw, kind, chat, gw.limiter.acquire(key.owner, time.monotonic()))
+        return cls(gw, kind, chat, gw.limiter.acquire(key.owner, time.monotonic(), key.limits))
 
     def release(self) -> None:
         if self.permit is not None:

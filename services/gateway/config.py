@@ -37,12 +37,16 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     session_timeout: float = 10.0  # seconds for one session request/reply
     max_tokens_default: int = 256  # chat completions without max_tokens
     max_context: int = 2048  # quick check only; the trajectory manager does the exact one
-    # Limits per tenant (a user key with the session keys it minted), per gateway process; 0 = off.
-    # The defaults stop a runaway agent loop, never one laptop's real work (bench/gateway_overhead.py,
-    # 64 sessions of one user key, runs ~120 turns/s): 429 with Retry-After past them.
-    rate_limit: float = 1000.0  # requests per second (a token bucket)
-    rate_burst: int = 2000  # requests at once after a quiet spell
-    max_concurrent: int = 1024  # turns (chat, completions, responses) in flight
+    # Limits per tenant (a user key with the session keys it minted), per gateway process; 0 = off;
+    # a key minted with its own (POST /admin/keys) overrides them. One training job is one tenant of
+    # up to thousands of agents, each with at most one turn in flight. The defaults admit 8,192 turns
+    # in flight (4,096 agents twice over) and 20,000 requests/s (4,096 agents each with a turn every
+    # half second and their sessions' share send ~11,000/s); one gateway process on a 2-core box
+    # serves ~1,200 requests/s (bench/load.py, 500 agents of one key: ~880 turns/s, no 429), so they
+    # stop only a runaway client (429 with Retry-After past them).
+    rate_limit: float = 20000.0  # requests per second (a token bucket)
+    rate_burst: int = 40000  # requests at once after a quiet spell
+    max_concurrent: int = 8192  # turns (chat, completions, responses) in flight
     # The size of one turn; 0 = off. A larger one is a 400 naming the field.
     max_messages: int = 2048  # messages (or input items) in one request
     max_tools: int = 128  # tools in one request (OpenAI's own limit)

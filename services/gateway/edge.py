@@ -68,11 +68,11 @@ def bearer(request: Request) -> str:
 
 async def authenticate(request: Request, keys: KeyStore, limiter: Limiter) -> KeyRecord:
     """The caller's key record (user or session key), or 401; then one request of its tenant's
-    rate (429 past it). Redis down -> StoreUnavailable (503)."""
+    rate, its own or the gateway's (429 past it). Redis down -> StoreUnavailable (503)."""
     record = await keys.lookup(bearer(request))
     if record is None:
         raise ApiError(401, "Incorrect API key provided.", "invalid_api_key")
-    limiter.check_rate(record.owner, time.monotonic())
+    limiter.check_rate(record.owner, time.monotonic(), record.limits)
     return record
 
 

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from shared.bus import BusUnavailable, ReplyTimeout
+from shared.bus import BusUnavailable, NoResponders, ReplyTimeout
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
                  type: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.headers = headers or {}
+        self.headers = dict(headers or {})
         self.status = status
         self.message = message
         self.code = code
@@ -83,19 +83,23 @@ def from_validation(e: msgspec.ValidationError | msgspec.DecodeError) -> ApiErro
     return ApiError(400, text, code, param)
 
 
+# Every 503 is a backend down or busy for now: clients (the openai SDK among them) retry after this much.
+RETRY_SOON = {"retry-after": "1"}
+
+
 def from_exception(e: Exception) -> ApiError:
     """Map the failures behind the gateway to what the agent should see."""
     if isinstance(e, ApiError):
         return e
     if isinstance(e, StoreBusy):
-        return ApiError(503, f"the gateway is overloaded: {e}; retry", "overloaded", headers={"retry-after": "1"})
+        return ApiError(503, f"the gateway is overloaded: {e}; retry", "overloaded", headers=RETRY_SOON)
     if isinstance(e, StoreUnavailable):
-        return ApiError(503, f"Redis is unreachable: {e}", "redis_unavailable")
+        return ApiError(503, f"Redis is unreachable: {e}", "redis_unavailable", headers=RETRY_SOON)
+    if isinstance(e, NoResponders):
+        return ApiError(503, f"the trajectory manager is unavailable ({e})", "trajectory_unavailable",
+                        headers=RETRY_SOON)
     if isinstance(e, BusUnavailable):
-        text = str(e)
-        if text.startswith("nobody serves"):
-            return ApiError(503, f"the trajectory manager is unavailable ({text})", "trajectory_unavailable")
-        return ApiError(503, f"NATS is unreachable: {text}", "nats_unavailable")
+        return ApiError(503, f"NATS is unreachable: {e}", "nats_unavailable", headers=RETRY_SOON)
     if isinstance(e, ReplyTimeout):
         return ApiError(504, f"the trajectory manager did not answer in time: {e}", "upstream_timeout")
     log.exception("unhandled error")

@@ -1,11 +1,13 @@
 """What one tenant may ask of the gateway: a request rate, turns in flight, and the size of a turn.
 
 A tenant is a user API key together with the session keys it minted (`KeyRecord.owner`), so a
-user cannot escape its limits by opening more sessions. Pure: no I/O, the clock is an argument.
+user cannot escape its limits by opening more sessions. Its rate and turns in flight are the
+gateway's settings unless its key was minted with its own (`TenantLimits`, POST /admin/keys; a
+session key carries its tenant's). Pure: no I/O, the clock is an argument.
 
-    limiter = Limiter(rate=1000, burst=2000, concurrent=1024)
-    limiter.check_rate(tenant, now)          # every authenticated request; LimitExceeded -> 429
-    permit = limiter.acquire(tenant)         # a turn, from validation to its last byte
+    limiter = Limiter(rate=10_000, burst=20_000, concurrent=8192)
+    limiter.check_rate(tenant, now, own)     # every authenticated request; LimitExceeded -> 429
+    permit = limiter.acquire(tenant, now, own)  # a turn, from validation to its last byte
     ...
     permit.release()                         # idempotent
 
@@ -18,12 +20,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
+
+import msgspec
 
 from services.gateway.errors import ApiError
 from shared.messages.chat import ChatRequest
 
 MAX_TENANTS = 100_000  # tenants remembered; idle ones (full bucket, nothing in flight) are dropped past it
+
+NonNegative = msgspec.Meta(ge=0)
+
+
+class TenantLimits(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """One tenant's own limits, stored with its keys (store.KeyRecord). None: the gateway's setting
+    (SF_GATEWAY_RATE_LIMIT, _RATE_BURST, _MAX_CONCURRENT); 0: that limit off, as in the settings."""
+
+    rate_limit: Annotated[float, NonNegative] | None = None  # requests per second
+    rate_burst: Annotated[int, NonNegative] | None = None  # requests at once after a quiet spell
+    max_concurrent: Annotated[int, NonNegative] | None = None  # turns in flight
 
 
 class LimitExceeded(ApiError):
@@ -45,6 +60,8 @@ class LimitExceeded(ApiError):
 class _Tenant:
     tokens: float
     stamp: float
+    rate: float  # the bucket's own rate and size, from the tenant's last request
+    burst: float
     in_flight: int = 0
 
 
@@ -63,7 +80,8 @@ class Permit:
 
 
 class Limiter:
-    """A token bucket (`rate` per second, up to `burst`) and a cap on turns in flight, per tenant.
+    """A token bucket (`rate` per second, up to `burst`) and a cap on turns in flight, per tenant:
+    these are the defaults, and a tenant's own `TenantLimits` (passed with each call) override them.
     0 turns a limit off."""
 
     # how long a refused turn is told to wait: a turn takes about this long to free its place
@@ -76,38 +94,45 @@ class Limiter:
         self.max_tenants = max_tenants
         self._tenants: dict[str, _Tenant] = {}
 
-    def _get(self, tenant: str, now: float) -> _Tenant:
+    def _get(self, tenant: str, now: float, rate: float, burst: float) -> _Tenant:
         t = self._tenants.get(tenant)
         if t is None:
             if len(self._tenants) >= self.max_tenants:
                 self._forget_idle(now)
-            t = self._tenants[tenant] = _Tenant(self.burst, now)
+            t = self._tenants[tenant] = _Tenant(burst, now, rate, burst)
         return t
 
     def _forget_idle(self, now: float) -> None:
         self._tenants = {k: t for k, t in self._tenants.items()
-                         if t.in_flight or self._refilled(t, now) < self.burst}
+                         if t.in_flight or self._refilled(t, now) < t.burst}
 
-    def _refilled(self, t: _Tenant, now: float) -> float:
-        return min(self.burst, t.tokens + max(0.0, now - t.stamp) * self.rate)
+    @staticmethod
+    def _refilled(t: _Tenant, now: float) -> float:
+        return min(t.burst, t.tokens + max(0.0, now - t.stamp) * t.rate)
 
-    def check_rate(self, tenant: str, now: float) -> None:
+    def check_rate(self, tenant: str, now: float, own: TenantLimits | None = None) -> None:
         """Take one token from the tenant's bucket, or raise LimitExceeded (how long until one is there)."""
-        if self.rate <= 0:
+        rate, burst = self.rate, self.burst
+        if own is not None:
+            rate = rate if own.rate_limit is None else own.rate_limit
+            burst = burst if own.rate_burst is None else max(own.rate_burst, 1.0)
+        if rate <= 0:
             return
-        t = self._get(tenant, now)
+        t = self._get(tenant, now, rate, burst)
+        t.rate, t.burst = rate, burst
         t.tokens, t.stamp = self._refilled(t, now), now
         if t.tokens < 1.0:
-            raise LimitExceeded("rate", self.rate, (1.0 - t.tokens) / self.rate)
+            raise LimitExceeded("rate", rate, (1.0 - t.tokens) / rate)
         t.tokens -= 1.0
 
-    def acquire(self, tenant: str, now: float) -> Permit:
+    def acquire(self, tenant: str, now: float, own: TenantLimits | None = None) -> Permit:
         """A place among the tenant's turns in flight, or LimitExceeded."""
-        if self.concurrent <= 0:
+        limit = self.concurrent if own is None or own.max_concurrent is None else own.max_concurrent
+        if limit <= 0:
             return Permit(None, tenant)
-        t = self._get(tenant, now)
-        if t.in_flight >= self.concurrent:
-            raise LimitExceeded("concurrency", self.concurrent, self.CONCURRENCY_RETRY_AFTER)
+        t = self._get(tenant, now, self.rate, self.burst)
+        if t.in_flight >= limit:
+            raise LimitExceeded("concurrency", limit, self.CONCURRENCY_RETRY_AFTER)
         t.in_flight += 1
         return Permit(self, tenant)
 

@@ -230,14 +230,14 @@ def admin_document(cfg: GatewayConfig) -> dict[str, Any]:
         "paths": {
             "/admin/keys": {"post": {
                 "operationId": "createUserKey", "requestBody": _body("KeyCreate", required=False),
-                "responses": _answers("{api_key, key_id, kind, name, created}; the key is shown once",
+                "responses": _answers("{api_key, key_id, kind, name, created, limits}; the key is shown once",
                                       400, 401, 413, 503, status="201")}},
             "/admin/workers": {"get": {"operationId": "listWorkers", "responses": _answers("{workers: [...]}", 401)}},
             "/admin/workers/{worker_id}/{op}": {"post": {
                 "operationId": "steerWorker", "parameters": worker,
-                "responses": _answers("the worker's status", 401, 404, 504)}},
+                "responses": _answers("the worker's status", 401, 404, 503, 504)}},
             "/admin/hosts": {"get": {"operationId": "listHosts",
-                                     "responses": _answers("{policy, counts, hosts}", 401, 404, 504)}},
+                                     "responses": _answers("{policy, counts, hosts}", 401, 404, 503, 504)}},
             "/metrics": {"get": {"operationId": "metrics", "responses": {
                 "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
                 **_errors(401)}}},

@@ -173,6 +173,10 @@ class FinishBody(msgspec.Struct, kw_only=True):
 
 class KeyCreate(msgspec.Struct, kw_only=True):
     name: str | None = None  # a label for operators; stored with the key's hash
+    # the tenant's own limits (limits.TenantLimits); absent or null: the gateway's SF_GATEWAY_* setting
+    rate_limit: Annotated[float, Meta(ge=0, description="requests per second; 0: off")] | None = None
+    rate_burst: Annotated[int, Meta(ge=0, description="requests at once after a quiet spell")] | None = None
+    max_concurrent: Annotated[int, Meta(ge=0, description="turns in flight; 0: off")] | None = None
 
 
 AGENT_BODIES: tuple[type, ...] = (ChatCompletionRequest, CompletionRequest, SessionCreate, RewardBody, FinishBody)

@@ -268,7 +268,7 @@ class Gateway:
         return self.workers.fresh(time.time())
 
     async def scheduler_status(self, timeout: float = 5.0) -> SchedulerReply:
-        """The tag scheduler's hosts; raises BusUnavailable if no scheduler runs."""
+        """The tag scheduler's hosts; raises NoResponders if no scheduler runs."""
         data = await request(self.nc, subjects.SCHED_CTL, encode(SchedulerControl(op="status")), timeout)
         return decode(data, SchedulerReply)
 
@@ -281,7 +281,7 @@ class Gateway:
             return None
 
     async def control_worker(self, worker_id: str, op: str, timeout: float = 30.0) -> WorkerStatus:
-        """vacate / resume one worker; raises BusUnavailable if no such worker listens."""
+        """vacate / resume one worker; raises NoResponders if no such worker listens."""
         data = await request(self.nc, subjects.rollout_ctl(worker_id), encode(RolloutControl(op=op)), timeout)
         status = decode(data, WorkerStatus)
         self.workers.update(status)

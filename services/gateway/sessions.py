@@ -67,7 +67,7 @@ async def create(request: Request) -> Response:
         op="create", group_id=body.group_id or "", metadata=body.metadata or {})))
     if not reply.session_id:
         raise ApiError(502, "the trajectory manager created a session without an id", "upstream_error")
-    api_key = await gw.keys.add_session_key(reply.session_id, key.owner)
+    api_key = await gw.keys.add_session_key(reply.session_id, key.owner, key.limits)
     gw.session_event("created")
     # The manager's extras (e.g. policy_version) pass through; the key is shown this once.
     return JSON({**reply.body, "id": reply.session_id, "object": "session", "api_key": api_key,

@@ -1,7 +1,7 @@
 """API keys and stored responses in Redis: the only gateway module that touches Redis.
 
 A key is never stored, only its SHA-256: `sf:key:<sha256 hex>` -> JSON
-{"kind": "user"|"session", "session_id": ..., "created": ..., "name": ..., "owner": ...}.
+{"kind": "user"|"session", "session_id": ..., "created": ..., "name": ..., "owner": ..., "limits": ...}.
 A key is found by the hash of what the caller sent, a dictionary lookup: no secret is ever
 compared byte by byte, so the time an answer takes tells nothing of a key (the admin key, the one
 secret compared as such, goes through hmac.compare_digest: edge.same_secret).
@@ -33,6 +33,7 @@ from redis.backoff import ConstantBackoff
 from redis.exceptions import RedisError
 
 from services.gateway.errors import StoreBusy, StoreUnavailable
+from services.gateway.limits import TenantLimits
 from shared.redispool import FairPool, PoolExhausted
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,9 @@ class KeyRecord(msgspec.Struct, frozen=True):
     # its session. Sessions, stored responses and limits belong to a tenant. Filled in by `lookup`
     # where Redis has none (user keys; session keys minted before tenants existed: their own hash).
     owner: str = ""
+    # The tenant's own rate and concurrency limits, set when its user key was minted and copied onto
+    # the session keys it mints; None: the gateway's settings.
+    limits: TenantLimits | None = None
 
 
 _record = msgspec.json.Decoder(KeyRecord)
@@ -130,17 +134,18 @@ class KeyStore:
             self._cache[h] = (record, now + self.cache_seconds)
         return record
 
-    async def add_user_key(self, name: str = "") -> tuple[str, KeyRecord]:
+    async def add_user_key(self, name: str = "", limits: TenantLimits | None = None) -> tuple[str, KeyRecord]:
         key = mint()
-        record = KeyRecord(kind="user", created=time.time(), name=name)
+        record = KeyRecord(kind="user", created=time.time(), name=name, limits=limits)
         await self._call("key create", self.redis.set(KEY_PREFIX + digest(key), msgspec.json.encode(record)))
         log.info("created user key %s (%s)", key_id(key), name or "unnamed")
         return key, msgspec.structs.replace(record, owner=digest(key))
 
-    async def add_session_key(self, session_id: str, owner: str) -> str:
-        """A key for `session_id`, and the session's tenant (`owner`), written together."""
+    async def add_session_key(self, session_id: str, owner: str, limits: TenantLimits | None = None) -> str:
+        """A key for `session_id`, and the session's tenant (`owner`), written together; the key
+        carries the tenant's `limits`."""
         key = mint()
-        record = KeyRecord(kind="session", session_id=session_id, created=time.time(), owner=owner)
+        record = KeyRecord(kind="session", session_id=session_id, created=time.time(), owner=owner, limits=limits)
         ttl = self.session_ttl or None
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(KEY_PREFIX + digest(key), msgspec.json.encode(record), ex=ttl)

@@ -13,7 +13,7 @@ import pytest
 
 from seamlessflow.stack import servers
 from shared.config import Connections
-from tests.integration.test_gateway_api import MODEL, FakeTrajectory, run_gateway, user
+from tests.integration.test_gateway_api import ADMIN_KEY, MODEL, FakeTrajectory, run_gateway, user
 
 pytestmark = pytest.mark.integration
 
@@ -67,6 +67,36 @@ async def test_rate_limit_is_429_with_retry_after_per_tenant(conn, fake):
         assert info.value.code == "rate_limit_exceeded"
         async with gw.http(key=None) as anon:
             assert (await anon.get("/healthz")).status_code == 200  # not an agent request
+
+
+async def test_a_key_minted_with_its_own_limits_is_held_to_them_and_its_sessions_too(conn, fake):
+    async with run_gateway(conn) as gw, gw.http(ADMIN_KEY, admin=True) as adm:
+        r = await adm.post("/admin/keys", json={"name": "low", "rate_limit": 0.5, "rate_burst": 3,
+                                                "max_concurrent": 1})
+        assert r.status_code == 201, r.text
+        assert r.json()["limits"] == {"rate_limit": 0.5, "rate_burst": 3, "max_concurrent": 1}
+        low = r.json()["api_key"]
+        r = await adm.post("/admin/keys", json={"name": "defaults"})
+        cfg = gw.gateway.cfg
+        assert r.json()["limits"] == {"rate_limit": cfg.rate_limit, "rate_burst": cfg.rate_burst,
+                                      "max_concurrent": cfg.max_concurrent}
+        plain = r.json()["api_key"]
+        for bad in ({"rate_limit": -1}, {"max_concurrent": 1.5}, {"rate_burst": "many"}):
+            r = await adm.post("/admin/keys", json=bad)
+            assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(bad)), r.text
+        async with gw.http(low) as http:
+            session_key = (await http.post("/v1/sessions")).json()["api_key"]  # 1
+            path, body = TURNS["chat"]
+            assert (await http.post(path, json=body)).status_code == 200  # 2
+            assert (await http.post(path, json=body)).status_code == 200  # 3: the burst is spent
+            r = await http.post(path, json=body)
+            assert_429(r, "rate_limit_exceeded")
+            assert r.headers["retry-after"] == "2" and "0.5 requests per second" in r.json()["error"]["message"]
+        async with gw.http(session_key) as own:  # the session's key carries its tenant's limits
+            assert_429(await own.post(path, json=body), "rate_limit_exceeded")
+        async with gw.http(plain) as http:  # a key minted without limits has the gateway's
+            for _ in range(10):
+                assert (await http.post(path, json=body)).status_code == 200
 
 
 async def test_concurrency_limit_counts_turns_in_flight_until_they_end(conn, fake):

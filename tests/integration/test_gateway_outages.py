@@ -86,6 +86,7 @@ async def test_no_trajectory_manager_is_503(gw):
             assert r.status_code == 503, r.text
             error = r.json()["error"]
             assert error["code"] == "trajectory_unavailable" and "sf.chat" in error["message"]
+            assert r.headers["retry-after"] == "1"
         r = await http.post("/v1/sessions")
         assert r.status_code == 503 and "sf.session.create" in r.json()["error"]["message"]
         assert (await http.get("/healthz")).status_code == 200  # NATS and Redis themselves are fine
@@ -139,6 +140,7 @@ async def test_redis_outage_and_recovery(gw, fake, infra):
             await gw.sdk(unused_key).chat.completions.create(model=MODEL, messages=user("during"))
         assert info.value.status_code == 503 and info.value.code == "redis_unavailable"
         assert "Redis is unreachable" in info.value.message
+        assert info.value.response.headers["retry-after"] == "1"
         assert time.monotonic() - start < 3  # socket timeouts: an outage never hangs a request
         async with gw.http(key=None) as anon:
             r = await anon.get("/healthz")
@@ -164,7 +166,7 @@ async def test_nats_outage_and_recovery(gw, fake, infra):
         async with gw.http() as http:
             r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": user("x")})
         assert r.status_code == 503 and r.json()["error"]["code"] == "nats_unavailable"
-        assert "NATS" in r.json()["error"]["message"]
+        assert "NATS" in r.json()["error"]["message"] and r.headers["retry-after"] == "1"
     finally:
         nats.start()
 

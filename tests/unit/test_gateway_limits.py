@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError
-from services.gateway.limits import LimitExceeded, Limiter, TurnLimits, check_turn
+from services.gateway.limits import LimitExceeded, Limiter, TenantLimits, TurnLimits, check_turn
 from shared.messages.chat import ChatRequest
 from shared.messages.rollout import Sampling
 
@@ -70,6 +71,81 @@ def test_idle_tenants_are_forgotten_and_busy_or_draining_ones_kept():
     lim.check_rate("d", 100.0)  # every bucket but the busy tenant's is full again: forgotten
     assert set(lim._tenants) == {"busy", "d"} and lim.in_flight("busy") == 1
     busy.release()
+
+
+def test_a_tenants_own_limits_override_the_defaults_field_by_field():
+    lim = Limiter(rate=1000.0, burst=1000, concurrent=1000)
+    low = TenantLimits(rate_limit=1.0, rate_burst=2, max_concurrent=1)
+    lim.check_rate("low", 0.0, low)
+    lim.check_rate("low", 0.0, low)
+    e = refused(lim.check_rate, "low", 0.0, low)
+    assert (e.status, e.code, e.headers) == (429, "rate_limit_exceeded", {"retry-after": "1"})
+    assert "more than 1 requests per second" in e.message
+    permit = lim.acquire("low", 0.0, low)
+    e = refused(lim.acquire, "low", 0.0, low)
+    assert (e.status, e.code, e.headers) == (429, "too_many_concurrent_requests", {"retry-after": "1"})
+    permit.release()
+    for _ in range(500):  # another tenant, on the defaults, is not held to them
+        lim.check_rate("other", 0.0)
+        lim.acquire("other", 0.0)
+    # a field left out is the default: here only the concurrency is the tenant's own
+    only = TenantLimits(max_concurrent=0)
+    for _ in range(1000):
+        lim.check_rate("unbounded turns", 0.0, only)
+        lim.acquire("unbounded turns", 0.0, only)  # 0: off, as in the settings
+    refused(lim.check_rate, "unbounded turns", 0.0, only)  # the default burst of 1000 still holds
+    high = TenantLimits(rate_limit=1e6, rate_burst=10**6, max_concurrent=10**6)
+    for _ in range(5000):  # above the defaults
+        lim.check_rate("high", 0.0, high)
+        lim.acquire("high", 0.0, high)
+
+
+def test_the_defaults_admit_4096_agents_of_one_job_and_still_bound_a_runaway_client():
+    cfg = GatewayConfig()
+    lim = Limiter(cfg.rate_limit, cfg.rate_burst, cfg.max_concurrent)
+    agents = 4096
+    # every agent at once: it opens its session, then its first turn is in flight
+    for _ in range(agents):
+        lim.check_rate("job", 0.0)
+    permits = []
+    for _ in range(agents):
+        lim.check_rate("job", 0.0)
+        permits.append(lim.acquire("job", 0.0))
+    assert lim.in_flight("job") == agents
+    # then a turn each every half second, for 30 s: one ends, the next begins (a session's finish
+    # and the next creation are two more requests every 6 turns): ~11,000 requests/s
+    for step in range(1, 61):
+        now = step * 0.5
+        for i in range(agents):
+            permits[i].release()
+            lim.check_rate("job", now)
+            permits[i] = lim.acquire("job", now)
+            if i % 6 == step % 6:
+                lim.check_rate("job", now)
+                lim.check_rate("job", now)
+    assert lim.in_flight("job") == agents
+    # a client in a tight loop is stopped once it has spent the burst and the second's refill
+    with pytest.raises(LimitExceeded):
+        for _ in range(cfg.rate_burst + int(cfg.rate_limit) + 1):
+            lim.check_rate("runaway", 1000.0)
+    with pytest.raises(LimitExceeded):
+        for _ in range(cfg.max_concurrent + 1):
+            lim.acquire("runaway", 1000.0)
+
+
+def test_a_key_record_carries_its_limits_and_an_old_record_reads_as_the_defaults():
+    import msgspec
+
+    from services.gateway.store import KeyRecord
+
+    record = KeyRecord(kind="user", name="job-7", limits=TenantLimits(max_concurrent=16))
+    raw = msgspec.json.encode(record)
+    assert b'"limits":{"max_concurrent":16}' in raw  # the fields not set are not stored
+    assert msgspec.json.decode(raw, type=KeyRecord) == record
+    old = msgspec.json.decode(b'{"kind": "session", "session_id": "s", "owner": "abc"}', type=KeyRecord)
+    assert old.limits is None
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(b'{"kind": "user", "limits": {"max_concurrent": -1}}', type=KeyRecord)
 
 
 def turn(messages: int = 1, tools: int = 0, max_tokens: int = 16) -> ChatRequest:

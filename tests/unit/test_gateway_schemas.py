@@ -13,7 +13,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError, from_exception
 from services.gateway.openapi import document
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, RewardBody, SessionCreate, decode
-from shared.bus import BusUnavailable, ReplyTimeout
+from shared.bus import BusUnavailable, NoResponders, ReplyTimeout
 from shared.config import ConfigError, load
 from shared.messages.rollout import Sampling
 
@@ -244,7 +244,7 @@ def test_completion_prompt_must_be_one_string():
 def test_error_shape_and_backend_mapping():
     assert ApiError(401, "no", "invalid_api_key").body() == {
         "error": {"message": "no", "type": "authentication_error", "param": None, "code": "invalid_api_key"}}
-    e = from_exception(BusUnavailable("nobody serves sf.chat"))
+    e = from_exception(NoResponders("sf.chat"))
     assert (e.status, e.code) == (503, "trajectory_unavailable") and "sf.chat" in e.message
     e = from_exception(BusUnavailable("not connected to NATS"))
     assert (e.status, e.code) == (503, "nats_unavailable") and "NATS" in e.message

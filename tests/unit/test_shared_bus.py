@@ -37,11 +37,12 @@ async def test_first_reply_and_idle_timeouts_differ():
     assert r._timeout == 5.0  # later replies get the idle timeout
 
 
-async def test_no_responders_is_bus_unavailable():
+async def test_no_responders_is_a_typed_bus_unavailable():
     r = bus.Replies("sf.rollout.gen.w9", 1.0, 1.0)
     r.queue.put_nowait(Msg(headers={"Status": "503"}))
-    with pytest.raises(bus.BusUnavailable, match="nobody serves sf.rollout.gen.w9"):
+    with pytest.raises(bus.NoResponders, match="nobody serves sf.rollout.gen.w9") as info:
         await r.__anext__()
+    assert isinstance(info.value, bus.BusUnavailable) and info.value.subject == "sf.rollout.gen.w9"
 
 
 async def test_the_mux_routes_by_token_and_drops_late_replies():
