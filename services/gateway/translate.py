@@ -153,16 +153,26 @@ def apply_tool_choice(tools: list[dict[str, Any]], choice: str, name: str | None
     not served. `code`: the error code each API uses for an unsupported value."""
     if choice == "auto":
         return tools
-    if choice == "none":
-        return []  # the model must not call tools: it does not see them
     if choice == "required":
         raise ApiError(400, "tool_choice 'required' is not supported; use 'auto', 'none' or a named function",
                        code, "tool_choice")
-    named = [t for t in tools if t["function"]["name"] == name]
-    if not named:
+    named = [] if choice == "none" else [t for t in tools if t["function"]["name"] == name]  # "none": none seen
+    if choice != "none" and not named:
         raise ApiError(400, f"tool_choice names function {name!r}, which is not in tools", "invalid_value",
                        "tool_choice")
+    if len(named) < len(tools):
+        fit_the_wire(tools, "tools")
     return named
+
+
+def fit_the_wire(value: Any, param: str) -> None:
+    """What the body holds but the wire leaves out (the tools tool_choice drops) is still the body:
+    held to the wire's rule (service.wire), integers within 64 bits, as the schema says (JsonValue)."""
+    try:
+        msgspec.msgpack.encode(value)
+    except OverflowError:
+        raise ApiError(400, f"{param} holds an integer outside the 64-bit range; send it as a string",
+                       "invalid_value", param) from None
 
 
 def _tools(req: ChatCompletionRequest, cfg: GatewayConfig) -> list[dict[str, Any]]:
