@@ -12,9 +12,10 @@ from typing import Any
 import msgspec
 
 from services.gateway import schemas
+from services.gateway.schemas import TOKEN_ID_KEY
 from services.gateway.responses_schemas import ResponseCreateRequest
 from services.gateway.responses_translate import LOGPROBS_INCLUDE, TEXT_PARTS
-from services.gateway.translate import MAX_STOPS
+from services.gateway.translate import MAX_STOPS, most_tokens
 from services.gateway.config import GatewayConfig
 
 REF = "#/components/schemas/{name}"
@@ -90,11 +91,12 @@ def served_subset(components: dict[str, Any], cfg: GatewayConfig) -> dict[str, A
     parameter) are published as the one value it takes, or as absent. The Structs stay wide so
     that the refusal is an explanation, not a generic validation error. Fuzzers generate from this
     (tests/integration/test_gateway_fuzz.py); the one rule JSON Schema cannot state, a named
-    tool_choice among `tools`, is in tests/integration/fuzz_hooks.py."""
+    tool_choice among `tools`, is in tests/integration/fuzz_hooks.py. Each list the gateway bounds
+    (messages, tools, input) has its maxItems, checked on the body as sent."""
     chat, completion, responses = (components[n]["properties"] for n in
                                    ("ChatCompletionRequest", "CompletionRequest", "ResponseCreateRequest"))
     model = {"type": "string", "enum": [cfg.model], "description": "the one model this gateway serves"}
-    most = min(cfg.max_tokens_limit, cfg.max_context - 1)
+    most = most_tokens(cfg)
     bound = _nullable({"type": "integer", "minimum": 1, "maximum": most},
                       f"at most {most}: SF_GATEWAY_MAX_TOKENS_LIMIT, and room for the prompt in the context")
     for props, name in ((chat, "max_tokens"), (chat, "max_completion_tokens"), (completion, "max_tokens"),
@@ -110,7 +112,21 @@ def served_subset(components: dict[str, Any], cfg: GatewayConfig) -> dict[str, A
     components["SessionCreate"]["properties"]["metadata"] = free
     _served_chat(components, chat, completion)
     _served_responses(components, responses)
+    _bounded_lists(chat, responses, cfg)
     return components
+
+
+def _bounded_lists(chat: dict[str, Any], responses: dict[str, Any], cfg: GatewayConfig) -> None:
+    """maxItems where the gateway bounds a list (translate.at_most), none where the limit is off."""
+    lists = [(chat["messages"], cfg.max_messages, "SF_GATEWAY_MAX_MESSAGES"),
+             (responses["input"]["anyOf"][1], cfg.max_messages - 1,
+              "SF_GATEWAY_MAX_MESSAGES, less one kept for `instructions`"),
+             (chat["tools"]["anyOf"][0], cfg.max_tools, "SF_GATEWAY_MAX_TOOLS"),
+             (responses["tools"]["anyOf"][0], cfg.max_tools, "SF_GATEWAY_MAX_TOOLS")]
+    for schema, most, setting in lists:
+        if most > 0:
+            schema["maxItems"] = most
+            schema["description"] = f"at most {most} ({setting})"
 
 
 def _served_chat(components: dict[str, Any], chat: dict[str, Any], completion: dict[str, Any]) -> None:
@@ -118,7 +134,7 @@ def _served_chat(components: dict[str, Any], chat: dict[str, Any], completion: d
     for props in (chat, completion):
         props["n"] = one
         bias = props["logit_bias"]["anyOf"][0]
-        props["logit_bias"]["anyOf"][0] = {**bias, "propertyNames": {"pattern": "^[0-9]{1,10}$"}}
+        props["logit_bias"]["anyOf"][0] = {**bias, "propertyNames": {"pattern": TOKEN_ID_KEY}}
         props["stop"] = _nullable({"anyOf": [{"type": "string", "minLength": 1},  # OpenAI's limit, none empty
                                              {"type": "array", "maxItems": MAX_STOPS,
                                               "items": {"type": "string", "minLength": 1}}]},
@@ -148,7 +164,8 @@ def _served_responses(components: dict[str, Any], responses: dict[str, Any]) -> 
                                                             "items": {"$ref": REF.format(name="InputItem")}}],
                           "description": "the new input; with previous_response_id, what follows that response"}
     components["ResponseCreateRequest"]["required"] = ["model", "input"]
-    components["ToolChoiceObject"]["properties"].update(type={"enum": ["function"]}, name={"type": "string"})
+    choice = components["ToolChoiceObject"]["properties"]
+    choice.update(type={"enum": ["function"]}, name=choice["name"]["anyOf"][0])
     components["ToolChoiceObject"]["required"] = ["type", "name"]
     tool = components["ResponseTool"]
     tool["properties"].update(type={"enum": ["function"]}, name=tool["properties"]["name"]["anyOf"][0])

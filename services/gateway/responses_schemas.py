@@ -15,9 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from services.gateway.schemas import PositiveInt, Temperature, TopP
-
-FunctionName = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+from services.gateway.schemas import FunctionName, PositiveInt, Temperature, TopP
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -64,7 +62,7 @@ class ToolChoiceObject(msgspec.Struct, kw_only=True):
     """{"type": "function", "name": ...} is served; other types (allowed_tools, built-ins) are a 400."""
 
     type: str
-    name: str | None = None
+    name: FunctionName | None = None  # a name no tool can have is refused here; one not in `tools`, later
 
 
 class TextFormat(msgspec.Struct, kw_only=True):

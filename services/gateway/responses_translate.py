@@ -27,7 +27,7 @@ from typing import Any
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError
 from services.gateway.responses_schemas import Content, InputItem, ResponseCreateRequest
-from services.gateway.translate import apply_tool_choice, check_model
+from services.gateway.translate import apply_tool_choice, at_most, check_model
 from shared.messages.chat import ChatDone, ChatRequest
 from shared.messages.rollout import Sampling
 
@@ -135,8 +135,10 @@ def messages_of(items: str | list[InputItem]) -> list[dict[str, Any]]:
     return messages
 
 
-def tools(req: ResponseCreateRequest) -> list[dict[str, Any]]:
-    """Chat tools ({"type": "function", "function": {...}}, keys in chat's order), after tool_choice."""
+def tools(req: ResponseCreateRequest, max_tools: int = 0) -> list[dict[str, Any]]:
+    """Chat tools ({"type": "function", "function": {...}}, keys in chat's order), after tool_choice.
+    `max_tools` (0: no limit) counts the body's tools, before tool_choice leaves some out."""
+    at_most(req.tools, max_tools, "tools", "too_many_tools", "SF_GATEWAY_MAX_TOOLS")
     out: list[dict[str, Any]] = []
     for i, t in enumerate(req.tools or []):
         if t.type != "function":
@@ -171,6 +173,9 @@ def chat_request(req: ResponseCreateRequest, request_id: str, session_id: str, c
     if req.input is None and not history:
         raise ApiError(400, "input is required (or previous_response_id and input)", "missing_required_parameter",
                        "input")
+    # one message is kept for `instructions`, so that the input alone decides (the schema's maxItems)
+    at_most(req.input if isinstance(req.input, list) else None, max(cfg.max_messages - 1, 0), "input",
+            "too_many_messages", "SF_GATEWAY_MAX_MESSAGES")
     new = messages_of(req.input if req.input is not None else [])
     if not new:
         raise ApiError(400, "input must not be empty", "invalid_value", "input")
@@ -183,7 +188,7 @@ def chat_request(req: ResponseCreateRequest, request_id: str, session_id: str, c
         model=req.model,
         sampling=sampling(req, cfg),
         messages=system + conversation,
-        tools=tools(req),
+        tools=tools(req, cfg.max_tools),
         logprobs=LOGPROBS_INCLUDE in (req.include or []),
         agent_streams=bool(req.stream),
     )

@@ -24,9 +24,28 @@ Temperature = Annotated[float, Meta(ge=0.0, le=2.0, description="0 is greedy")]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
-TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+MAX_TOKEN_ID = 2**31 - 1
+TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # OpenAI's range; the wire (msgpack) has 64 bits
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+FunctionName = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+
+
+def _at_most(n: int) -> str:
+    """A regular expression (JSON Schema's dialect and Python's) for the decimal numbers 0..n,
+    leading zeros allowed: the shorter numbers, then n's digits with one lower at each place, then n."""
+    digits = str(n)
+    alts = [f"[0-9]{{1,{len(digits) - 1}}}"] if len(digits) > 1 else []
+    for i, d in enumerate(digits):
+        rest = len(digits) - i - 1
+        if d != "0":
+            lower = "0" if d == "1" else f"[0-{int(d) - 1}]"
+            alts.append(digits[:i] + lower + ("" if not rest else "[0-9]" if rest == 1 else f"[0-9]{{{rest}}}"))
+    return f"^0*(?:{'|'.join([*alts, digits])})$"
+
+
+# a logit_bias key: a token id as a string; translate.py checks it, /openapi.json publishes it
+TOKEN_ID_KEY = _at_most(MAX_TOKEN_ID)
 
 
 # --- messages ----------------------------------------------------------------------------------
@@ -87,7 +106,7 @@ ChatMessage = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage 
 # --- tools -------------------------------------------------------------------------------------
 
 class FunctionDef(msgspec.Struct, kw_only=True):
-    name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -99,7 +118,7 @@ class Tool(msgspec.Struct, kw_only=True):
 
 
 class ToolChoiceFunction(msgspec.Struct):
-    name: str
+    name: FunctionName  # a name no tool can have is refused here; one not in `tools`, by translate.py
 
 
 class ToolChoice(msgspec.Struct, kw_only=True):
@@ -151,7 +170,8 @@ class ChatCompletionRequest(SamplingParams, kw_only=True):
 
 
 class CompletionRequest(SamplingParams, kw_only=True):
-    prompt: str
+    prompt: Annotated[str, Meta(min_length=1, description="one string; an empty prompt leaves the model nothing "
+                                                           "to continue")]
     echo: bool | None = None
     suffix: str | None = None
     best_of: PositiveInt | None = None

@@ -25,6 +25,8 @@ import msgspec
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError
 from services.gateway.schemas import (
+    MAX_TOKEN_ID,
+    TOKEN_ID_KEY,
     AssistantMessage,
     ChatCompletionRequest,
     ChatMessage,
@@ -42,8 +44,9 @@ from shared.messages.rollout import Sampling
 
 COMPLETIONS_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions
 MAX_STOPS = 4  # OpenAI's limit on stop strings
-MAX_TOKEN_ID = 2**31 - 1
-_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+# matched as msgspec and Python's JSON Schema validators match a pattern (re.search: ASCII digits
+# only, as "²".isdigit() is True; `$` also matches before a final newline, which int() ignores)
+_TOKEN_ID = re.compile(TOKEN_ID_KEY)
 
 
 def check_model(model: str, served: str) -> None:
@@ -52,19 +55,36 @@ def check_model(model: str, served: str) -> None:
                        "model_not_found", "model")
 
 
-def sampling(p: SamplingParams, max_tokens: int | None, default_max_tokens: int, max_context: int) -> Sampling:
-    """Validate the cross-field rules and build the wire Sampling (None -> its default)."""
+def most_tokens(cfg: GatewayConfig) -> int:
+    """The largest max_tokens (max_completion_tokens, max_output_tokens) a turn may ask: within
+    SF_GATEWAY_MAX_TOKENS_LIMIT (0: none), leaving the prompt at least one token of the context."""
+    room = cfg.max_context - 1
+    return min(cfg.max_tokens_limit, room) if cfg.max_tokens_limit else room
+
+
+def at_most(items: list[Any] | None, most: int, param: str, code: str, setting: str) -> None:
+    """A list in the body longer than `most` (0: no limit) is a 400 naming it (the schema's maxItems)."""
+    if most and items is not None and len(items) > most:
+        raise ApiError(400, f"{param} has {len(items)} items, more than this gateway accepts in one request "
+                            f"({most}, {setting})", code, param)
+
+
+def sampling(p: SamplingParams, max_tokens: int | None, default_max_tokens: int, max_context: int,
+             param: str = "max_tokens") -> Sampling:
+    """Validate the cross-field rules and build the wire Sampling (None -> its default).
+    `param`: the body's name for `max_tokens`."""
     if p.n not in (None, 1):
         raise ApiError(400, f"n={p.n} is not supported: only n=1; send one request per sample "
                             "(or one session per sample with a shared group_id)", "unsupported_value", "n")
     tokens = default_max_tokens if max_tokens is None else max_tokens
     if tokens >= max_context:
-        raise ApiError(400, f"max_tokens={tokens} leaves no room for the prompt: this model's context "
-                            f"length is {max_context} tokens", "context_length_exceeded", "max_tokens")
+        raise ApiError(400, f"{param}={tokens} leaves no room for the prompt: this model's context "
+                            f"length is {max_context} tokens", "context_length_exceeded", param)
     bias: dict[int, float] = {}
     for token, value in (p.logit_bias or {}).items():
-        if not _TOKEN_ID.fullmatch(token) or int(token) > MAX_TOKEN_ID:  # ASCII digits only: "²".isdigit()
-            raise ApiError(400, f"logit_bias keys must be token ids, got {token!r}", "invalid_value", "logit_bias")
+        if not _TOKEN_ID.search(token):
+            raise ApiError(400, f"logit_bias keys must be token ids (0 to {MAX_TOKEN_ID}), got {token!r}",
+                           "invalid_value", "logit_bias")
         bias[int(token)] = value
     fields: dict[str, Any] = {
         "max_tokens": tokens,
@@ -133,19 +153,30 @@ def apply_tool_choice(tools: list[dict[str, Any]], choice: str, name: str | None
     not served. `code`: the error code each API uses for an unsupported value."""
     if choice == "auto":
         return tools
-    if choice == "none":
-        return []  # the model must not call tools: it does not see them
     if choice == "required":
         raise ApiError(400, "tool_choice 'required' is not supported; use 'auto', 'none' or a named function",
                        code, "tool_choice")
-    named = [t for t in tools if t["function"]["name"] == name]
-    if not named:
+    named = [] if choice == "none" else [t for t in tools if t["function"]["name"] == name]  # "none": none seen
+    if choice != "none" and not named:
         raise ApiError(400, f"tool_choice names function {name!r}, which is not in tools", "invalid_value",
                        "tool_choice")
+    if len(named) < len(tools):
+        fit_the_wire(tools, "tools")
     return named
 
 
-def _tools(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def fit_the_wire(value: Any, param: str) -> None:
+    """What the body holds but the wire leaves out (the tools tool_choice drops) is still the body:
+    held to the wire's rule (service.wire), integers within 64 bits, as the schema says (JsonValue)."""
+    try:
+        msgspec.msgpack.encode(value)
+    except OverflowError:
+        raise ApiError(400, f"{param} holds an integer outside the 64-bit range; send it as a string",
+                       "invalid_value", param) from None
+
+
+def _tools(req: ChatCompletionRequest, cfg: GatewayConfig) -> list[dict[str, Any]]:
+    at_most(req.tools, cfg.max_tools, "tools", "too_many_tools", "SF_GATEWAY_MAX_TOOLS")  # before tool_choice
     tools = [{"type": "function", "function": _no_nulls(msgspec.to_builtins(t.function))} for t in req.tools or []]
     choice = req.tool_choice
     if isinstance(choice, ToolChoice):
@@ -161,19 +192,32 @@ def chat_request(req: ChatCompletionRequest, request_id: str, session_id: str, c
     if req.response_format is not None and req.response_format.type != "text":
         raise ApiError(400, f"response_format {req.response_format.type!r} is not supported; only 'text'",
                        "unsupported_value", "response_format")
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    at_most(req.messages, cfg.max_messages, "messages", "too_many_messages", "SF_GATEWAY_MAX_MESSAGES")
+    max_tokens, param = _max_tokens(req, cfg)
     return ChatRequest(
         request_id=request_id,
         session_id=session_id,
         kind="chat",
         model=req.model,
-        sampling=sampling(req, max_tokens, cfg.max_tokens_default, cfg.max_context),
+        sampling=sampling(req, max_tokens, cfg.max_tokens_default, cfg.max_context, param),
         messages=[_message(m) for m in req.messages],
-        tools=_tools(req),
+        tools=_tools(req, cfg),
         stop=stop_strings(req),
         logprobs=bool(req.logprobs),
         agent_streams=bool(req.stream),  # deltas always flow (liveness); this says whether the agent sees them
     )
+
+
+def _max_tokens(req: ChatCompletionRequest, cfg: GatewayConfig) -> tuple[int | None, str]:
+    """max_completion_tokens, else max_tokens (OpenAI's precedence), with the body's name for it.
+    A max_tokens sent beside max_completion_tokens is unused, yet held to the same bound, as the
+    schema says of it."""
+    if req.max_completion_tokens is None:
+        return req.max_tokens, "max_tokens"
+    if req.max_tokens is not None and req.max_tokens > (most := most_tokens(cfg)):
+        raise ApiError(400, f"max_tokens={req.max_tokens} is more than this gateway allows ({most}), even beside "
+                            "max_completion_tokens", "max_tokens_too_large", "max_tokens")
+    return req.max_completion_tokens, "max_completion_tokens"
 
 
 def completion_request(req: CompletionRequest, request_id: str, session_id: str, cfg: GatewayConfig) -> ChatRequest:

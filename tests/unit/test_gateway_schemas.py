@@ -316,3 +316,63 @@ def test_a_content_part_needs_its_type():
     assert translate.chat_request(chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                              {"type": "text", "text": "b"}]}]),
                                   "r", "", CFG).messages == [{"role": "user", "content": "a\nb"}]
+
+
+# --- the schema states what the gateway enforces: a body is valid against /openapi.json exactly when
+# the gateway takes it, each refusal a typed 400 before any hop ----------------------------------------
+
+SMALL = GatewayConfig(model="m", max_context=1024, max_tokens_limit=500, max_messages=2, max_tools=1)
+TOOL = {"type": "function", "function": {"name": "f"}}
+
+
+def _taken(body: dict, tp: type) -> ApiError | None:
+    build = translate.chat_request if tp is ChatCompletionRequest else translate.completion_request
+    try:
+        build(decode(msgspec.json.encode(body), tp), "r", "", SMALL)
+    except ApiError as e:
+        return e
+    return None
+
+
+@pytest.mark.parametrize("tp,fields,param,code", [
+    (CompletionRequest, {"prompt": ""}, "prompt", "invalid_value"),  # the rollout worker refuses it otherwise
+    (ChatCompletionRequest, {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": ""}}},
+     "tool_choice.function.name", "invalid_value"),
+    (ChatCompletionRequest, {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice", "invalid_value"),  # the one rule the schema cannot state (tests/integration/fuzz_hooks.py)
+    (ChatCompletionRequest, {"logit_bias": {"2147483648": 1}}, "logit_bias", "invalid_value"),
+    (CompletionRequest, {"prompt": "p", "logit_bias": {"9999999999": 1}}, "logit_bias", "invalid_value"),
+    (ChatCompletionRequest, {"max_tokens": 501, "max_completion_tokens": 10}, "max_tokens", "max_tokens_too_large"),
+    (ChatCompletionRequest, {"max_completion_tokens": 1024}, "max_completion_tokens", "context_length_exceeded"),
+    (ChatCompletionRequest, {"messages": [USER] * 3}, "messages", "too_many_messages"),
+    (ChatCompletionRequest, {"tools": [TOOL, TOOL]}, "tools", "too_many_tools"),
+    (ChatCompletionRequest, {"tools": [TOOL, TOOL], "tool_choice": "none"}, "tools", "too_many_tools"),
+    (ChatCompletionRequest, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"x": 2**64}}}],
+                             "tool_choice": "none"}, "tools", "invalid_value"),  # dropped, still the body's
+])
+def test_each_rule_is_a_typed_400_and_in_the_schema(tp, fields, param, code):
+    import jsonschema
+
+    body = {"model": "m", **({"messages": [USER]} if tp is ChatCompletionRequest else {}), **fields}
+    e = _taken(body, tp)
+    assert e is not None and (e.status, e.type, e.param, e.code) == (400, "invalid_request_error", param, code), e
+    name = tp.__name__
+    schema = jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}",
+                                              "components": document(SMALL)["components"]})
+    assert schema.is_valid(body) == (code == "invalid_value" and param == "tool_choice"), body
+
+
+@pytest.mark.parametrize("tp,fields", [
+    (CompletionRequest, {"prompt": " "}),
+    (ChatCompletionRequest, {"logit_bias": {"2147483647": 1, "0007": -1, "0": 0}}),
+    (ChatCompletionRequest, {"max_tokens": 500, "max_completion_tokens": 10}),
+    (ChatCompletionRequest, {"messages": [USER] * 2, "tools": [TOOL],
+                             "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+])
+def test_what_the_schema_admits_the_gateway_takes(tp, fields):
+    import jsonschema
+
+    body = {"model": "m", **({"messages": [USER]} if tp is ChatCompletionRequest else {}), **fields}
+    schema = jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{tp.__name__}",
+                                              "components": document(SMALL)["components"]})
+    assert schema.is_valid(body) and _taken(body, tp) is None, body
