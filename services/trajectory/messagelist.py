@@ -2,7 +2,7 @@
 
 An agent resends its whole conversation with every turn, so at turn 200 a request carries 400
 messages of which the trajectory manager reads a handful: the reply it extends, the new ones,
-and what the template's short history needs (rendering.short_history). `decode_chat` keeps
+and what the template's short history needs (rendering.short_history). `ChatRequestIn` keeps
 each message as the msgpack bytes it came in (`msgspec.Raw`: a slice of the request, no
 copy) and `Messages` turns one into a dict the first time it is read. The raw digest
 (conversation.raw_digest) hashes those bytes as they came, the very bytes a re-encoding of
@@ -34,6 +34,9 @@ class ChatRequestIn(ChatRequest, tag="ChatRequest"):
     """ChatRequest as the trajectory manager decodes it: the same wire form, messages left raw."""
 
     messages: list[msgspec.Raw] = []  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:  # decoded, the raw messages are read through a Messages
+        self.messages = Messages(self.messages)  # type: ignore[assignment]
 
 
 class Messages(Sequence[dict[str, Any]]):
@@ -91,6 +94,4 @@ class Messages(Sequence[dict[str, Any]]):
 def decode_chat(data: bytes) -> ChatRequest:
     """A ChatRequest whose `messages` is a Messages. Raises msgspec.DecodeError (ValidationError for
     another type or a wrong field) as `decode(data, ChatRequest)` does."""
-    req = decode(data, ChatRequestIn)
-    req.messages = Messages(req.messages)  # type: ignore[assignment]
-    return req
+    return decode(data, ChatRequestIn)
