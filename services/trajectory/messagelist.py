@@ -20,7 +20,6 @@ from typing import Any, overload
 
 import msgspec
 
-from shared.codec import decode
 from shared.messages import ChatRequest
 
 _message = msgspec.msgpack.Decoder(dict[str, Any])
@@ -31,7 +30,9 @@ class InvalidMessage(ValueError):
 
 
 class ChatRequestIn(ChatRequest, tag="ChatRequest"):
-    """ChatRequest as the trajectory manager decodes it: the same wire form, messages left raw."""
+    """ChatRequest as the trajectory manager decodes it (`decode(data, ChatRequestIn)`): the same
+    wire form, its `messages` a Messages of the raw bytes. Raises msgspec.DecodeError as
+    `decode(data, ChatRequest)` does (ValidationError for another type or a wrong field)."""
 
     messages: list[msgspec.Raw] = []  # type: ignore[assignment]
 
@@ -90,8 +91,3 @@ class Messages(Sequence[dict[str, Any]]):
     def __repr__(self) -> str:
         return f"Messages({len(self.raws)})"
 
-
-def decode_chat(data: bytes) -> ChatRequest:
-    """A ChatRequest whose `messages` is a Messages. Raises msgspec.DecodeError (ValidationError for
-    another type or a wrong field) as `decode(data, ChatRequest)` does."""
-    return decode(data, ChatRequestIn)
