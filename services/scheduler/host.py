@@ -149,8 +149,9 @@ class HostAgent:
         self._on_assignment_data(msg)
 
     def _on_assignment_data(self, msg: Msg) -> None:
+        # one it cannot read was stored by the HOSTS stream, so it is dead-lettered; the last good one holds
         a = self.malformed.decode(msg, HostAssignment, subjects.sched_assign("*"))
-        if a is not None:  # one it cannot read: the HOSTS stream stored it, so it is dead-lettered; the last good one holds
+        if a is not None:
             self._offer(a)
 
     def _offer(self, a: HostAssignment) -> None:

@@ -110,7 +110,8 @@ class TrajectoryService:
                 await self.nc.subscribe(subjects.session_op("*"), queue=subjects.TRAJECTORY_QUEUE, cb=self._on_session),
             ]
             # "ready" means the server has the subscriptions: SUBs are buffered, and settle() (gc.collect,
-            # ~0.3 s) right after ready would otherwise delay them: a request then met "no responders" (CI)
+            # ~0.3 s) right after ready would otherwise delay them: a request sent at once would meet
+            # "no responders"
             await self.nc.flush(timeout=5)
             log.info("trajectory manager ready (model %s, %s%s)", self.cfg.model, self.conn.redacted(),
                      f", metrics port {metrics.port}" if metrics.port else "")
@@ -282,7 +283,7 @@ class TrajectoryService:
             done = await self.turns.handle(req, emit)
             await emit(done)
             # debug, not info: a line a turn is hundreds a second at scale, and writing it cost 7% of this
-            # process's CPU per turn (py-spy, BENCHMARKS.md issue 15); the metrics and the live view count turns
+            # process's CPU per turn (py-spy, BENCHMARKS.md); the metrics and the live view count turns
             log.debug("turn %s session %s: %d+%d tokens in %.2fs", req.request_id, done.session_id,
                       done.usage.prompt_tokens, done.usage.completion_tokens, time.monotonic() - started)
         except TurnError as e:
