@@ -349,8 +349,12 @@ class TrainerService:
             await self._publish_status()
 
     async def _status_loop(self) -> None:
+        in_use_known = False
         while True:
             await self._publish_status()
+            if not in_use_known and (in_use := self.in_use()) is not None:
+                in_use_known = True  # from now on a publish collects the versions nobody serves
+                log.info("weight versions rollout workers serve: %s", sorted(in_use) or "none")
             await asyncio.sleep(STATUS_INTERVAL)
 
     async def _gate(self, step: int) -> dict[str, float]:
