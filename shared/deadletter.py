@@ -1,12 +1,12 @@
 """Malformed bus messages: counted, logged once per cause, and kept in the DEAD stream.
 
 A message a service cannot read (bytes that do not decode, or a valid message of another type)
-must not crash the service nor hold up its consumer. Every subscription hands such a message to
-its service's `Malformed`:
+must not crash the service nor hold up its consumer. Every subscription decodes through its
+service's `Malformed` (the subscription's pattern labels the metric):
 
     malformed = Malformed("trajectory", registry)     # once per service; `attach(nc)` after connect
-    req = malformed.decode(msg, SessionRequest, subjects.session_op("*"))  # the subscription's pattern
-    if req is None:                                   # labels the metric; None: handled as below
+    req = malformed.decode(msg, SessionRequest, subjects.session_op("*"))
+    if req is None:                                   # it could not be read, and was handled as below
         return
 
 1. `sf_bus_malformed_total{service, subject}` counts it, `subject` being the subscription's
