@@ -1,12 +1,13 @@
 """Malformed bus messages: counted, logged once per cause, and kept in the DEAD stream.
 
 A message a service cannot read (bytes that do not decode, or a valid message of another type)
-must not crash the service nor hold up its consumer. Every subscription hands such a message to
-its service's `Malformed`:
+must not crash the service nor hold up its consumer. Every subscription decodes through its
+service's `Malformed` (the subscription's pattern labels the metric):
 
     malformed = Malformed("trajectory", registry)     # once per service; `attach(nc)` after connect
-    except msgspec.DecodeError as e:                  # ValidationError is a DecodeError
-        malformed(msg, subjects.session_op("*"), e)    # the subscription's pattern labels the metric
+    req = malformed.decode(msg, SessionRequest, subjects.session_op("*"))
+    if req is None:                                   # it could not be read, and was handled as below
+        return
 
 1. `sf_bus_malformed_total{service, subject}` counts it, `subject` being the subscription's
    pattern (`sf.rollout.gen.*`), never a worker's own subject: the label set stays bounded;
@@ -21,7 +22,8 @@ its service's `Malformed`:
 
 The copy runs in a task of its own (at most `MAX_IN_FLIGHT` at once; beyond that a message is
 counted and logged but not copied), so a subscription callback or a fetch loop never waits on it.
-A request's error reply is the caller's: only it knows the protocol's error message.
+A request's error reply is the caller's protocol: `decode(..., refuse=)` takes the function that
+builds it from the error, and sends what it returns to the request's inbox (in a task too).
 
 It knows nothing of the messages' types, nor of which service consumes what. `recent` and
 `purge` serve `seamlessflow dead list | purge`.
@@ -33,8 +35,9 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AsyncExitStack
+from typing import Any, TypeVar
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -44,11 +47,14 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.js.errors import NotFoundError
 from prometheus_client import CollectorRegistry, Counter
 
+from shared.codec import decode, encode
 from shared.logonce import OncePerCause
 from shared.metrics import Endpoint
 from shared.metrics import serve as serve_metrics
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 DEAD_STREAM = "DEAD"
 DEAD_PREFIX = "sf.dead"  # + ".<service>.<original subject>"
@@ -147,6 +153,36 @@ class Malformed:
         self.js = nc.jetstream()
         self.streams = tuple(streams)
 
+    def decode(self, msg: Msg, tp: type[T], subject: str, *, check: Callable[[T], object] | None = None,
+               refuse: Callable[[str], Any] | None = None) -> T | None:
+        """`msg`'s data as a `tp`, or None once it is handled as malformed (`__call__`, with the
+        subscription pattern `subject`): bytes that do not decode, a message of another type
+        (ValidationError), or one `check` refuses by raising ValueError. For a request, `refuse`
+        builds the protocol's error reply from the error's text; it goes to `msg.reply` in a task
+        (a message without a reply inbox gets none). Never raises, never waits."""
+        try:
+            value = decode(msg.data, tp)
+            if check is not None:
+                check(value)
+            return value
+        except (msgspec.DecodeError, ValueError) as e:  # ValidationError is a DecodeError
+            self(msg, subject, e)
+            if refuse is not None and msg.reply:
+                self._spawn(self._refuse(msg, refuse(str(e))))
+            return None
+
+    async def _refuse(self, msg: Msg, reply: Any) -> None:
+        try:
+            await msg.respond(encode(reply))
+        except Exception as e:  # the connection is closing: the caller times out
+            self._warn(f"refuse:{type(e).__name__}", "%s: answering a malformed request on %s failed: %s",
+                       self.service, msg.subject, e)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
     def count(self, subject: str) -> float:
         return self.registry.get_sample_value(f"{METRIC}_total", {"service": self.service, "subject": subject}) or 0.0
 
@@ -168,9 +204,7 @@ class Malformed:
             self._warn("dead:busy", "%s: %d dead letters already under way; one on %s is not copied",
                        self.service, len(self.tasks), msg.subject)
             return
-        task = asyncio.create_task(self._dead_letter(msg, error, time.time()))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        self._spawn(self._dead_letter(msg, error, time.time()))
 
     async def _dead_letter(self, msg: Msg, error: BaseException, now: float) -> None:
         ok = await publish_dead(self.js, self.service, msg, error, now)
@@ -183,7 +217,7 @@ class Malformed:
                        self.service, msg.subject, e)
 
     async def drain(self, timeout: float = 5.0) -> None:
-        """Wait (bounded) for the copies under way: on shutdown, before the connection closes."""
+        """Wait (bounded) for the copies and refusals under way: on shutdown, before the connection closes."""
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=timeout)
 

@@ -5,8 +5,8 @@
     value = await script(keys=["k"], args=[])
 
 redis-py's asyncio client spends ~80 µs of CPU on a script call (pool, retry wrapper, per-read
-timeout, response callbacks) where the write and the read themselves cost ~40 µs (BENCHMARKS.md,
-issue 15). Every turn makes two script calls (the trajectory manager's lookup and save), so they go
+timeout, response callbacks) where the write and the read themselves cost ~40 µs (BENCHMARKS.md).
+Every turn makes two script calls (the trajectory manager's lookup and save), so they go
 here: commands are written at once on one connection, in the order they are called, and Redis
 answers in that order, so a reply is the oldest waiting future's (hiredis parses it in C). Many
 turns in flight share the connection, pipelined, with no pool to wait in.

@@ -14,7 +14,7 @@ available", a 503) though the line was short (bench/load.py, BENCHMARKS.md).
 Here a command first takes a place in a FIFO line (an asyncio.Semaphore of `max_connections`: it
 hands a freed place to the oldest waiter, never to a newcomer), then a connection, which is then
 always free, so it is taken directly (redis-py's condition, lock and second timer cost ~30 µs of
-CPU a command, about half of a script call's client-side cost: BENCHMARKS.md, issue 15), and a
+CPU a command, about half of a script call's client-side cost: BENCHMARKS.md), and a
 free place needs no timer either. The wait keeps its bound: past `timeout` it fails with
 PoolExhausted, a ConnectionError as redis-py's ("No connection available"), which the services answer with a retryable 503
 `overloaded` (not `redis_unavailable`: Redis is fine, the process is behind). The gateway's and the
@@ -44,7 +44,7 @@ class _HiredisPacking:
     """Commands packed by hiredis in C, as redis-py's synchronous client already does when hiredis is
     installed (redis.connection.HiredisRespSerializer: the same bytes); its asyncio connection packs
     every argument in Python: ~30% of the trajectory manager's Redis client time (a turn's save is one
-    script call of 24 arguments; BENCHMARKS.md, issue 15)."""
+    script call of 24 arguments; BENCHMARKS.md)."""
 
     _hiredis_encodes: bool | None = None  # does this connection's encoder encode as hiredis does? (set once)
 
@@ -84,7 +84,7 @@ def _with_hiredis_packing(cls: type) -> type:
 # What each new connection tells Redis (CLIENT SETINFO), made once: redis-py otherwise looks its own
 # version up in the package metadata (importlib.metadata, an email-header parse) for every connection
 # it opens, ~2.7 ms of CPU each: 12% of the trajectory manager's CPU while its pool grew to 64 under
-# bench/gateway_overhead.py (BENCHMARKS.md, issue 15).
+# bench/gateway_overhead.py (BENCHMARKS.md).
 DRIVER_INFO = DriverInfo()
 
 
@@ -108,7 +108,7 @@ class FairPool(BlockingConnectionPool):
         else:
             await self._line.acquire()  # returns without suspending
         # A place in line means a free connection: taken directly, without the blocking pool's condition,
-        # lock and second timer, which cost ~30 µs of CPU a command (BENCHMARKS.md, issue 15); the
+        # lock and second timer, which cost ~30 µs of CPU a command (BENCHMARKS.md); the
         # pool's bookkeeping is plain Python with no await in between, so the event loop keeps it whole.
         try:
             connection = self.get_available_connection()

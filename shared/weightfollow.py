@@ -19,18 +19,14 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from shared import subjects, weightstore
-from shared.codec import decode
 from shared.deadletter import Malformed
-from shared.logonce import OncePerCause
 from shared.messages.weights import WeightsPublished
 
 log = logging.getLogger(__name__)
-_warn = OncePerCause(log)
 
 OnNewest = Callable[[WeightsPublished], Awaitable[None]]
 
@@ -44,20 +40,16 @@ def newest(*events: WeightsPublished | None) -> WeightsPublished | None:
 class WeightFollower:
     def __init__(self, nc: NATS, on_newest: OnNewest, poll: float, malformed: Malformed | None = None):
         self.nc, self.on_newest, self.poll = nc, on_newest, poll
-        self.malformed = malformed  # the service's: counts and dead-letters an event it cannot read
+        # the service's: counts and dead-letters an event it cannot read (without one: counted and logged)
+        self.malformed = malformed if malformed is not None else Malformed("weightfollow")
         self._pushed: list[WeightsPublished] = []
         self._hint = asyncio.Event()
 
     async def _on_published(self, msg: Msg) -> None:
-        try:
-            self._pushed.append(decode(msg.data, WeightsPublished))
-        except msgspec.DecodeError as e:  # ValidationError (another type) is a DecodeError too
-            if self.malformed is not None:
-                self.malformed(msg, subjects.WEIGHTS_PUBLISHED, e)
-            else:
-                _warn("bad_weights_event", "bad WeightsPublished ignored: %s", e)
-            return
-        self._hint.set()
+        ev = self.malformed.decode(msg, WeightsPublished, subjects.WEIGHTS_PUBLISHED)
+        if ev is not None:
+            self._pushed.append(ev)
+            self._hint.set()
 
     async def _last_value(self) -> WeightsPublished | None:
         try:

@@ -18,8 +18,6 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-TASK_NAMES = ("reverse", "calc")
-
 
 def answer_reward(answer: str, target: str) -> float:
     answer = answer.strip()
@@ -97,10 +95,6 @@ def calculator_call(arguments: str) -> str:
         return "error"
     expression = args.get("expression") if isinstance(args, dict) else None
     return calculate(expression) if isinstance(expression, str) else "error"
-
-
-def calc_reward(answer: str, target: str) -> float:
-    return answer_reward(answer, target)
 
 
 def calc_tool_call_text(expression: str) -> str:

@@ -56,7 +56,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_prompt_tokens: int = 0
     redis_timeout: float = 2.0  # socket timeout per Redis call, so an outage answers 503 fast
     # under load, how long a Redis call waits in line for one of the pool's connections; past it, 503
-    # `overloaded` (2 s, the socket timeout, failed 25 key lookups at 1,000 agents: BENCHMARKS.md, issue 11)
+    # `overloaded` (2 s, the socket timeout, failed 25 key lookups at 1,000 agents: BENCHMARKS.md)
     redis_pool_wait: float = 5.0
     key_cache_seconds: float = 2.0  # a key found in Redis is trusted this long without asking again (0: never)
     session_key_ttl: int = 7 * 24 * 3600  # seconds a session API key (and a stored response) stays valid

@@ -216,10 +216,8 @@ class Gateway:
     # 3. rollout workers (admin) ----------------------------------------------------------------
 
     async def _on_worker_status(self, msg) -> None:
-        try:
-            status = decode(msg.data, WorkerStatus)
-        except msgspec.DecodeError as e:  # a worker of another version, or not a worker at all
-            self.malformed(msg, subjects.ROLLOUT_STATUS, e)
+        status = self.malformed.decode(msg, WorkerStatus, subjects.ROLLOUT_STATUS)
+        if status is None:  # a worker of another version, or not a worker at all
             return
         self.workers.update(status)
         now = time.time()
@@ -227,10 +225,8 @@ class Gateway:
         self.sample_counters(now)
 
     async def _on_trainer_status(self, msg) -> None:
-        try:
-            status = decode(msg.data, TrainerStatus)
-        except msgspec.DecodeError as e:
-            self.malformed(msg, subjects.TRAINER_STATUS, e)
+        status = self.malformed.decode(msg, TrainerStatus, subjects.TRAINER_STATUS)
+        if status is None:
             return
         self.board.trainer_status(status, time.time())
 

@@ -24,6 +24,7 @@ import hashlib
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
@@ -87,6 +88,7 @@ class KeyStore:
         # key; keys are never revoked early, so the cost is a key outliving its TTL by this much).
         self.cache_seconds = cache_seconds
         self._cache: dict[str, tuple[KeyRecord, float]] = {}
+        self.clock: Callable[[], float] = time.monotonic  # the cache's seconds (a test sets its own)
         # a blocking pool: a call waits (up to `pool_wait`) for one of POOL_SIZE connections; redis-py's
         # default pool failed the 101st concurrent call at once (bench/load.py, 500 agents: 463 503s);
         # waiters are served in order (shared/redispool.py), so no wait outlasts a short line
@@ -117,7 +119,7 @@ class KeyStore:
         h = digest(key)
         if (record := self.static.get(h)) is not None:
             return record
-        now = time.monotonic()
+        now = self.clock()
         if (hit := self._cache.get(h)) is not None and hit[1] > now:
             return hit[0]
         raw = await self._call("key lookup", self.redis.get(KEY_PREFIX + h))

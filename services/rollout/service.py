@@ -33,7 +33,7 @@ from shared.checkpoint import CheckpointError
 from services.rollout.config import RolloutConfig, served_name
 from services.rollout.engine import Engine, EngineAsleep, EngineDead, EngineError
 from shared import bus, subjects
-from shared.codec import decode, encode
+from shared.codec import encode
 from shared.config import Connections
 from shared.deadletter import Malformed
 from shared.deltas import Held, with_tail
@@ -174,12 +174,9 @@ class RolloutService:
     # -- generate -------------------------------------------------------------------------------
 
     async def _on_generate(self, msg: Msg) -> None:
-        try:
-            req = decode(msg.data, Generate)
-        except msgspec.DecodeError as e:  # undecodable, or another type (ValidationError)
-            self.malformed(msg, subjects.rollout_gen("*"), e)
-            if msg.reply:
-                await self._send(msg.reply, self._done("", "error", 0, error=f"bad Generate: {e}", code="bad_request"))
+        req = self.malformed.decode(msg, Generate, subjects.rollout_gen("*"), refuse=lambda why: self._done(
+            "", "error", 0, error=f"bad Generate: {why}", code="bad_request"))
+        if req is None:
             return
         if not msg.reply:
             log.warning("Generate %s has no reply inbox; ignored", req.request_id)
@@ -264,11 +261,8 @@ class RolloutService:
         task.add_done_callback(self._ctl_tasks.discard)
 
     async def _control(self, msg: Msg) -> None:
-        try:
-            ctl = decode(msg.data, RolloutControl)
-        except msgspec.DecodeError as e:  # answered with the status all the same: the caller learns where we stand
-            self.malformed(msg, subjects.rollout_ctl("*"), e)
-        else:
+        ctl = self.malformed.decode(msg, RolloutControl, subjects.rollout_ctl("*"))
+        if ctl is not None:  # one it cannot read is answered with the status: the caller learns where we stand
             log.info("control %s", ctl)
             try:
                 await self._apply(ctl)

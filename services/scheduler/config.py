@@ -3,7 +3,8 @@
     SF_SCHEDULER_POLICY=seamless python -m services.scheduler
     SF_HOST_ID=host-0 SF_HOST_TAGS=train,rollout,cpu SF_HOST_MODEL=var/model python -m services.scheduler.host
 
-Defaults run on one laptop: a 0.2 s decision tick, hosts dead after 3 s without a heartbeat.
+Defaults run on one laptop: a 0.2 s decision tick, hosts dead after HEARTBEAT_STALE_AFTER (5 s)
+without a heartbeat, the staleness every heartbeat listener applies (shared/timeouts.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import msgspec
 
 from shared.config import ConfigError, load
 from shared.messages.scheduler import PolicyName
+from shared.timeouts import HEARTBEAT_INTERVAL, HEARTBEAT_STALE_AFTER
 
 _ID = re.compile(r"^[A-Za-z0-9_-]+$")
 
@@ -21,7 +23,7 @@ _ID = re.compile(r"^[A-Za-z0-9_-]+$")
 class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     policy: PolicyName = "seamless"
     tick: float = 0.2  # seconds between decisions
-    host_stale_after: float = 3.0  # a host (or its serving worker) silent this long is dead
+    host_stale_after: float = HEARTBEAT_STALE_AFTER  # a host (or its serving worker) silent this long is dead
     switch_timeout: float = 60.0  # an assignment not applied within this is a failed switch
     lend_margin: float = 1.5  # lend only if the predicted wait > lend_margin x (lend + reclaim seconds)
     train_hosts: int = 0  # train pool size: the first N train-tagged hosts by id (0 = all)
@@ -43,7 +45,7 @@ class HostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: str = ""  # the checkpoint its resident rollout worker loads ("" = no worker even if tagged rollout)
     worker_id: str = ""  # "" = "<id>-rollout"
     trainer: bool = False  # a trainer rank runs on this host: offload/reload it around lends
-    heartbeat: float = 1.0  # seconds between HostHeartbeats
+    heartbeat: float = HEARTBEAT_INTERVAL  # seconds between HostHeartbeats
     step_timeout: float = 30.0  # seconds one control step (vacate, load, ...) may take
     worker_ready_timeout: float = 300.0  # seconds a (re)started worker has to send its first heartbeat
     restart_backoff_max: float = 30.0  # a crashed worker is restarted after 0.5 s, doubling up to this

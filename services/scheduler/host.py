@@ -137,10 +137,8 @@ class HostAgent:
             log.warning("publish to %s failed: %s", subject, e)
 
     async def _on_worker(self, msg: Msg) -> None:
-        try:
-            st = decode(msg.data, WorkerStatus)
-        except msgspec.DecodeError as e:
-            self.malformed(msg, subjects.ROLLOUT_STATUS, e)
+        st = self.malformed.decode(msg, WorkerStatus, subjects.ROLLOUT_STATUS)
+        if st is None:
             return
         if st.worker_id == self.cfg.worker_id:
             self.worker = st
@@ -151,10 +149,10 @@ class HostAgent:
         self._on_assignment_data(msg)
 
     def _on_assignment_data(self, msg: Msg) -> None:
-        try:
-            self._offer(decode(msg.data, HostAssignment))
-        except msgspec.DecodeError as e:  # the HOSTS stream stored it: dead-lettered; the last good one holds
-            self.malformed(msg, subjects.sched_assign("*"), e)
+        # one it cannot read was stored by the HOSTS stream, so it is dead-lettered; the last good one holds
+        a = self.malformed.decode(msg, HostAssignment, subjects.sched_assign("*"))
+        if a is not None:
+            self._offer(a)
 
     def _offer(self, a: HostAssignment) -> None:
         if a.host == self.cfg.id:

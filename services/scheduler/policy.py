@@ -21,10 +21,10 @@ Tags decide what a host *may* do (`train`, `rollout`); the policy decides what i
   trajectories still missing, exceeds the switch cost (lend + reclaim) by `lend_margin`, or
   when no host outside the train pool can roll out (every rollout host dead or cordoned):
   the missing trajectories can then only come from the pool, whatever the rate of the last
-  30 s says. Seen in CI: host-1's worker killed right after a reclaim; no lend for 21 s,
-  host-0 idle while the requests the kill cut waited for host-1 to restart (the prediction:
-  the trainer's buffer counts members of groups the kill left incomplete, so few
-  trajectories looked missing, at the rate of the last 30 s).
+  30 s says. The prediction alone would not lend there: when a rollout host's worker dies
+  right after a reclaim, the trainer's buffer counts the members of groups the death left
+  incomplete, so few trajectories look missing at the rate of the last 30 s, and the pool
+  host would sit idle while the requests the death cut wait for that worker to restart.
 
   Two knobs trade the trainer's time for re-prefill (a reclaim vacates a lent host's running
   sequences, which carry their whole context to prefill again where they land):
@@ -35,7 +35,7 @@ Tags decide what a host *may* do (`train`, `rollout`); the policy decides what i
     *drained* first: reassigned to rollout with `lent_until` = now (routers send it nothing
     new) and reclaimed when it reports no running sequence or the grace has run out since
     the trainer became ready (`Trainer.wants_since`). The trainer's gate waits meanwhile.
-  Both default to 0 (reclaim at once, as before); `seamlessflow plan` sweeps them.
+  Both default to 0 (reclaim at once); `seamlessflow plan` sweeps them.
 
   With a grace, a lend the prediction got wrong costs the trainer up to the grace, so the
   lend verdict is stricter (docs/capacity-planning.md, "Lending with a grace", has the runs):
@@ -45,7 +45,8 @@ Tags decide what a host *may* do (`train`, `rollout`); the policy decides what i
     (`Trainer.waiting_since`). Right after a publish the completion rate still measures the
     previous batch's tail, and the predicted wait is several times too long (SIMULATED, 16
     hosts, 5 train: 360-425 s predicted at the publish, 58-82 s actual; within ~20% 20 s on).
-  Without a grace (the default) neither applies: lending is as before.
+  Without a grace (the default) neither applies: lend if the predicted wait >
+  `lend_margin` x (lend + reclaim).
 
 A host that is switching (its last assignment not yet applied) gets no new decision, so a
 host has one mode at a time. An unhealthy host gets none either: when it comes back it

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from services.scheduler import policy
 from shared.heartbeats import Heartbeats
+from shared.timeouts import HEARTBEAT_STALE_AFTER
 from shared.messages.scheduler import (
     Activity,
     HostHeartbeat,
@@ -70,7 +71,7 @@ class HostRecord:
 
 @dataclass
 class Registry:
-    stale_after: float = 3.0
+    stale_after: float = HEARTBEAT_STALE_AFTER
     switch_timeout: float = 60.0
     hosts: dict[str, HostRecord] = field(default_factory=dict)
     timelines: dict[str, deque[Interval]] = field(default_factory=dict)

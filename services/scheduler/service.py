@@ -29,7 +29,6 @@ import time
 from contextlib import AsyncExitStack
 from typing import get_args
 
-import msgspec
 from nats.aio.msg import Msg
 
 from services.scheduler import policy
@@ -37,7 +36,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.registry import Registry
 from services.scheduler.store import Store
 from shared import bus, subjects, weightstore
-from shared.codec import decode, encode
+from shared.codec import encode
 from shared.config import Connections
 from shared.deadletter import Malformed
 from shared.messages.rollout import WorkerStatus
@@ -205,23 +204,23 @@ class SchedulerService:
     # -- what arrives ------------------------------------------------------------------------------
 
     async def _on_heartbeat(self, msg: Msg) -> None:
-        hb = self._decode(msg, HostHeartbeat, subjects.SCHED_HOST)
+        hb = self.malformed.decode(msg, HostHeartbeat, subjects.SCHED_HOST)
         if hb is not None:
             for note in self.reg.on_heartbeat(hb, time.time()):
                 log.info("%s", note)
 
     async def _on_changed(self, msg: Msg) -> None:
-        ev = self._decode(msg, HostModeChanged, subjects.SCHED_CHANGED)
+        ev = self.malformed.decode(msg, HostModeChanged, subjects.SCHED_CHANGED)
         if ev is not None and (note := self.reg.on_changed(ev, time.time())):
             (log.info if ev.ok else log.warning)("%s", note)
 
     async def _on_worker(self, msg: Msg) -> None:
-        st = self._decode(msg, WorkerStatus, subjects.ROLLOUT_STATUS)
+        st = self.malformed.decode(msg, WorkerStatus, subjects.ROLLOUT_STATUS)
         if st is not None:
             self.reg.on_worker(st.worker_id, st.running, time.time())
 
     async def _on_trainer(self, msg: Msg) -> None:
-        st = self._decode(msg, TrainerStatus, subjects.TRAINER_STATUS)
+        st = self.malformed.decode(msg, TrainerStatus, subjects.TRAINER_STATUS)
         if st is not None:
             self.reg.on_trainer(st, time.time())
 
@@ -229,31 +228,24 @@ class SchedulerService:
         self.reg.on_finished(time.time())
 
     async def _on_weights(self, msg: Msg) -> None:
-        ev = self._decode(msg, WeightsPublished, subjects.WEIGHTS_PUBLISHED)
+        ev = self.malformed.decode(msg, WeightsPublished, subjects.WEIGHTS_PUBLISHED)
         if ev is not None and (self.weights is None or ev.version > self.weights.version):
             self.weights = ev
 
     async def _on_gate(self, msg: Msg) -> None:
-        req = self._decode(msg, TrainGate, subjects.SCHED_GATE)
-        if not msg.reply:
-            return
-        if req is None:  # refused at once: the trainer would otherwise wait out its gate timeout
-            try:
-                await msg.respond(encode(TrainGateReply(False, 0.0, "bad TrainGate: the scheduler cannot read it")))
-            except Exception as e:
-                log.warning("answering a bad gate request: %s", e)
-            return
-        self.gates.append(_Gate(msg, req, time.time()))
+        # one it cannot read is refused at once: the trainer would otherwise wait out its gate timeout
+        req = self.malformed.decode(msg, TrainGate, subjects.SCHED_GATE, refuse=lambda _: TrainGateReply(
+            False, 0.0, "bad TrainGate: the scheduler cannot read it"))
+        if req is not None and msg.reply:
+            self.gates.append(_Gate(msg, req, time.time()))
 
     async def _on_control(self, msg: Msg) -> None:
+        ctl = self.malformed.decode(msg, SchedulerControl, subjects.SCHED_CTL,
+                                    refuse=lambda why: SchedulerReply(False, error=f"bad SchedulerControl: {why}"))
+        if ctl is None:
+            return
         try:
-            ctl = decode(msg.data, SchedulerControl)
-        except msgspec.DecodeError as e:  # undecodable, or another type (ValidationError)
-            self.malformed(msg, subjects.SCHED_CTL, e)
-            ctl, reply = None, SchedulerReply(False, error=f"bad SchedulerControl: {e}")
-        try:
-            if ctl is not None:
-                reply = await self._control(ctl)
+            reply = await self._control(ctl)
         except Exception as e:
             log.exception("control failed")
             reply = SchedulerReply(False, error=f"{type(e).__name__}: {e}")
@@ -289,11 +281,3 @@ class SchedulerService:
                 return SchedulerReply(True, self.policy, infos, counts=dict(self.reg.counts))
         return SchedulerReply(True, self.policy, [r.info() for r in self.reg.hosts.values()],
                               counts=dict(self.reg.counts))
-
-    def _decode(self, msg: Msg, tp, subject: str):
-        """`msg` as a `tp`, or None once it is counted, logged and (if stored) dead-lettered."""
-        try:
-            return decode(msg.data, tp)
-        except msgspec.DecodeError as e:  # undecodable, or another type (ValidationError)
-            self.malformed(msg, subject, e)
-            return None

@@ -58,7 +58,7 @@ def init_distributed() -> None:
     init, rank, world = None, -1, -1  # under torchrun/deepspeed: env://, as they set it
     if "RANK" not in os.environ:
         # a group of one, met through a file, not a TCP port: a port picked free and then bound by
-        # torch can be taken in between (an outgoing connection's ephemeral port: CI saw EADDRINUSE)
+        # torch can be taken in between (an outgoing connection's ephemeral port: EADDRINUSE)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
         rendezvous = tempfile.mkdtemp(prefix="sf-dist-")
         atexit.register(shutil.rmtree, rendezvous, True)

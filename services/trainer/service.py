@@ -199,13 +199,12 @@ class TrainerService:
             self._wake.set()
 
     async def _on_msg(self, msg: Msg) -> None:
-        try:
-            traj = decode(msg.data, TrajectoryCompleted)  # ValidationError (another type) is a DecodeError
-            check_trajectory(traj, self.vocab_size)
-        except (msgspec.DecodeError, ValueError) as e:
-            # logged once per cause, copied to DEAD, then terminated: in a task, the fetch goes on
+        # one it cannot read is logged once per cause, copied to DEAD, then terminated: in a task, the
+        # fetch goes on
+        traj = self.malformed.decode(msg, TrajectoryCompleted, subjects.TRAJ_COMPLETED,
+                                     check=lambda t: check_trajectory(t, self.vocab_size))
+        if traj is None:
             self.metrics.count("bad")
-            self.malformed(msg, subjects.TRAJ_COMPLETED, e)
             return
         action = self.intake.offer(traj, msg, time.time())
         if action is not Action.TRAIN:
@@ -350,8 +349,12 @@ class TrainerService:
             await self._publish_status()
 
     async def _status_loop(self) -> None:
+        in_use_known = False
         while True:
             await self._publish_status()
+            if not in_use_known and (in_use := self.in_use()) is not None:
+                in_use_known = True  # from now on a publish collects the versions nobody serves
+                log.info("weight versions rollout workers serve: %s", sorted(in_use) or "none")
             await asyncio.sleep(STATUS_INTERVAL)
 
     async def _gate(self, step: int) -> dict[str, float]:
@@ -386,11 +389,8 @@ class TrainerService:
     async def _on_control(self, msg: Msg) -> None:
         """TrainerControl: offload or reload on every rank, after the step in progress; the reply is
         a TrainerStatus. Requests run in arrival order (one subscription callback at a time)."""
-        try:
-            ctl = decode(msg.data, TrainerControl)
-        except msgspec.DecodeError as e:  # answered with our status all the same
-            self.malformed(msg, subjects.TRAINER_CTL, e)
-        else:
+        ctl = self.malformed.decode(msg, TrainerControl, subjects.TRAINER_CTL)
+        if ctl is not None:  # one it cannot read is answered with our status all the same
             try:
                 async with self._device:
                     out = await self._run(Command(ctl.op))
@@ -408,10 +408,8 @@ class TrainerService:
     # -- weights in use ------------------------------------------------------------------------
 
     async def _on_status(self, msg: Msg) -> None:
-        try:
-            st = decode(msg.data, WorkerStatus)
-        except msgspec.DecodeError as e:
-            self.malformed(msg, subjects.ROLLOUT_STATUS, e)
+        st = self.malformed.decode(msg, WorkerStatus, subjects.ROLLOUT_STATUS)
+        if st is None:
             return
         self.served.beat(st.worker_id, st.version, at=time.monotonic())
 

@@ -2,7 +2,7 @@
 
 An agent resends its whole conversation with every turn, so at turn 200 a request carries 400
 messages of which the trajectory manager reads a handful: the reply it extends, the new ones,
-and what the template's short history needs (rendering.short_history). `decode_chat` keeps
+and what the template's short history needs (rendering.short_history). `ChatRequestIn` keeps
 each message as the msgpack bytes it came in (`msgspec.Raw`: a slice of the request, no
 copy) and `Messages` turns one into a dict the first time it is read. The raw digest
 (conversation.raw_digest) hashes those bytes as they came, the very bytes a re-encoding of
@@ -20,7 +20,6 @@ from typing import Any, overload
 
 import msgspec
 
-from shared.codec import decode
 from shared.messages import ChatRequest
 
 _message = msgspec.msgpack.Decoder(dict[str, Any])
@@ -31,9 +30,14 @@ class InvalidMessage(ValueError):
 
 
 class ChatRequestIn(ChatRequest, tag="ChatRequest"):
-    """ChatRequest as the trajectory manager decodes it: the same wire form, messages left raw."""
+    """ChatRequest as the trajectory manager decodes it (`decode(data, ChatRequestIn)`): the same
+    wire form, its `messages` a Messages of the raw bytes. Raises msgspec.DecodeError as
+    `decode(data, ChatRequest)` does (ValidationError for another type or a wrong field)."""
 
     messages: list[msgspec.Raw] = []  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:  # decoded, the raw messages are read through a Messages
+        self.messages = Messages(self.messages)  # type: ignore[assignment]
 
 
 class Messages(Sequence[dict[str, Any]]):
@@ -87,10 +91,3 @@ class Messages(Sequence[dict[str, Any]]):
     def __repr__(self) -> str:
         return f"Messages({len(self.raws)})"
 
-
-def decode_chat(data: bytes) -> ChatRequest:
-    """A ChatRequest whose `messages` is a Messages. Raises msgspec.DecodeError (ValidationError for
-    another type or a wrong field) as `decode(data, ChatRequest)` does."""
-    req = decode(data, ChatRequestIn)
-    req.messages = Messages(req.messages)  # type: ignore[assignment]
-    return req

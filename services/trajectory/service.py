@@ -30,7 +30,7 @@ from services.trajectory import tokenpath
 from services.trajectory.chat import LeaseLost, TurnError, TurnHandler
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.finishing import Publisher
-from services.trajectory.messagelist import decode_chat
+from services.trajectory.messagelist import ChatRequestIn
 from services.trajectory.rendering import Renderer
 from services.trajectory.routing import WorkerTable
 from services.trajectory.sessions import SessionOps
@@ -110,7 +110,8 @@ class TrajectoryService:
                 await self.nc.subscribe(subjects.session_op("*"), queue=subjects.TRAJECTORY_QUEUE, cb=self._on_session),
             ]
             # "ready" means the server has the subscriptions: SUBs are buffered, and settle() (gc.collect,
-            # ~0.3 s) right after ready would otherwise delay them: a request then met "no responders" (CI)
+            # ~0.3 s) right after ready would otherwise delay them: a request sent at once would meet
+            # "no responders"
             await self.nc.flush(timeout=5)
             log.info("trajectory manager ready (model %s, %s%s)", self.cfg.model, self.conn.redacted(),
                      f", metrics port {metrics.port}" if metrics.port else "")
@@ -219,10 +220,9 @@ class TrajectoryService:
     # -- rollout workers -------------------------------------------------------------------------
 
     async def _on_status(self, msg: Msg) -> None:
-        try:
-            self.table.update(decode(msg.data, WorkerStatus))
-        except msgspec.DecodeError as e:  # another version's worker, or not a worker at all
-            self.malformed(msg, subjects.ROLLOUT_STATUS, e)
+        st = self.malformed.decode(msg, WorkerStatus, subjects.ROLLOUT_STATUS)
+        if st is not None:  # None: another version's worker, or not a worker at all
+            self.table.update(st)
 
     async def _call(self, worker: str, cmd: Generate) -> AsyncIterator[RolloutReply]:
         """Stream one Generate to `worker`. A worker that vanishes counts as a preemption."""
@@ -265,15 +265,10 @@ class TrajectoryService:
     # -- chat turns ------------------------------------------------------------------------------
 
     async def _on_chat(self, msg: Msg) -> None:
-        try:
-            req = decode_chat(msg.data)  # its messages decoded only where read (messagelist.py)
-        except msgspec.DecodeError as e:  # undecodable, or another type (ValidationError)
-            self.malformed(msg, subjects.CHAT, e)
-            if msg.reply:
-                try:
-                    await self.nc.publish(msg.reply, encode(ChatFailed("", 400, "invalid_request", str(e))))
-                except Exception as pe:  # the caller times out: never worth failing the subscription
-                    _warn(f"chat-reply:{type(pe).__name__}", "answering a malformed chat request failed: %s", pe)
+        # its messages decoded only where read (messagelist.py)
+        req = self.malformed.decode(msg, ChatRequestIn, subjects.CHAT,
+                                    refuse=lambda why: ChatFailed("", 400, "invalid_request", why))
+        if req is None:
             return
         task = asyncio.create_task(self._chat(req, msg.reply))
         self.running[req.request_id] = task
@@ -288,7 +283,7 @@ class TrajectoryService:
             done = await self.turns.handle(req, emit)
             await emit(done)
             # debug, not info: a line a turn is hundreds a second at scale, and writing it cost 7% of this
-            # process's CPU per turn (py-spy, BENCHMARKS.md issue 15); the metrics and the live view count turns
+            # process's CPU per turn (py-spy, BENCHMARKS.md); the metrics and the live view count turns
             log.debug("turn %s session %s: %d+%d tokens in %.2fs", req.request_id, done.session_id,
                       done.usage.prompt_tokens, done.usage.completion_tokens, time.monotonic() - started)
         except TurnError as e:
@@ -309,12 +304,10 @@ class TrajectoryService:
             await emit(ChatFailed(req.request_id, 500, "internal_error", f"{type(e).__name__}: {e}"))
 
     async def _on_cancel(self, msg: Msg) -> None:
-        try:
-            rid = decode(msg.data, ChatCancel).request_id
-        except msgspec.DecodeError as e:
-            self.malformed(msg, subjects.CHAT_CANCEL, e)
+        cancel = self.malformed.decode(msg, ChatCancel, subjects.CHAT_CANCEL)
+        if cancel is None:
             return
-        task = self.running.get(rid)
+        task = self.running.get(cancel.request_id)
         if task:
             task.cancel()
 
@@ -328,14 +321,12 @@ class TrajectoryService:
         task.add_done_callback(self.session_ops.discard)
 
     async def _session(self, msg: Msg) -> None:
+        req = self.malformed.decode(msg, SessionRequest, subjects.session_op("*"),
+                                    refuse=lambda why: SessionReply(400, message=f"bad SessionRequest: {why}"))
+        if req is None:
+            return
         try:
-            req = decode(msg.data, SessionRequest)
-        except msgspec.DecodeError as e:  # undecodable, or another type (ValidationError)
-            self.malformed(msg, subjects.session_op("*"), e)
-            req, reply = None, SessionReply(400, message=f"bad SessionRequest: {e}")
-        try:
-            if req is not None:
-                reply = await self.sessions.handle(req)
+            reply = await self.sessions.handle(req)
         except msgspec.ValidationError as e:
             reply = SessionReply(400, message=str(e))
         except PoolExhausted as e:

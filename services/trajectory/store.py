@@ -491,18 +491,6 @@ class Store:
             raise SessionFinished(sid)
         await self.r.hset(_k(sid), "reward", repr(float(reward)))
 
-    async def mark_finished(self, sid: str, reward: float) -> bool:
-        """Returns False if it was already finished (a retried finish)."""
-        async with self.r.pipeline(transaction=True) as p:
-            p.hget(_k(sid), "status")
-            p.hset(_k(sid), mapping={"status": "finished", "reward": repr(float(reward)),
-                                     "finished_at": time.time()})
-            prev, _ = await p.execute()
-        if prev == b"finished":
-            return False
-        await self.r.zrem(OPEN, sid)
-        return True
-
     # -- finishing: the publication of a session's TrajectoryCompleted ------------------------------
 
     async def begin_finish(self, sid: str, reward: float, event: bytes) -> tuple[str, bytes]:

@@ -3,7 +3,7 @@
 A turn's prompt is its parent turn's token path (cached in Redis as a msgpack array of ints) plus
 the few tokens the chat template adds for the new messages. Decoding a 5,000-token path into Python
 ints and encoding it again for the in-flight state, the Generate and the next cached path cost a
-turn at turn 200 ~0.15 ms more than a turn at turn 10 (BENCHMARKS.md, issue 15). A msgpack array is
+turn at turn 200 ~0.15 ms more than a turn at turn 10 (BENCHMARKS.md). A msgpack array is
 a header and its items back to back, so `path + more` is header(n + m), the path's items and the
 new items' bytes: copied, never decoded.
 

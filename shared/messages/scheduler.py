@@ -31,8 +31,6 @@ Activity = Literal["train", "rollout", "switch", "idle"]
 PolicyName = Literal["colocated", "disaggregated", "seamless"]
 TrainerState = Literal["waiting", "ready", "computing", "publishing", "stopped"]
 
-ROLE_TAGS = ("train", "rollout")
-
 
 class HostHeartbeat(msgspec.Struct, tag=True, omit_defaults=True):
     """Event: a host agent is alive; published every `SF_HOST_HEARTBEAT` seconds."""

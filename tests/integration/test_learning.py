@@ -42,6 +42,19 @@ def policy_reward(model_dir) -> float:
     return sampled_reward(model, tok, random.Random(123), n=256)
 
 
+def status_with_trainer_metrics(stack, timeout: float) -> dict:
+    """The status page, polled until it shows the trainer's reward (the gateway scrapes this
+    stack's trainer, on its own metrics port, at most every few seconds while the page is
+    read); the last page read once `timeout` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        page = httpx.get(f"{stack.admin_url}/ui/api/status", headers={"authorization": f"Bearer {stack.admin_key}"},
+                         timeout=30).json()
+        if page["trainer_metrics"].get("reward_mean") is not None or time.monotonic() > deadline:
+            return page
+        time.sleep(0.5)
+
+
 def test_mean_reward_rises(tmp_path, warm_model, nats_url, redis_url):
     from seamlessflow.stack import servers
     from shared.weightstore import version_dir, versions_on_disk
@@ -55,13 +68,7 @@ def test_mean_reward_rises(tmp_path, warm_model, nats_url, redis_url):
         stack.wait_ready(stack.spawn_trainer(group_size=GROUP_SIZE, groups_per_step=GROUPS, **TRAINER_SETTINGS))
         result = asyncio.run(run_rounds(stack, ROUNDS, GROUPS, GROUP_SIZE, seed=1))
         last_version = versions_on_disk(stack.weights_dir)[-1]
-        # the status page reads this stack's trainer (its own metrics port, scraped by the gateway)
-        page = httpx.get(f"{stack.admin_url}/ui/api/status", headers={"authorization": f"Bearer {stack.admin_key}"},
-                         timeout=30).json()
-        if not page["trainer_metrics"]:  # scraped at most every few seconds: once more after that
-            time.sleep(6)
-            page = httpx.get(f"{stack.admin_url}/ui/api/status",
-                             headers={"authorization": f"Bearer {stack.admin_key}"}, timeout=30).json()
+        page = status_with_trainer_metrics(stack, timeout=60)
         before, after = policy_reward(warm_model), policy_reward(version_dir(stack.weights_dir, last_version))
     finally:
         stack.stop()

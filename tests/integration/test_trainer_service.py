@@ -235,7 +235,8 @@ async def test_sigkill_and_restart_train_every_trajectory_once(nats, tiny_model,
     # versions, so staleness shows) and a re-publish of a session that step 1 trained.
     trainer = Trainer.start(tiny_model, env, log_b, "--max-steps", "6")
     await trainer.wait_for("trainer ready", READY_TIMEOUT)
-    await asyncio.sleep(2.2)  # heartbeats had worker_stale_after (2 s) to arrive: its GC may run now
+    # heartbeats had worker_stale_after (2 s) to arrive, and w-old's pins version 1: its GC may run now
+    await trainer.wait_for("weight versions rollout workers serve: [1]", 30)
     phase2 = make_groups("p2", 3 * GROUPS_PER_STEP, vocab, version=2, seed=2)
     await publish(nc, [t for g in phase2 for t in g])
     await publish(nc, [phase1[1][2]], msg_id="again-{}")

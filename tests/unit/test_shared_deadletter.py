@@ -12,7 +12,9 @@ from nats.aio.msg import Msg
 
 from seamlessflow.ops.dead import format_letters, to_json
 from shared import deadletter, subjects
+from shared.codec import decode, encode
 from shared.deadletter import DeadLetter, Malformed
+from shared.messages import ChatCancel, ChatFailed
 
 ACK = "$JS.ACK.TRAJECTORIES.trainer.1.42.7.1700000000000000000.0"
 
@@ -140,6 +142,70 @@ async def test_copies_in_flight_are_bounded(monkeypatch):
     await m.drain()
 
 
+# -- Malformed.decode: what every subscription calls -------------------------------------------------
+
+def refused(why: str) -> ChatFailed:
+    return ChatFailed("", 400, "invalid_request", why)
+
+
+async def test_decode_gives_the_message_and_counts_nothing():
+    m = attached("trajectory", FakeJS())
+    got = m.decode(msg(subjects.CHAT_CANCEL, encode(ChatCancel("r1"))), ChatCancel, subjects.CHAT_CANCEL)
+    assert got == ChatCancel("r1") and m.count(subjects.CHAT_CANCEL) == 0 and not m.tasks
+
+
+@pytest.mark.parametrize("bad", [b"\xc1", encode(ChatFailed("r", 1, "c", "m"))], ids=["undecodable", "another type"])
+async def test_decode_counts_logs_once_and_refuses_a_request(caplog, bad):
+    m, client = attached("trajectory", FakeJS()), FakeClient()
+    caplog.set_level(logging.DEBUG, logger="shared.deadletter")
+    for _ in range(2):
+        assert m.decode(msg(subjects.CHAT, bad, "_INBOX.1", client), ChatCancel, subjects.CHAT, refuse=refused) is None
+    await m.drain()
+    assert m.count(subjects.CHAT) == 2
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    assert [s for s, _ in client.published] == ["_INBOX.1"] * 2
+    reply = decode(client.published[0][1], ChatFailed)
+    assert reply.status == 400 and reply.code == "invalid_request" and reply.message  # the decoder's words
+
+
+async def test_decode_refuses_only_where_asked_and_answerable():
+    m, client = attached("trajectory", FakeJS()), FakeClient()
+    assert m.decode(msg(subjects.CHAT, b"\xc1", "", client), ChatCancel, subjects.CHAT, refuse=refused) is None
+    assert m.decode(msg(subjects.CHAT, b"\xc1", "_INBOX.2", client), ChatCancel, subjects.CHAT) is None
+    await m.drain()
+    assert client.published == [] and m.count(subjects.CHAT) == 2  # no inbox, or an event: counted only
+
+
+async def test_a_refusal_that_cannot_be_sent_is_logged_not_raised(caplog):
+    class Closed(FakeClient):
+        async def publish(self, subject, data=b"", **kw):
+            raise ConnectionError("closed")
+
+    m = attached("scheduler", FakeJS())
+    caplog.set_level(logging.WARNING, logger="shared.deadletter")
+    assert m.decode(msg(subjects.SCHED_CTL, b"\xc1", "_INBOX.3", Closed()), ChatCancel, subjects.SCHED_CTL,
+                    refuse=refused) is None
+    await m.drain()
+    assert any("answering a malformed request" in r.getMessage() for r in caplog.records)
+
+
+async def test_decode_check_refuses_a_valid_message_like_a_bad_one():
+    def check(c: ChatCancel) -> None:
+        if not c.request_id:
+            raise ValueError("no request id")
+
+    js, client = FakeJS(), FakeClient()
+    m = attached("trainer", js)
+    ok = msg(subjects.TRAJ_COMPLETED, encode(ChatCancel("r")), ACK, client)
+    assert m.decode(ok, ChatCancel, subjects.TRAJ_COMPLETED, check=check) == ChatCancel("r")
+    bad = msg(subjects.TRAJ_COMPLETED, encode(ChatCancel("")), ACK, client)
+    assert m.decode(bad, ChatCancel, subjects.TRAJ_COMPLETED, check=check) is None
+    await m.drain()
+    [(_, _, hdrs)] = js.stored  # a stored delivery: dead-lettered, then terminated, as `__call__` does
+    assert hdrs[deadletter.H_ERROR] == "ValueError: no request id"
+    assert client.published == [(ACK, b"+TERM")] and m.count(subjects.TRAJ_COMPLETED) == 1
+
+
 def test_the_cli_formats():
     letters = [DeadLetter(3, 1700000000.0, "trainer", subjects.TRAJ_COMPLETED, "DecodeError: " + "y" * 200, 17)]
     text = format_letters(letters)
@@ -153,7 +219,6 @@ def test_every_kind_of_garbage_is_a_decode_error(bad):
     """The services catch msgspec.DecodeError: it covers undecodable bytes and another type alike."""
     import msgspec
 
-    from shared.codec import decode
     from shared.messages import ChatRequest
 
     with pytest.raises(msgspec.DecodeError):

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from services.trajectory.conversation import conversation_key, last_reply, prefix_keys, raw_digest, raw_digests
-from services.trajectory.messagelist import InvalidMessage, Messages, decode_chat
+from services.trajectory.messagelist import ChatRequestIn, InvalidMessage, Messages
 from services.trajectory.prompts import follow_digest, request_digests
 from services.trajectory.rendering import Renderer, short_history
 from shared.codec import decode, encode
@@ -40,7 +40,7 @@ def both(msgs: list[dict], tools=TOOLS) -> tuple[ChatRequest, ChatRequest]:
     req = ChatRequest(request_id="r", session_id="s", kind="chat", model="m", sampling=Sampling(max_tokens=4),
                       messages=msgs, tools=tools)
     data = encode(req)
-    return decode(data, ChatRequest), decode_chat(data)
+    return decode(data, ChatRequest), decode(data, ChatRequestIn)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -120,4 +120,4 @@ def test_a_message_that_is_no_object_is_refused_where_read_with_its_index():
     with pytest.raises(InvalidMessage, match=r"messages\[2\]"):
         req.messages[1:][1]
     with pytest.raises(msgspec.ValidationError):  # the request itself is still checked at decode
-        decode_chat(encode({"type": "ChatRequest", "request_id": 1}))
+        decode(encode({"type": "ChatRequest", "request_id": 1}), ChatRequestIn)

@@ -44,7 +44,7 @@ Model, in order of one tick (steps numbered in `_tick`):
   worker's streamed deltas, NATS and Redis), on `control_cores` cores shared by all turns. A
   turn becomes dispatchable only once a FIFO server of that capacity has done its work: at
   least `control_s_per_turn` after it is queued, and at most `control_cores /
-  control_s_per_turn` turns per second. 0 (the default) leaves it out, as before.
+  control_s_per_turn` turns per second. 0 (the default) leaves it out.
 - Latency outside the engine (`Options.turn_latency_s` > 0): every turn takes that many
   seconds of wall time outside the engine (the agent's HTTP calls, the gateway, the trajectory
   manager's Redis and NATS round trips, the streamed deltas), spent waiting, not computing: a
@@ -52,15 +52,15 @@ Model, in order of one tick (steps numbered in `_tick`):
   meanwhile, so admission counts it), whatever the load. It is a measured input
   (bench/pipeline_live.py measures it as the agents' time per turn less the engine's own).
   With the control plane as well, a turn waits for the later of the two. 0 (the default)
-  leaves it out, as before.
+  leaves it out.
 - Latency after the engine (`Options.turn_latency_after_s` > 0): the part of a turn's wall
   time outside the engine that comes after its last token (the reply streamed back to the
-  agent, and on a session's last turn its /finish call). The slot is freed when the engine
-  is done, as before; the session moves on only that much later: a tool call starts then (its
+  agent, and on a session's last turn its /finish call). The slot is still freed when the
+  engine is done; the session moves on only that much later: a tool call starts then (its
   `tool_latency_s` after it), and a last turn's session completes then (state FINISHING: still
   open for admission, its group not complete, not yet available to the trainer), at the end
   of the tick it falls in, as a tool's return is seen. `turn_latency_s` is then the part
-  before the engine. 0 (the default) leaves it out, as before.
+  before the engine. 0 (the default) leaves it out.
 - Routing (`Options.route`): by default a queued turn takes a slot freed this tick first, so
   a host that finishes turns gets the next ones; "least_loaded" routes each turn to the host
   with the fewest running sequences per capacity, as the live trajectory manager does. With

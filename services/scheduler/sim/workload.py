@@ -40,10 +40,6 @@ class Calibration:
     def step_s(self, k: float) -> float:
         return self.decode_a_s + self.decode_b_s * k
 
-    def decode_tokens_per_s(self, k: float | None = None) -> float:
-        k = self.max_seqs if k is None else k
-        return k / self.step_s(k)
-
     def train_tokens_per_s(self) -> float:
         return 1.0 / self.train_s_per_token
 
