@@ -248,7 +248,7 @@ def prepare(dirpath: Path, targets: list[float], warm_steps: list[int]) -> None:
     import shutil
 
     from seamlessflow.modelgen import init_model
-    from seamlessflow.demo.warmstart import warm_start
+    from seamlessflow.demo.warmstart import WarmStart, warm_start
 
     tiny = dirpath / "tiny"
     if not (tiny / "config.json").exists():
@@ -256,11 +256,11 @@ def prepare(dirpath: Path, targets: list[float], warm_steps: list[int]) -> None:
     for t in targets:
         out = dirpath / f"warm{t}"
         if not (out / "config.json").exists():
-            print(f"target {t}:", warm_start(tiny, out, target_reward=t), flush=True)
+            print(f"target {t}:", warm_start(tiny, out, WarmStart(target_reward=t)), flush=True)
     for n in warm_steps:  # fixed step counts (warm_start checks its target every 25 steps only)
         out = dirpath / f"warmsteps{n}"
         if not (out / "config.json").exists():
-            print(f"steps {n}:", warm_start(tiny, out, target_reward=9.0, max_steps=n), flush=True)
+            print(f"steps {n}:", warm_start(tiny, out, WarmStart(target_reward=9.0, max_steps=n)), flush=True)
             for extra in ("generation_config.json",):
                 if (tiny / extra).exists() and not (out / extra).exists():
                     shutil.copy(tiny / extra, out / extra)

@@ -22,7 +22,7 @@ import httpx
 import pytest
 import torch
 
-from seamlessflow.demo.rl import TRAINER_SETTINGS, run_rounds
+from seamlessflow.demo.rl import TRAINER_SETTINGS, Rounds, run_rounds
 from tests.integration.stack_fixture import make_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.deepspeed]
@@ -53,7 +53,7 @@ def test_mean_reward_rises(tmp_path, warm_model, nats_url, redis_url):
                        extra_env={"SF_TRAJECTORY_MAX_STALENESS": "2"})  # the trainer declares its batch
     try:
         stack.wait_ready(stack.spawn_trainer(group_size=GROUP_SIZE, groups_per_step=GROUPS, **TRAINER_SETTINGS))
-        result = asyncio.run(run_rounds(stack, ROUNDS, GROUPS, GROUP_SIZE, seed=1))
+        result = asyncio.run(run_rounds(stack, Rounds(ROUNDS, GROUPS, GROUP_SIZE, seed=1)))
         last_version = versions_on_disk(stack.weights_dir)[-1]
         # the status page reads this stack's trainer (its own metrics port, scraped by the gateway)
         page = httpx.get(f"{stack.admin_url}/ui/api/status", headers={"authorization": f"Bearer {stack.admin_key}"},
