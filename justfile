@@ -62,8 +62,8 @@ compose-check:
 export OUT="trajectories.jsonl":
     {{py}} -m seamlessflow export --out {{OUT}}
 
-# static checks: undefined names, unused imports, syntax; function size in services/ and shared/
-# (limits in pyproject.toml). The test suite runs this recipe (tests/unit/test_lint.py).
+# static checks: undefined names, unused imports, syntax everywhere; function size and arguments in
+# every package, tests/ aside (limits in pyproject.toml). The test suite runs this recipe (tests/unit/test_lint.py).
 lint:
-    .venv/bin/ruff check --select F,E9 shared services seamlessflow bench tests
-    .venv/bin/ruff check --select PLR0915,PLR0912 shared services
+    .venv/bin/ruff check --select F,E9,PLR0912,PLR0913,PLR0915 shared services seamlessflow bench
+    .venv/bin/ruff check --select F,E9 tests

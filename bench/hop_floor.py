@@ -127,7 +127,6 @@ async def run(args) -> list[dict]:
     from transformers import AutoTokenizer
 
     import gateway_overhead as go
-    from seamlessflow.stack import servers
     from seamlessflow.modelgen import init_model
 
     tmp = Path(tempfile.mkdtemp(prefix="sf-floor-"))
@@ -139,17 +138,7 @@ async def run(args) -> list[dict]:
     go_args = argparse.Namespace(engine="simulated", concurrency=args.concurrency, turns=0, profile=None)
     real = go.start_side("services", None, model, tmp, go_args)
     floor_stack = go.start_side("floor", None, model, tmp, go_args)  # its NATS, Redis and engine; services unused
-    me = Path(__file__).resolve()
-    port = servers.free_port()
-    s = floor_stack.stack
-    gw = s.spawn("floor-gateway", [sys.executable, str(me), "--role", "gateway", "--nats", s.nats_url,
-                                   "--port", str(port)], ready="floor gateway ready")
-    tr = s.spawn("floor-trajectory", [sys.executable, str(me), "--role", "trajectory", "--nats", s.nats_url,
-                                      "--redis", s.redis_url, "--prompt", json.dumps(prompt_ids),
-                                      "--max-tokens", str(args.max_tokens)], ready="floor trajectory ready")
-    s.wait_ready(gw)
-    s.wait_ready(tr)
-    floor_stack.pids = {"gateway": gw.popen.pid, "trajectory": tr.popen.pid}
+    port = _spawn_floor(floor_stack, prompt_ids, args.max_tokens)
     rows: list[dict] = []
     try:
         await go.connect(real, max(args.concurrency), go_args)
@@ -172,22 +161,7 @@ async def run(args) -> list[dict]:
         sides = {"services": (real, real_turn), "floor": (floor_stack, lambda i: floor_turn()),
                  "direct": (real, lambda i: real.direct(prompt_ids, args.max_tokens))}  # no control plane
         for conc in args.concurrency:
-            lat = {k: [] for k in sides}
-            cpu = {(k, n): 0.0 for k in sides for n in ("gateway", "trajectory")}
-            per_round = max(conc, args.requests // args.rounds)
-            for _ in range(args.rounds):
-                for name, (side, turn) in sides.items():
-                    queue = list(range(per_round))
-
-                    async def loop(i: int, turn=turn, queue=queue, name=name) -> None:
-                        while queue:
-                            queue.pop()
-                            lat[name].append(await turn(i))
-
-                    c0 = side.cpu()
-                    await asyncio.gather(*(loop(i) for i in range(conc)))
-                    for n, c in side.cpu().items():
-                        cpu[name, n] += c - c0[n]
+            lat, cpu = await _measure(sides, conc, max(conc, args.requests // args.rounds), args.rounds)
             for name in ("services", "floor"):
                 turns = len(lat[name])
                 row = {"side": name, "concurrency": conc, "turns": turns,
@@ -203,6 +177,45 @@ async def run(args) -> list[dict]:
         real.stack.stop()
         floor_stack.stack.stop()
     return rows
+
+
+def _spawn_floor(floor_stack, prompt_ids: list[int], max_tokens: int) -> int:
+    """The floor's gateway and trajectory processes on the floor side's NATS and Redis; their gateway's port."""
+    from seamlessflow.stack import servers
+
+    me = Path(__file__).resolve()
+    port = servers.free_port()
+    s = floor_stack.stack
+    gw = s.spawn("floor-gateway", [sys.executable, str(me), "--role", "gateway", "--nats", s.nats_url,
+                                   "--port", str(port)], ready="floor gateway ready")
+    tr = s.spawn("floor-trajectory", [sys.executable, str(me), "--role", "trajectory", "--nats", s.nats_url,
+                                      "--redis", s.redis_url, "--prompt", json.dumps(prompt_ids),
+                                      "--max-tokens", str(max_tokens)], ready="floor trajectory ready")
+    s.wait_ready(gw)
+    s.wait_ready(tr)
+    floor_stack.pids = {"gateway": gw.popen.pid, "trajectory": tr.popen.pid}
+    return port
+
+
+async def _measure(sides: dict, conc: int, per_round: int, rounds: int) -> tuple[dict, dict]:
+    """Each side's turn latencies and its gateway's and trajectory manager's CPU seconds: `rounds`
+    rounds of `per_round` turns at `conc` at once, the sides taking turns."""
+    lat = {k: [] for k in sides}
+    cpu = {(k, n): 0.0 for k in sides for n in ("gateway", "trajectory")}
+    for _ in range(rounds):
+        for name, (side, turn) in sides.items():
+            queue = list(range(per_round))
+
+            async def loop(i: int, turn=turn, queue=queue, name=name) -> None:
+                while queue:
+                    queue.pop()
+                    lat[name].append(await turn(i))
+
+            c0 = side.cpu()
+            await asyncio.gather(*(loop(i) for i in range(conc)))
+            for n, c in side.cpu().items():
+                cpu[name, n] += c - c0[n]
+    return lat, cpu
 
 
 def main() -> None:

@@ -125,7 +125,24 @@ def md_policies(title, res) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def long_tail(hosts: int, dh, a: argparse.Namespace) -> tuple[dict, list[str]]:
+    """1 + 2 at `hosts` hosts: the split sweep, then the three policies at seamless's best split
+    (their results, and their lines of the report)."""
+    wl = sized(WORKLOADS["long-tail"], dh, hosts, fill=1.0)
+    grid = list(range(1, hosts)) if hosts <= 16 else splits(hosts, 8)
+    sw = sweep(hosts, dh, wl, a.sweep_steps, grid)
+    plot_sweep(sw, a.out / f"sweep-{hosts}.png", f"{hosts} hosts, decode-heavy, long tail (SIMULATED)")
+    best = max(sw, key=lambda r: r["seamless"])["train_hosts"]
+    res = side_by_side(hosts, best, dh, wl, a.steps, a.out if hosts == 16 else None)
+    md = [md_policies(f"{hosts} hosts, decode-heavy, long tail, split {best} train / {hosts - best} rollout", res), ""]
+    md += ["| train hosts | " + " | ".join(str(r["train_hosts"]) for r in sw) + " |",
+           "|---|" + "---|" * len(sw),
+           "| seamless / disaggregated | " + " | ".join(f"{r['seamless'] / r['disaggregated']:.3f}" for r in sw)
+           + " |", ""]
+    return {"sweep": sw, "split": best, "policies": res}, md
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--sweep-steps", type=int, default=10)
@@ -134,7 +151,11 @@ def main() -> None:
     ap.add_argument("--skip-drain", action="store_true", help="skip the drain trade-off (6)")
     ap.add_argument("--reclaim-grace", type=float, default=0.0, help="reclaim_grace_s of every seamless run in 1-5")
     ap.add_argument("--drain-margin", type=float, default=0.0, help="drain_margin_s of every seamless run in 1-5")
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    a = parse_args()
     DRAIN.update(reclaim_grace_s=a.reclaim_grace, drain_margin_s=a.drain_margin)
     a.out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
@@ -146,18 +167,8 @@ def main() -> None:
 
     # 1 + 2: sweeps, then the three policies at seamless's best split
     for hosts in (16, 64):
-        wl = sized(WORKLOADS["long-tail"], dh, hosts, fill=1.0)
-        grid = list(range(1, hosts)) if hosts <= 16 else splits(hosts, 8)
-        sw = sweep(hosts, dh, wl, a.sweep_steps, grid)
-        plot_sweep(sw, a.out / f"sweep-{hosts}.png", f"{hosts} hosts, decode-heavy, long tail (SIMULATED)")
-        best = max(sw, key=lambda r: r["seamless"])["train_hosts"]
-        res = side_by_side(hosts, best, dh, wl, a.steps, a.out if hosts == 16 else None)
-        report[f"long-tail-{hosts}"] = {"sweep": sw, "split": best, "policies": res}
-        md += [md_policies(f"{hosts} hosts, decode-heavy, long tail, split {best} train / {hosts - best} rollout", res), ""]
-        md += ["| train hosts | " + " | ".join(str(r["train_hosts"]) for r in sw) + " |",
-               "|---|" + "---|" * len(sw),
-               "| seamless / disaggregated | " + " | ".join(f"{r['seamless'] / r['disaggregated']:.3f}" for r in sw)
-               + " |", ""]
+        report[f"long-tail-{hosts}"], lines = long_tail(hosts, dh, a)
+        md += lines
 
     # 3: fixed split: train pool = half the hosts (memory), training fast next to rollout
     wl64 = sized(WORKLOADS["long-tail"], dh, 64, fill=1.0)
@@ -188,8 +199,22 @@ def main() -> None:
             report["drain"].append(t)
             md += [md_drain(f"Drain trade-off, {hosts} hosts, split {split}" + (" (fixed)" if split == 32 else ""), t), ""]
 
-    # goals, as ratios measured in this run
-    lt64 = report["long-tail-64"]
+    g = goals(report)
+    md += ["**Goals** (ratios from this run)", "", "| goal | measured | target | met | by |", "|---|---|---|---|---|"]
+    for name, v, target, op in g:
+        ok = v >= target if op == ">=" else v < target
+        md.append(f"| {name} | {v:.4f} | {op} {target:g} | {'yes' if ok else 'NO'} | "
+                  f"{(v / target - 1) * 100:+.2f}% |")
+    report["goals"] = [{"goal": n, "measured": v, "target": t, "op": o} for n, v, t, o in g]
+    report["seconds"] = time.perf_counter() - t_all
+    (a.out / "results.json").write_text(json.dumps(report, indent=1))
+    print("\n".join(md))
+    print(f"\n{report['seconds']:.0f} s; results and PNGs in {a.out}")
+
+
+def goals(report: dict) -> list[tuple[str, float, float, str]]:
+    """The goals as ratios measured in this run: (name, measured, target, ">=" or "<")."""
+    lt64, fixed, sw_th = report["long-tail-64"], report["fixed-split"], report["train-heavy-16"]
     g = []
     r1 = lt64["policies"]["seamless"]["trained_tok_s"] / lt64["policies"]["colocated"]["trained_tok_s"]
     g.append(("seamless / colocated-sync, long tail, 64 hosts, recommended split", r1, 2.0, ">="))
@@ -215,16 +240,7 @@ def main() -> None:
             g.append((f"{name}: none tried", 0.0, 0.99, ">="))
     if "scale" in report:
         g.append(("4,096 hosts x 1,000 steps (seamless, one policy), seconds", report["scale"]["seconds"], 60.0, "<"))
-    md += ["**Goals** (ratios from this run)", "", "| goal | measured | target | met | by |", "|---|---|---|---|---|"]
-    for name, v, target, op in g:
-        ok = v >= target if op == ">=" else v < target
-        md.append(f"| {name} | {v:.4f} | {op} {target:g} | {'yes' if ok else 'NO'} | "
-                  f"{(v / target - 1) * 100:+.2f}% |")
-    report["goals"] = [{"goal": n, "measured": v, "target": t, "op": o} for n, v, t, o in g]
-    report["seconds"] = time.perf_counter() - t_all
-    (a.out / "results.json").write_text(json.dumps(report, indent=1))
-    print("\n".join(md))
-    print(f"\n{report['seconds']:.0f} s; results and PNGs in {a.out}")
+    return g
 
 
 if __name__ == "__main__":

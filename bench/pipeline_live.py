@@ -265,7 +265,8 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def live(a, tmp: Path) -> dict:
+def live_stack(a, tmp: Path) -> SimTrainerStack:
+    """The live stack, not started: SIMULATED engines on `a.hosts` hosts and a SIMULATED trainer."""
     model = init_model(tmp / "model", size="tiny")
     engine = f"{sys.executable} -m services.rollout.simulated --capacity {a.capacity} " \
              f"--step-ms {a.step_ms} --per-seq-ms {a.per_seq_ms} --follow-weights --timing-dir {tmp / 'engine_timing'}"
@@ -278,18 +279,58 @@ def live(a, tmp: Path) -> dict:
                         extra_env={"SF_HOST_WORKER_CMD": engine, "SF_SCHEDULER_TICK": str(a.tick),
                                    "SF_TRAJECTORY_MAX_STALENESS": str(WL.max_staleness)})
     SimTrainerStack.s_per_token = a.s_per_token
-    stack = SimTrainerStack(opts)
+    return SimTrainerStack(opts)
+
+
+def wait_placed(conn, hosts: int, timeout: float = 60) -> None:
+    """Until every host is placed, its worker up and its switch applied (or `timeout` s)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        hs = asyncio.run(hostops.ask(conn, "status")).hosts
+        if len(hs) == hosts and all(h.mode == h.target and h.healthy and h.mode != "idle" for h in hs):
+            break
+        time.sleep(0.3)
+
+
+def heartbeat_fractions(hosts, t_k: float, t_n: float) -> tuple[dict, dict]:
+    """From the scheduler's timeline: each activity's mean fraction of [t_k, t_n] over the hosts, and each host's idle."""
+    spent, idle_hosts = dict.fromkeys(ACTS, 0.0), {}
+    for h in hosts:
+        f = fractions([Interval(iv.activity, iv.t_start, iv.t_end) for iv in h.timeline], t_k, t_n)
+        idle_hosts[h.host] = f["idle"]
+        for k, v in f.items():
+            spent[k] += v / len(hosts)
+    return spent, idle_hosts
+
+
+def engine_requests(tmp: Path, hosts) -> tuple[dict, dict]:
+    """The engines' request logs (by worker) and each host's requests as (t0, t1)."""
+    logs = {f.stem: _jsonl(f) for f in sorted((tmp / "engine_timing").glob("*.jsonl"))}  # <worker-id>.jsonl
+    host_of, reqs = {h.worker_id: h.host for h in hosts}, {}
+    for stem, rows in logs.items():
+        for r in rows:  # lines written before "host" was logged: the host whose worker wrote the file
+            reqs.setdefault(r.get("host") or host_of.get(stem, stem), []).append((r["t0"], r["t1"]))
+    return logs, reqs
+
+
+def turn_times(turns: list, engine: list[dict]) -> tuple[float, float, dict]:
+    """(an agent's mean turn, the engine's mean request, the agent turn's parts: open, chat, finish), in seconds."""
+    agent_s = statistics.mean(x[3] - x[0] for x in turns) if turns else float("nan")
+    engine_s = statistics.mean(r["t1"] - r["t0"] for r in engine) if engine else float("nan")
+    parts = {"open_s": statistics.mean(x[1] - x[0] for x in turns) if turns else float("nan"),
+             "chat_s": statistics.mean(x[2] - x[1] for x in turns) if turns else float("nan"),
+             "finish_s": statistics.mean(x[3] - x[2] for x in turns) if turns else float("nan")}
+    return agent_s, engine_s, parts
+
+
+def live(a, tmp: Path) -> dict:
+    stack = live_stack(a, tmp)
     print(f"starting the live stack in {tmp} (SIMULATED engines and trainer) ...", file=sys.stderr)
     stack.start()
     conn = connections({"SF_NATS_URL": stack.nats_url, "SF_REDIS_URL": stack.redis_url})
     audit, simlog = tmp / "trainer" / "trained.jsonl", tmp / "trainer" / "sim_steps.jsonl"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # every host placed, worker up, switch applied
-            hs = asyncio.run(hostops.ask(conn, "status")).hosts
-            if len(hs) == a.hosts and all(h.mode == h.target and h.healthy and h.mode != "idle" for h in hs):
-                break
-            time.sleep(0.3)
+        wait_placed(conn, a.hosts)
         agents = Agents(stack.gateway_url, stack.api_key, a.tokens, WL.group_size, a.slots)
         n_steps = lambda: sum(1 for r in _jsonl(audit) if r["event"] == "step")  # noqa: E731
         pids = {p.name: p.popen.pid for p in stack.procs} | {"bench agents": os.getpid()}
@@ -312,18 +353,9 @@ def live(a, tmp: Path) -> dict:
     t_k, t_n = steps[a.warmup - 1]["ts"] if a.warmup else t_start, steps[a.steps - 1]["ts"]
     window = [sims[s["step"]] for s in steps[a.warmup:a.steps]]
     tokens = sum(r["tokens_all"] for r in window)
-    spent, idle_hosts = dict.fromkeys(ACTS, 0.0), {}
-    for h in reply.hosts:
-        f = fractions([Interval(iv.activity, iv.t_start, iv.t_end) for iv in h.timeline], t_k, t_n)
-        idle_hosts[h.host] = f["idle"]
-        for k, v in f.items():
-            spent[k] += v / len(reply.hosts)
+    spent, idle_hosts = heartbeat_fractions(reply.hosts, t_k, t_n)
     # exact idle: per host, the window less train, switch and its engine's requests (module docstring)
-    logs = {f.stem: _jsonl(f) for f in sorted((tmp / "engine_timing").glob("*.jsonl"))}  # <worker-id>.jsonl
-    host_of, reqs = {h.worker_id: h.host for h in reply.hosts}, {}
-    for stem, rows in logs.items():
-        for r in rows:  # lines written before "host" was logged: the host whose worker wrote the file
-            reqs.setdefault(r.get("host") or host_of.get(stem, stem), []).append((r["t0"], r["t1"]))
+    logs, reqs = engine_requests(tmp, reply.hosts)
     by_host = {h.host: exact_idle([(iv.t_start, iv.t_end) for iv in h.timeline if iv.activity in ("train", "switch")],
                                   reqs.get(h.host, []), t_k, t_n) for h in reply.hosts}
     sw = switches(stack, t_k, t_n)
@@ -333,11 +365,7 @@ def live(a, tmp: Path) -> dict:
     turns = [x for x in agents.timings if t_k <= x[0] < t_n]
     engine = [r for rows in logs.values() for r in rows
               if t_k <= r["t0"] < t_n and r["finish"] == "length"]
-    agent_s = statistics.mean(x[3] - x[0] for x in turns) if turns else float("nan")
-    engine_s = statistics.mean(r["t1"] - r["t0"] for r in engine) if engine else float("nan")
-    parts = {"open_s": statistics.mean(x[1] - x[0] for x in turns) if turns else float("nan"),
-             "chat_s": statistics.mean(x[2] - x[1] for x in turns) if turns else float("nan"),
-             "finish_s": statistics.mean(x[3] - x[2] for x in turns) if turns else float("nan")}
+    agent_s, engine_s, parts = turn_times(turns, engine)
     split = split_latency(turns, [r for rows in logs.values() for r in rows])
     samples = sum(r["samples"] for r in window)
     return {
@@ -399,7 +427,7 @@ def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0), latency: fl
                          "groups_per_step": wl.groups_per_step, "max_staleness": wl.max_staleness}}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hosts", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
@@ -431,7 +459,11 @@ def main() -> None:
                     help="sim + split latency: wall ms per turn outside the engine before and after it "
                          "(default: measured in this live run)")
     ap.add_argument("--out", type=Path, default=Path("var/bench/pipeline_live.json"))
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    a = parse_args()
     a.slots = a.slots or (WL.max_staleness + 1) * WL.batch_samples + 8
     tmp = Path(tempfile.mkdtemp(prefix="sf-live-"))
     m = live(a, tmp)

@@ -147,6 +147,58 @@ DEFAULTS = {
 }
 
 
+def rollout(model, tok, rng: random.Random, o: dict, step: int, pad_id: int) -> tuple[list, list[float], list]:
+    """G prompts x group_size samples from the current policy: (groups, rewards, answers)."""
+    model.eval()
+    tasks = [reverse_prompt(rng) for _ in range(o["groups_per_step"])]
+    prompts = [_prompt_ids(tok, t) for t, _ in tasks for _ in range(o["group_size"])]
+    answers = generate(model, tok, prompts)
+    texts = tok.batch_decode(answers, skip_special_tokens=True)
+    targets = [tgt for _, tgt in tasks for _ in range(o["group_size"])]
+    rewards = [reverse_reward(a, t) for a, t in zip(texts, targets)]
+    seqs = [p + a for p, a in zip(prompts, answers)]
+    behav = seq_logprobs(model, seqs, [len(p) for p in prompts], pad_id)
+    groups = []
+    for g in range(o["groups_per_step"]):
+        grp = []
+        for k in range(o["group_size"]):
+            i = g * o["group_size"] + k
+            p, n = len(prompts[i]), len(answers[i])
+            s = Sample(seqs[i], [0] * p + [1] * n, behav[i], [-1] * p + [step] * n)
+            grp.append(TrajectoryCompleted(f"s{step}-{i}", f"g{step}-{g}", rewards[i], [s]))
+        groups.append(grp)
+    return groups, rewards, answers
+
+
+def train_step(model, optim: tuple, gb, algo: AlgoConfig, o: dict, pad_id: int) -> tuple[list[dict], torch.Tensor]:
+    """TrainEngine.train_step at world size 1, without DeepSpeed: (each micro-batch's metrics, the grad norm).
+    `optim`: (optimizer, lr scheduler)."""
+    opt, sched = optim
+    batches = micro_batches(gb.rows, o["micro_batch_tokens"], pad_id)
+    norm_tokens = float(sum(mb.num_tokens for mb in batches))
+    norm_seqs = float(sum(mb.num_seqs for mb in batches))
+    model.train()
+    prox = [None] * len(batches)
+    parts = []
+    for _epoch in range(o["ppo_epochs"]):
+        opt.zero_grad(set_to_none=True)
+        for i, mb in enumerate(batches):
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+            logp, entropy = token_logprobs(logits, mb.targets, True)
+            if prox[i] is None:
+                prox[i] = logp.detach()
+            if algo.entropy_coef == 0.0:
+                entropy = entropy.detach()
+            loss, m = policy_loss(logp, prox[i], mb.behav_logprobs, mb.advantages, mb.loss_mask, algo,
+                                  entropy=entropy, num_tokens=norm_tokens, num_seqs=norm_seqs)
+            loss.backward()
+            parts.append(m)
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), o["grad_clip"] if o["grad_clip"] > 0 else 1e30)
+        opt.step()
+        sched.step()
+    return parts, gn
+
+
 def run(opts: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -177,48 +229,10 @@ def run(opts: dict) -> dict:
             break
         t0 = time.perf_counter()
         # 1. rollout: G prompts x group_size samples from the current policy
-        model.eval()
-        tasks = [reverse_prompt(rng) for _ in range(o["groups_per_step"])]
-        prompts = [_prompt_ids(tok, t) for t, _ in tasks for _ in range(o["group_size"])]
-        answers = generate(model, tok, prompts)
-        texts = tok.batch_decode(answers, skip_special_tokens=True)
-        targets = [tgt for _, tgt in tasks for _ in range(o["group_size"])]
-        rewards = [reverse_reward(a, t) for a, t in zip(texts, targets)]
-        seqs = [p + a for p, a in zip(prompts, answers)]
-        behav = seq_logprobs(model, seqs, [len(p) for p in prompts], pad_id)
-        groups = []
-        for g in range(o["groups_per_step"]):
-            grp = []
-            for k in range(o["group_size"]):
-                i = g * o["group_size"] + k
-                p, n = len(prompts[i]), len(answers[i])
-                s = Sample(seqs[i], [0] * p + [1] * n, behav[i], [-1] * p + [step] * n)
-                grp.append(TrajectoryCompleted(f"s{step}-{i}", f"g{step}-{g}", rewards[i], [s]))
-            groups.append(grp)
+        groups, rewards, answers = rollout(model, tok, rng, o, step, pad_id)
         # 2. the trainer's step (TrainEngine.train_step, world size 1, no DeepSpeed)
         gb = build_global_batch(groups, algo)
-        batches = micro_batches(gb.rows, o["micro_batch_tokens"], pad_id)
-        norm_tokens = float(sum(mb.num_tokens for mb in batches))
-        norm_seqs = float(sum(mb.num_seqs for mb in batches))
-        model.train()
-        prox = [None] * len(batches)
-        parts = []
-        for _epoch in range(o["ppo_epochs"]):
-            opt.zero_grad(set_to_none=True)
-            for i, mb in enumerate(batches):
-                logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-                logp, entropy = token_logprobs(logits, mb.targets, True)
-                if prox[i] is None:
-                    prox[i] = logp.detach()
-                if algo.entropy_coef == 0.0:
-                    entropy = entropy.detach()
-                loss, m = policy_loss(logp, prox[i], mb.behav_logprobs, mb.advantages, mb.loss_mask, algo,
-                                      entropy=entropy, num_tokens=norm_tokens, num_seqs=norm_seqs)
-                loss.backward()
-                parts.append(m)
-            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), o["grad_clip"] if o["grad_clip"] > 0 else 1e30)
-            opt.step()
-            sched.step()
+        parts, gn = train_step(model, (opt, sched), gb, algo, o, pad_id)
         dt = time.perf_counter() - t0
         t_steps += dt
         m = merge_metrics(parts)
@@ -248,7 +262,7 @@ def prepare(dirpath: Path, targets: list[float], warm_steps: list[int]) -> None:
     import shutil
 
     from seamlessflow.modelgen import init_model
-    from seamlessflow.demo.warmstart import warm_start
+    from seamlessflow.demo.warmstart import WarmStart, warm_start
 
     tiny = dirpath / "tiny"
     if not (tiny / "config.json").exists():
@@ -256,11 +270,11 @@ def prepare(dirpath: Path, targets: list[float], warm_steps: list[int]) -> None:
     for t in targets:
         out = dirpath / f"warm{t}"
         if not (out / "config.json").exists():
-            print(f"target {t}:", warm_start(tiny, out, target_reward=t), flush=True)
+            print(f"target {t}:", warm_start(tiny, out, WarmStart(target_reward=t)), flush=True)
     for n in warm_steps:  # fixed step counts (warm_start checks its target every 25 steps only)
         out = dirpath / f"warmsteps{n}"
         if not (out / "config.json").exists():
-            print(f"steps {n}:", warm_start(tiny, out, target_reward=9.0, max_steps=n), flush=True)
+            print(f"steps {n}:", warm_start(tiny, out, WarmStart(target_reward=9.0, max_steps=n)), flush=True)
             for extra in ("generation_config.json",):
                 if (tiny / extra).exists() and not (out / extra).exists():
                     shutil.copy(tiny / extra, out / extra)

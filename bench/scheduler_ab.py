@@ -33,7 +33,7 @@ from seamlessflow.ops import hosts as hostops  # noqa: E402
 from seamlessflow.stack import servers  # noqa: E402
 from seamlessflow.modelgen import init_model  # noqa: E402
 from seamlessflow.stack import Stack, StackOptions  # noqa: E402
-from seamlessflow.demo.workload import GroupAgents  # noqa: E402
+from seamlessflow.demo.workload import GroupAgents, Load  # noqa: E402
 from shared.config import connections  # noqa: E402
 from shared.messages.scheduler import Interval, fractions  # noqa: E402
 
@@ -71,7 +71,7 @@ def measure(stack: Stack, conn, policy: str, seconds: float, seed: int) -> dict:
         if all(h.mode == h.target != "idle" and h.healthy for h in asyncio.run(hostops.ask(conn, "status")).hosts):
             break
         time.sleep(0.5)
-    agents = GroupAgents(stack.gateway_url, stack.api_key, group_size=4, lanes=4, seed=seed)
+    agents = GroupAgents(stack.gateway_url, stack.api_key, Load(group_size=4, lanes=4, seed=seed))
     before = asyncio.run(hostops.ask(conn, "status"))
     n0, t0 = len(steps(stack)), time.time()
     asyncio.run(agents.run(lambda: time.time() - t0 >= seconds, seconds + 120))

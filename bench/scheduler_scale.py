@@ -56,6 +56,47 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
+async def flip(trainer, t0: float, seconds: float, period: float) -> list[float]:
+    """The trainer's state flipped between ready and waiting every `period` s until `seconds` after t0,
+    its heartbeat sent meanwhile as TrainerService sends it; when each flip was made."""
+    flips: list[float] = []
+    state = "waiting"
+    while time.time() - t0 < seconds:
+        state = "ready" if state == "waiting" else "waiting"
+        flips.append(time.time())
+        end = time.time() + period
+        while time.time() < end:  # the trainer's heartbeat, as TrainerService sends it
+            await trainer(state)
+            await asyncio.sleep(min(1.0, end - time.time()))
+    return flips
+
+
+def bursts_and_spans(flips: list[float], t1: float, issued: dict, seen: dict, applied: dict) -> tuple[list, list]:
+    """Per flip: the rate its assignments reached this process at (with more than one), and the
+    seconds until the last of them was applied."""
+    bursts, spans = [], []
+    for f, g in zip(flips, flips[1:] + [t1]):
+        ts = sorted(seen[k] for k, v in issued.items() if f <= v < g)
+        done = [applied[k] for k, v in issued.items() if f <= v < g and k in applied]
+        if len(ts) > 1:
+            bursts.append(len(ts) / max(ts[-1] - ts[0], 1e-3))
+        if done:
+            spans.append(max(done) - f)
+    return bursts, spans
+
+
+def decide_rate(n_hosts: int, train_hosts: int) -> int:
+    """The policy's own cost per decision at this size, outside any I/O: decide calls per second."""
+    hosts = tuple(policy.Host(f"h{i:03d}", frozenset({"train", "rollout"} if i < train_hosts else {"rollout"}),
+                              mode="rollout", target="rollout") for i in range(n_hosts))
+    snap = policy.Snapshot("colocated", 0.0, hosts, policy.Trainer("ready"))
+    n, c0 = 0, time.perf_counter()
+    while time.perf_counter() - c0 < 0.5:
+        policy.decide(snap)
+        n += 1
+    return round(n / (time.perf_counter() - c0))
+
+
 async def measure(a, conn, sched_pid: int) -> dict:
     quit = asyncio.Event()
     agents = [HostAgent(load_host(id=f"h{i:03d}", tags="train,rollout" if i < a.train_hosts else "rollout"), conn)
@@ -93,15 +134,7 @@ async def measure(a, conn, sched_pid: int) -> dict:
     applied.clear()
     seen.clear()
     cpu0, t0 = cpu_s(sched_pid), time.time()
-    flips: list[float] = []
-    state = "waiting"
-    while time.time() - t0 < a.seconds:
-        state = "ready" if state == "waiting" else "waiting"
-        flips.append(time.time())
-        end = time.time() + a.period
-        while time.time() < end:  # the trainer's heartbeat, as TrainerService sends it
-            await trainer(state)
-            await asyncio.sleep(min(1.0, end - time.time()))
+    flips = await flip(trainer, t0, a.seconds, a.period)
     t1, cpu1 = time.time(), cpu_s(sched_pid)
     await asyncio.sleep(1.0)
     quit.set()
@@ -109,22 +142,8 @@ async def measure(a, conn, sched_pid: int) -> dict:
     await bus.wait_closed(nc)
 
     lat = [applied[k] - issued[k] for k in issued if k in applied]
-    bursts, spans = [], []
-    for f, g in zip(flips, flips[1:] + [t1]):
-        ts = sorted(seen[k] for k, v in issued.items() if f <= v < g)
-        done = [applied[k] for k, v in issued.items() if f <= v < g and k in applied]
-        if len(ts) > 1:
-            bursts.append(len(ts) / max(ts[-1] - ts[0], 1e-3))
-        if done:
-            spans.append(max(done) - f)
-    # the policy's own cost per decision at this size, outside any I/O
-    hosts = tuple(policy.Host(f"h{i:03d}", frozenset({"train", "rollout"} if i < a.train_hosts else {"rollout"}),
-                              mode="rollout", target="rollout") for i in range(a.hosts))
-    snap = policy.Snapshot("colocated", 0.0, hosts, policy.Trainer("ready"))
-    n, c0 = 0, time.perf_counter()
-    while time.perf_counter() - c0 < 0.5:
-        policy.decide(snap)
-        n += 1
+    bursts, spans = bursts_and_spans(flips, t1, issued, seen, applied)
+    decide_per_s = decide_rate(a.hosts, a.train_hosts)
     return {"hosts": a.hosts, "seconds": round(t1 - t0, 1), "flips": len(flips), "assignments": len(issued),
             "applied": len(lat), "assignments_per_s": round(len(issued) / (t1 - t0), 1),
             "burst_assignments_per_s": round(statistics.median(bursts), 1) if bursts else None,
@@ -133,7 +152,7 @@ async def measure(a, conn, sched_pid: int) -> dict:
             "latency_ms_p50": round(1000 * pct(lat, 0.5), 1), "latency_ms_p95": round(1000 * pct(lat, 0.95), 1),
             "latency_ms_max": round(1000 * max(lat), 1) if lat else None,
             "scheduler_cpu_core_share": round((cpu1 - cpu0) / (t1 - t0), 3),
-            "decide_calls_per_s_64_hosts": round(n / (time.perf_counter() - c0))}
+            "decide_calls_per_s_64_hosts": decide_per_s}
 
 
 def main() -> None:

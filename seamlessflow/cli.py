@@ -151,6 +151,7 @@ def cmd_scale(a: argparse.Namespace) -> None:
 
 def cmd_demo(a: argparse.Namespace) -> None:
     from seamlessflow.stack import servers
+    from seamlessflow.demo.rl import Rounds
     from seamlessflow.demo.run import prepare_model, run_demo
 
     # the demo is self-contained: a busy default port is replaced by a free one
@@ -160,8 +161,7 @@ def cmd_demo(a: argparse.Namespace) -> None:
     command = _demo_command(a)  # before the model path is filled in
     if a.model is None:  # the small demo model, warm-started on the demo task
         a.model = prepare_model(a.data_dir, task=a.task, seed=a.seed, log=lambda m: print(m, file=sys.stderr, flush=True))
-    sys.exit(run_demo(_stack_options(a), rounds=a.rounds, groups=a.groups, group_size=a.group_size, task=a.task,
-                      seed=a.seed, command=command))
+    sys.exit(run_demo(_stack_options(a), Rounds(a.rounds, a.groups, a.group_size, a.task, a.seed), command=command))
 
 
 def _demo_command(a: argparse.Namespace) -> str:
@@ -284,39 +284,36 @@ def cmd_dead(a: argparse.Namespace) -> None:
     print(dead.to_json(letters) if a.json else dead.format_letters(letters))
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="seamlessflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+def _data_dir(p: argparse.ArgumentParser, why: str = " (for its URLs)") -> None:
+    p.add_argument("--data-dir", type=Path, default=Path("var"), help=f"where `seamlessflow up` runs{why}")
 
-    p = sub.add_parser("init-model", help="build a tiny Llama checkpoint + tokenizer (offline)")
+
+def _init_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", type=Path)
     p.add_argument("--size", default="tiny", choices=["tiny", "small", "medium"])
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(fn=cmd_init_model)
 
-    p = sub.add_parser("up", help="run the whole stack on this machine, restarting services that exit")
+
+def _up_args(p: argparse.ArgumentParser) -> None:
     _add_stack_args(p)
     p.add_argument("--restart-limit", type=int, default=5,
                    help="give a service up after this many restarts within --restart-window seconds")
     p.add_argument("--restart-window", type=float, default=60.0)
     p.add_argument("--ready-timeout", type=float, default=240.0,
                    help="seconds a service may take to get ready (a vLLM engine on a busy CPU takes minutes)")
-    p.set_defaults(fn=cmd_up)
 
-    p = sub.add_parser("status", help="every service of the running `up` (pid, state, uptime, restarts), "
-                       "each worker's version and load, the gateway URL, the trajectory stream's fill and "
-                       "the trainer's lag")
+
+def _status_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
-    p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs")
-    p.set_defaults(fn=cmd_status)
+    _data_dir(p, "")
 
-    p = sub.add_parser("scale", help="change the number of rollout workers / trajectory replicas of the "
-                       "running `up`, e.g. scale rollout=3 trajectory=2")
+
+def _scale_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("counts", nargs="+", metavar="KIND=N")
-    p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs")
-    p.set_defaults(fn=cmd_scale)
+    _data_dir(p, "")
 
-    p = sub.add_parser("demo", help="start the stack, run agents through it, export their trajectories")
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
     _add_stack_args(p)
     p.add_argument("--rounds", type=int, default=60, help="rounds of agents; the trainer steps once per round")
     p.add_argument("--groups", type=int, default=4, help="GRPO groups (prompts) per round")
@@ -324,46 +321,72 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--task", choices=["reverse", "calc"], default="reverse",
                    help="reverse: reverse the digits (one turn); calc: a calculator tool call, its result, the answer")
     p.add_argument("--seed", type=int, default=0, help="prompts, warm start and trainer seed")
-    p.set_defaults(fn=cmd_demo)
 
-    p = sub.add_parser("export", help="write finished trajectories as JSONL (reads SF_NATS_URL)")
+
+def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("trajectories.jsonl"))
-    p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs (for its URLs)")
-    p.set_defaults(fn=cmd_export)
+    _data_dir(p)
 
-    p = sub.add_parser("workers", help="list rollout workers, vacate or resume one")
+
+def _workers_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["list", "vacate", "resume"])
     p.add_argument("worker", nargs="?")
-    p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs (for its URLs)")
-    p.set_defaults(fn=cmd_workers)
+    _data_dir(p)
 
-    p = sub.add_parser("weights", help="publish a checkpoint as a new policy version, list versions, or "
-                       "delete the ones no worker serves")
+
+def _weights_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["publish", "list", "gc"])
     p.add_argument("--keep", type=int, default=2, help="gc: always keep this many newest versions")
     p.add_argument("dir", nargs="?", type=Path)
     p.add_argument("--store", type=Path, help="weight store root (default $SF_WEIGHTS_DIR or var/weights)")
-    p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs (for its URLs)")
-    p.set_defaults(fn=cmd_weights)
+    _data_dir(p)
 
-    p = sub.add_parser("hosts", help="the tag scheduler's hosts: list, cordon, uncordon, or switch policy")
+
+def _hosts_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["list", "cordon", "uncordon", "policy"])
     p.add_argument("arg", nargs="?", help="a host id (cordon, uncordon) or a policy name (policy)")
-    p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs (for its URLs)")
-    p.set_defaults(fn=cmd_hosts)
+    _data_dir(p)
 
-    p = sub.add_parser("timeline", help="export every host's activity intervals (train/rollout/switch/idle)")
+
+def _timeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("timeline.json"))
-    p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs (for its URLs)")
-    p.set_defaults(fn=cmd_timeline)
+    _data_dir(p)
 
-    p = sub.add_parser("dead", help="bus messages a service could not read (the DEAD stream): list, or purge them")
+
+def _dead_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["list", "purge"])
     p.add_argument("--limit", type=int, default=20, help="list: the newest N")
     p.add_argument("--json", action="store_true")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds for each step (connect, read)")
-    p.add_argument("--data-dir", type=Path, default=Path("var"), help="where `seamlessflow up` runs (for its URLs)")
-    p.set_defaults(fn=cmd_dead)
+    _data_dir(p)
+
+
+# each subcommand: its name, its help, what declares its arguments, what runs it (`plan` adds its own)
+COMMANDS = [
+    ("init-model", "build a tiny Llama checkpoint + tokenizer (offline)", _init_model_args, cmd_init_model),
+    ("up", "run the whole stack on this machine, restarting services that exit", _up_args, cmd_up),
+    ("status", "every service of the running `up` (pid, state, uptime, restarts), each worker's version and load, "
+     "the gateway URL, the trajectory stream's fill and the trainer's lag", _status_args, cmd_status),
+    ("scale", "change the number of rollout workers / trajectory replicas of the running `up`, e.g. scale "
+     "rollout=3 trajectory=2", _scale_args, cmd_scale),
+    ("demo", "start the stack, run agents through it, export their trajectories", _demo_args, cmd_demo),
+    ("export", "write finished trajectories as JSONL (reads SF_NATS_URL)", _export_args, cmd_export),
+    ("workers", "list rollout workers, vacate or resume one", _workers_args, cmd_workers),
+    ("weights", "publish a checkpoint as a new policy version, list versions, or delete the ones no worker serves",
+     _weights_args, cmd_weights),
+    ("hosts", "the tag scheduler's hosts: list, cordon, uncordon, or switch policy", _hosts_args, cmd_hosts),
+    ("timeline", "export every host's activity intervals (train/rollout/switch/idle)", _timeline_args, cmd_timeline),
+    ("dead", "bus messages a service could not read (the DEAD stream): list, or purge them", _dead_args, cmd_dead),
+]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="seamlessflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name, text, add_args, fn in COMMANDS:
+        p = sub.add_parser(name, help=text)
+        add_args(p)
+        p.set_defaults(fn=fn)
 
     from seamlessflow.planner import plan
 

@@ -119,13 +119,14 @@ class LineScript:
 
 
 class RedisLine:
-    def __init__(self, host: str = "localhost", port: int = 6379, path: str = "", db: int = 0,
-                 username: str | None = None, password: str | None = None,
-                 timeout: float = 5.0, connect_timeout: float = 3.0) -> None:
+    def __init__(self, url: str, timeout: float = 5.0, connect_timeout: float = 3.0) -> None:
+        """A line to the Redis `url` names (redis:// or unix://; `from_url` says which it speaks)."""
         if hiredis is None:
             raise RuntimeError("RedisLine needs hiredis")
-        self.host, self.port, self.path, self.db = host, port, path, db
-        self.username, self.password = username, password
+        opts = parse_url(url)
+        self.host, self.port = opts.get("host", "localhost"), int(opts.get("port", 6379))
+        self.path, self.db = opts.get("path", ""), int(opts.get("db", 0))
+        self.username, self.password = opts.get("username"), opts.get("password")
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self._wire: _Wire | None = None
         self._connecting: asyncio.Lock | None = None
@@ -137,10 +138,7 @@ class RedisLine:
         """A line to the Redis `url` names (redis:// or unix://), or None where redis-py must serve it."""
         if hiredis is None or not url.startswith(("redis://", "unix://")):
             return None
-        opts = parse_url(url)
-        return cls(host=opts.get("host", "localhost"), port=int(opts.get("port", 6379)), path=opts.get("path", ""),
-                   db=int(opts.get("db", 0)), username=opts.get("username"), password=opts.get("password"),
-                   timeout=timeout, connect_timeout=connect_timeout)
+        return cls(url, timeout, connect_timeout)
 
     def script(self, body: str) -> LineScript:
         return LineScript(self, body)

@@ -111,7 +111,7 @@ def warm_model() -> Path:
     """The "small" model (hidden 256, 4 layers) after the documented supervised warm start on
     the reverse task: the learning test's starting policy (the tiny one learns too little of
     the task for a clear margin: bench/probe_learning.py)."""
-    from seamlessflow.demo.warmstart import warm_start
+    from seamlessflow.demo.warmstart import WarmStart, warm_start
 
     src = (ROOT / "seamlessflow" / "demo" / "warmstart.py").read_bytes()
     path = CACHE / f"model-small-warm-{_model_key()}-{hashlib.sha256(src).hexdigest()[:8]}-t0.3c25"  # see below
@@ -119,5 +119,5 @@ def warm_model() -> Path:
         # the settings the learning test's margin was measured with (BENCHMARKS.md, "Learning"):
         # seed 0 stops at step 50 near 0.52; the demo's default (0.5, finer checks) lands
         # elsewhere and has not been through this test often enough yet
-        warm_start(_built_model("small"), path, target_reward=0.3, check_every=25, fine=False)
+        warm_start(_built_model("small"), path, WarmStart(target_reward=0.3, check_every=25, fine=False))
     return path

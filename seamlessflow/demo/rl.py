@@ -126,12 +126,25 @@ async def one_agent(base_url: str, key: str, task_name: str, task: str, target: 
         await client.close()
 
 
-async def run_rounds(stack: Stack, rounds: int, groups: int, group_size: int, max_tokens: int | None = None,
-                     seed: int = 0, log: Callable[[str], None] = print, task: str = "reverse",
+@dataclass(frozen=True)
+class Rounds:
+    """What the agents run: `rounds` rounds of `groups` GRPO groups of `group_size` sessions on
+    `task` (`seed` draws its problems; `max_tokens`: the task's own unless given)."""
+
+    rounds: int = 60
+    groups: int = 4
+    group_size: int = 8
+    task: str = "reverse"
+    seed: int = 0
+    max_tokens: int | None = None
+
+
+async def run_rounds(stack: Stack, plan: Rounds, log: Callable[[str], None] = print,
                      on_round: Callable[[Round], None] | None = None) -> RLResult:
+    rounds, groups, group_size, task = plan.rounds, plan.groups, plan.group_size, plan.task
     spec = TASKS[task]
-    max_tokens = max_tokens or spec.max_tokens
-    rng = random.Random(seed)
+    max_tokens = plan.max_tokens or spec.max_tokens
+    rng = random.Random(plan.seed)
     out = RLResult()
     headers = {"Authorization": f"Bearer {stack.api_key}"}
     async with httpx.AsyncClient(base_url=stack.gateway_url, headers=headers, timeout=120) as http:

@@ -29,7 +29,7 @@ from rich.console import Console
 from seamlessflow.ops.export import export_file
 from seamlessflow.demo.live import DemoView
 from seamlessflow.demo.report import ReportData, build_report, margin
-from seamlessflow.demo.rl import TRAINER_SETTINGS, RLResult, Round, run_rounds
+from seamlessflow.demo.rl import TRAINER_SETTINGS, RLResult, Round, Rounds, run_rounds
 from seamlessflow.stack import Stack, StackError, StackOptions
 from seamlessflow.demo.telemetry import Telemetry
 from shared.config import Connections
@@ -37,7 +37,7 @@ from shared.config import Connections
 
 def prepare_model(data: Path, task: str = "reverse", seed: int = 0, log=print) -> Path:
     from seamlessflow.modelgen import init_model
-    from seamlessflow.demo.warmstart import TARGET_REWARD, warm_start
+    from seamlessflow.demo.warmstart import TARGET_REWARD, WarmStart, warm_start
 
     base, sft = data / "model-small", data / f"model-small-{task}-sft-s{seed}"
     if not (base / "config.json").exists():
@@ -45,7 +45,7 @@ def prepare_model(data: Path, task: str = "reverse", seed: int = 0, log=print) -
         init_model(base, size="small")
     if not (sft / "config.json").exists():
         log(f"supervised warm start on {task} (stops once a sampled check reaches reward {TARGET_REWARD[task]}) ...")
-        warm_start(base, sft, task=task, seed=seed, log=log)
+        warm_start(base, sft, WarmStart(task=task, seed=seed), log=log)
     return sft
 
 
@@ -61,8 +61,7 @@ class Run:
     host_timeline: dict | None = None
 
 
-async def _rounds(stack: Stack, view: DemoView, task: str, seed: int, rounds: int, groups: int,
-                  group_size: int) -> Run:
+async def _rounds(stack: Stack, view: DemoView, plan: Rounds) -> Run:
     run = Run(telemetry=Telemetry(Connections(nats_url=stack.nats_url, redis_url=stack.redis_url),
                                   scheduler=bool(stack.o.policy)))
     tel = run.telemetry
@@ -87,7 +86,7 @@ async def _rounds(stack: Stack, view: DemoView, task: str, seed: int, rounds: in
     refresher = asyncio.create_task(refresh())
     try:
         run.started_at = time.time()
-        run.result = await run_rounds(stack, rounds, groups, group_size, seed=seed, task=task, on_round=on_round)
+        run.result = await run_rounds(stack, plan, on_round=on_round)
         run.host_timeline = await tel.host_timeline()
     finally:
         refresher.cancel()
@@ -107,8 +106,9 @@ def _start(stack: Stack, opts: StackOptions, trainer: dict, log) -> bool:
         return False
 
 
-def run_demo(opts: StackOptions, rounds: int = 60, groups: int = 4, group_size: int = 8, task: str = "reverse",
-             seed: int = 0, command: str = "seamlessflow demo", console: Console | None = None) -> int:
+def run_demo(opts: StackOptions, plan: Rounds = Rounds(), command: str = "seamlessflow demo",
+             console: Console | None = None) -> int:
+    rounds, groups, group_size, task, seed = plan.rounds, plan.groups, plan.group_size, plan.task, plan.seed
     console = console or Console()
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     # the trainer tells admission control its batch (sessions per version) in its consumer's metadata
@@ -123,7 +123,7 @@ def run_demo(opts: StackOptions, rounds: int = 60, groups: int = 4, group_size: 
     log(f"stack up: gateway {stack.gateway_url}, logs in {stack.logs}")
     try:
         with DemoView(task, rounds, console=console) as view:
-            run = asyncio.run(_rounds(stack, view, task, seed, rounds, groups, group_size))
+            run = asyncio.run(_rounds(stack, view, plan))
         out = stack.data / "trajectories.jsonl"
         n = asyncio.run(export_file(Connections(nats_url=stack.nats_url, redis_url=stack.redis_url), out))
         rows = [json.loads(line) for line in out.read_text().splitlines()]

@@ -1,7 +1,7 @@
 """A short supervised warm start on a built-in task, so RL starts from a policy that
 sometimes succeeds (pure RL from random init rises very slowly: see ENV-NOTES).
 
-    warm_start(Path("var/model-small"), Path("var/model-small-reverse-sft-s0"), task="reverse")
+    warm_start(Path("var/model-small"), Path("var/model-small-reverse-sft-s0"), WarmStart(task="reverse"))
 
 `seamlessflow demo` runs it before its first round (demo.prepare_model), as does the learning
 test. Plain torch: about a minute on 2 CPU cores for reverse, 7-20 minutes for calc (its
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -171,9 +172,23 @@ FINE_CHECK_EVERY = {"reverse": 1, "calc": 5}
 MAX_STEPS = {"reverse": 400, "calc": 2000}
 
 
-def warm_start(src: Path, out: Path, target_reward: float | None = None, max_steps: int | None = None, batch: int = 32,
-               lr: float = 1e-3, seed: int = 0, task: str = "reverse", check_every: int | None = None, fine: bool = True,
-               fine_lr_scale: float = 0.25, fine_samples: int = 128, log=print) -> dict:
+@dataclass(frozen=True)
+class WarmStart:
+    """A warm start's settings; None: the task's own (TARGET_REWARD, MAX_STEPS, CHECK_EVERY)."""
+
+    task: str = "reverse"
+    seed: int = 0
+    target_reward: float | None = None
+    max_steps: int | None = None
+    check_every: int | None = None
+    batch: int = 32
+    lr: float = 1e-3
+    fine: bool = True
+    fine_lr_scale: float = 0.25
+    fine_samples: int = 128
+
+
+def warm_start(src: Path, out: Path, o: WarmStart = WarmStart(), log=print) -> dict:
     """Supervised steps until the sampled reward reaches `target_reward`, checked every
     `check_every` steps (CHECK_EVERY of the task), and (with `fine`) once past half the target
     with a quarter of the lr and a `fine_samples` check every FINE_CHECK_EVERY step(s): at full lr
@@ -182,15 +197,16 @@ def warm_start(src: Path, out: Path, target_reward: float | None = None, max_ste
     +0.19). With the fine phase, seeds 0-3 land at 0.44-0.51 (512-sample reward)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target_reward = TARGET_REWARD[task] if target_reward is None else target_reward
-    check_every = CHECK_EVERY[task] if check_every is None else check_every
-    max_steps = MAX_STEPS[task] if max_steps is None else max_steps
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
+    task, batch, lr, fine, fine_lr_scale, fine_samples = o.task, o.batch, o.lr, o.fine, o.fine_lr_scale, o.fine_samples
+    target_reward = TARGET_REWARD[task] if o.target_reward is None else o.target_reward
+    check_every = CHECK_EVERY[task] if o.check_every is None else o.check_every
+    max_steps = MAX_STEPS[task] if o.max_steps is None else o.max_steps
+    torch.manual_seed(o.seed)
+    rng = random.Random(o.seed)
     tok = AutoTokenizer.from_pretrained(src)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    eval_rng = random.Random(seed + 1)
+    eval_rng = random.Random(o.seed + 1)
     reward = sampled_reward(model.eval(), tok, eval_rng, task=task)
     log(f"warm start ({task}): step 0 sampled reward {reward:.3f}")
     step, fine_now = 0, False
@@ -216,14 +232,18 @@ def warm_start(src: Path, out: Path, target_reward: float | None = None, max_ste
     if reward < target_reward:
         log(f"warm start ({task}): WARNING stopped at its {max_steps}-step bound with sampled reward {reward:.3f}, "
             f"below the target {target_reward}: RL starts lower and has more to learn")
-    out = Path(out)
+    _save(model, tok, Path(src), Path(out))
+    return {"steps": step, "sampled_reward": reward}
+
+
+def _save(model, tok, src: Path, out: Path) -> None:
+    """The model and tokenizer in `out` (with `src`'s generation config), whole or not at all."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     for extra in ("generation_config.json",):
-        if (Path(src) / extra).exists():
-            shutil.copy(Path(src) / extra, tmp / extra)
+        if (src / extra).exists():
+            shutil.copy(src / extra, tmp / extra)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    return {"steps": step, "sampled_reward": reward}

@@ -2,7 +2,7 @@
 openai-SDK agents, each session two turns of random length with a random reward, a fixed
 number of groups in flight until a condition holds.
 
-    agents = GroupAgents(stack.gateway_url, stack.api_key, group_size=4, lanes=4, seed=0)
+    agents = GroupAgents(stack.gateway_url, stack.api_key, Load(group_size=4, lanes=4, seed=0))
     await agents.run(until=lambda: done(), timeout=120)
     agents.ok, agents.failures, agents.latencies, agents.sessions
 
@@ -16,25 +16,42 @@ import asyncio
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import httpx
 import openai
 
 
+@dataclass(frozen=True)
+class Load:
+    """The agents' shape: `lanes` groups of `group_size` sessions in flight, each `turns` turns
+    of a reply length drawn from [min_tokens, max_tokens] (`seed` draws them)."""
+
+    group_size: int = 4
+    lanes: int = 4
+    seed: int = 0
+    min_tokens: int = 32
+    max_tokens: int = 160
+    turns: int = 2
+    model: str = "seamlessflow-tiny"
+    # between an agent's turns, as a tool call would take (no device works for it): drawn uniformly
+    # from [0, 2 * think_s], so a group's agents do not all generate at the same moments
+    think_s: float = 0.0
+    stream: bool = False  # streamed turns: every token reaches the trajectory manager (and Redis) as it comes
+    # sent with every turn: {"<eos id>": -100} makes each reply exactly its drawn length (a tiny model
+    # emits EOS at random: a turn cut short where a test needs one still generating)
+    logit_bias: dict[str, float] | None = None
+
+
 class GroupAgents:
-    def __init__(self, base_url: str, api_key: str, group_size: int = 4, lanes: int = 4, seed: int = 0,
-                 min_tokens: int = 32, max_tokens: int = 160, turns: int = 2, model: str = "seamlessflow-tiny",
-                 think_s: float = 0.0, stream: bool = False, logit_bias: dict[str, float] | None = None):
-        self.base_url, self.api_key, self.group_size, self.lanes = base_url, api_key, group_size, lanes
-        self.rng = random.Random(seed)
-        self.min_tokens, self.max_tokens, self.turns, self.model = min_tokens, max_tokens, turns, model
-        # between an agent's turns, as a tool call would take (no device works for it): drawn uniformly
-        # from [0, 2 * think_s], so a group's agents do not all generate at the same moments
-        self.think_s = think_s
-        self.stream = stream  # streamed turns: every token reaches the trajectory manager (and Redis) as it comes
-        # sent with every turn: {"<eos id>": -100} makes each reply exactly its drawn length (a tiny model
-        # emits EOS at random: a turn cut short where a test needs one still generating)
-        self.extra = {"logit_bias": logit_bias} if logit_bias else {}
+    def __init__(self, base_url: str, api_key: str, load: Load = Load()):
+        self.base_url, self.api_key, self.group_size, self.lanes = base_url, api_key, load.group_size, load.lanes
+        self.rng = random.Random(load.seed)
+        self.min_tokens, self.max_tokens = load.min_tokens, load.max_tokens
+        self.turns, self.model = load.turns, load.model
+        self.think_s = load.think_s
+        self.stream = load.stream
+        self.extra = {"logit_bias": load.logit_bias} if load.logit_bias else {}
         self.ok = 0
         self.failures: list[str] = []
         self.latencies: list[tuple[float, float]] = []  # (start, seconds) of each successful turn

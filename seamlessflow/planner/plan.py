@@ -66,21 +66,20 @@ def scale_factors(hosts: int, train_hosts: int, wl: Workload) -> tuple[int, int]
 
 
 def run(policy: str, hosts: int, train_hosts: int, cal: Calibration, wl: Workload, steps: int,
-        seed: int = 0, lend_margin: float = 1.5, timeline: bool = False, dt: float | None = None,
-        exact: bool = False, progress=None, pool_only_train: bool = False, drain_margin_s: float = 0.0,
-        reclaim_grace_s: float = 0.0) -> Result:
-    """One policy on one cluster. colocated is verl-style synchronous: max_staleness 0, every host trains."""
+        exact: bool = False, **options) -> Result:
+    """One policy on one cluster. colocated is verl-style synchronous: max_staleness 0, every host trains.
+    `options` are the simulator's (sim.Options: seed, lend_margin, reclaim_grace_s, drain_margin_s,
+    timeline, progress, dt, ...); large clusters are simulated in replicas and host groups unless `exact`."""
     if policy == "colocated":
         wl = replace(wl, max_staleness=0)
     w, m = (1, 1) if exact else scale_factors(hosts, train_hosts, wl)
-    if dt is None:  # the control tick, as a fraction of a mean turn (control events cut ticks exactly);
-        # on large clusters a tenth of a turn: against a twentieth, trained tok/s moved by at most
+    if options.get("dt") is None:  # the control tick, as a fraction of a mean turn (control events cut ticks
+        # exactly); on large clusters a tenth of a turn: against a twentieth, trained tok/s moved by at most
         # 1.2% (4,096 hosts, 100 steps, all three policies) and the run takes half the time
         turn_s = wl.mean_length() * cal.step_s(cal.max_seqs)
-        dt = max(0.01, turn_s / (10 if hosts > 256 else 100))
-    return simulate(Cluster.uniform(hosts, train_hosts, pool_only_train), cal, wl, policy, steps=steps, seed=seed,
-                    dt=dt, lend_margin=lend_margin, replicas=w, host_group=m, timeline=timeline, progress=progress,
-                    drain_margin_s=drain_margin_s, reclaim_grace_s=reclaim_grace_s)
+        options["dt"] = max(0.01, turn_s / (10 if hosts > 256 else 100))
+    return simulate(Cluster.uniform(hosts, train_hosts), cal, wl, policy, steps=steps, replicas=w, host_group=m,
+                    **options)
 
 
 def splits(hosts: int, points: int = 12) -> list[int]:
@@ -90,6 +89,37 @@ def splits(hosts: int, points: int = 12) -> list[int]:
     _, m = scale_factors(hosts, 0, WORKLOADS["long-tail"])
     step = max(m, (hosts // points) // m * m)
     return list(range(step, hosts, step))
+
+
+@dataclass(frozen=True)
+class Search:
+    """What `plan` tries: the trial runs' length and the final runs' (trainer steps), a fixed split
+    (None: sweep it), the lending thresholds, and the drain settings (reclaim grace x drain margin)
+    with the re-prefill budget the recommended one stays under."""
+
+    steps: int = 200
+    sweep_steps: int = 20
+    train_hosts: int | None = None
+    margins: tuple[float, ...] = MARGINS
+    graces: tuple[float, ...] = GRACES
+    drain_margins: tuple[float, ...] = DRAIN_MARGINS
+    max_reprefill: float = MAX_REPREFILL
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One simulated run of a plan, as a worker process makes it (`label`: its progress bar line)."""
+
+    policy: str
+    hosts: int
+    train_hosts: int
+    cal: Calibration
+    wl: Workload
+    steps: int
+    label: str
+    lend_margin: float = DEFAULT_MARGIN
+    reclaim_grace_s: float = 0.0
+    drain_margin_s: float = 0.0
 
 
 @dataclass
@@ -124,12 +154,11 @@ def pick_drain(rows: list[dict], disaggregated: float, max_reprefill: float = MA
     return best, why
 
 
-def plan(hosts: int, cal: Calibration, wl: Workload, steps: int, sweep_steps: int = 20,
-         train_hosts: int | None = None, margins=MARGINS, progress=None, workload_name: str = "",
-         workers: int = 0, graces=GRACES, drain_margins=DRAIN_MARGINS, max_reprefill: float = MAX_REPREFILL) -> Plan:
+def plan(hosts: int, cal: Calibration, wl: Workload, search: Search = Search(), progress=None,
+         workload_name: str = "", workers: int = 0) -> Plan:
     """Sweep the split (every other point, then the neighbours of the best), try the lending
     thresholds at the best split, then the drain settings (reclaim grace x drain margin) at the
-    winning threshold, then run the three policies there for `steps` steps.
+    winning threshold, then run the three policies there for `search.steps` steps.
 
     Runs that do not depend on each other go to `workers` processes (0 = one per core), and no
     run is made twice or in vain: colocated ignores the split (every host trains), so it starts
@@ -137,38 +166,39 @@ def plan(hosts: int, cal: Calibration, wl: Workload, steps: int, sweep_steps: in
     sweep, no drain at the winning threshold) reuses that row; seamless runs its `steps` once,
     with the winning settings. The progress bar's total is `jobs(...)`: work skipped ticks too."""
     t0 = time.perf_counter()
-    grid = [train_hosts] if train_hosts else splits(hosts)
+    steps, sweep_steps, margins, max_reprefill = search.steps, search.sweep_steps, search.margins, search.max_reprefill
+    grid = [search.train_hosts] if search.train_hosts else splits(hosts)
     tick = progress or (lambda *a, **k: None)
-    with _Pool(workers, tick) as pool:
+    with _Pool(workers, tick, hosts, cal, wl) as pool:
         # 1. colocated, if the split does not change its run (the same host groups at every split)
         w_m = {scale_factors(hosts, t, wl) for t in grid}
-        static = {"colocated": pool.submit("colocated", hosts, grid[0], cal, wl, steps, "colocated")} \
+        static = {"colocated": pool.submit("colocated", grid[0], steps, "colocated")} \
             if len(w_m) == 1 else {}
         # 2. the split: every other point of the grid, then the unswept neighbours of the best
         rows: dict[tuple[int, str], dict] = {}
-        _sweep(pool, rows, grid[::2], hosts, cal, wl, sweep_steps)
+        _sweep(pool, rows, grid[::2], sweep_steps)
         near = _neighbours(grid, max((t for t, pol in rows if pol == "seamless"),
                                      key=lambda t: rows[t, "seamless"]["trained_tok_s"]))
-        _sweep(pool, rows, [t for t in near if (t, "seamless") not in rows], hosts, cal, wl, sweep_steps)
+        _sweep(pool, rows, [t for t in near if (t, "seamless") not in rows], sweep_steps)
         tick("sweep", 2 * (len(grid) - len(rows) // 2))  # the points never run
         swept = sorted({t for t, _ in rows})
         sweep = [{"train_hosts": t, **{pol: rows[t, pol]["trained_tok_s"] for pol in ("disaggregated", "seamless")}}
                  for t in swept]
         best = max(sweep, key=lambda r: r["seamless"])["train_hosts"]
         if not static:
-            static["colocated"] = pool.submit("colocated", hosts, best, cal, wl, steps, "colocated")
+            static["colocated"] = pool.submit("colocated", best, steps, "colocated")
         # 3. the lending threshold at that split (the sweep ran the default one)
         trials = {mg: rows[best, "seamless"] if mg == DEFAULT_MARGIN else
-                  pool.submit("seamless", hosts, best, cal, wl, sweep_steps, "margin", mg) for mg in margins}
+                  pool.submit("seamless", best, sweep_steps, "margin", mg) for mg in margins}
         tick("margin", sum(mg == DEFAULT_MARGIN for mg in margins))
         by_margin = {mg: pool.result(f) for mg, f in trials.items()}
         tried = [{"lend_margin": mg, "seamless": r["trained_tok_s"]} for mg, r in by_margin.items()]
         margin = max(tried, key=lambda r: r["seamless"])["lend_margin"]
         # 4. the drain trade-off at that threshold: re-prefill against trained tokens/s (short runs;
         # no grace and no margin is the threshold trial's run)
-        settings = [(g, dm) for g in graces for dm in drain_margins]
+        settings = [(g, dm) for g in search.graces for dm in search.drain_margins]
         trials = {gd: by_margin[margin] if gd == (0.0, 0.0) else
-                  pool.submit("seamless", hosts, best, cal, wl, sweep_steps, "drain", margin, *gd) for gd in settings}
+                  pool.submit("seamless", best, sweep_steps, "drain", margin, *gd) for gd in settings}
         tick("drain", sum(gd == (0.0, 0.0) for gd in settings))
         disagg = rows[best, "disaggregated"]["trained_tok_s"]
         drains = [{"reclaim_grace_s": g, "drain_margin_s": dm, **_pick(pool.result(f))} for (g, dm), f in trials.items()]
@@ -176,8 +206,8 @@ def plan(hosts: int, cal: Calibration, wl: Workload, steps: int, sweep_steps: in
                                                                                   "drain_margin_s": 0.0}, "")
         grace, drain = chosen["reclaim_grace_s"], chosen["drain_margin_s"]
         # 5. the three policies for `steps` steps; seamless, the last to be known, first
-        last = pool.submit("seamless", hosts, best, cal, wl, steps, "seamless", margin, grace, drain)
-        static["disaggregated"] = pool.submit("disaggregated", hosts, best, cal, wl, steps, "disaggregated")
+        last = pool.submit("seamless", best, steps, "seamless", margin, grace, drain)
+        static["disaggregated"] = pool.submit("disaggregated", best, steps, "disaggregated")
         final = {pol: pool.result(f) for pol, f in static.items()} | {"seamless": pool.result(last)}
     results = [final[pol] for pol in POLICIES]
     reprefill = final["seamless"]["reprefill_fraction"]
@@ -193,10 +223,9 @@ def jobs(grid: list[int], margins, graces, drain_margins, steps: int) -> int:
     return 2 * len(grid) + len(margins) + len(graces) * len(drain_margins) + 3 * steps
 
 
-def _sweep(pool: _Pool, rows: dict, points: list[int], hosts: int, cal: Calibration, wl: Workload,
-           steps: int) -> None:
+def _sweep(pool: _Pool, rows: dict, points: list[int], steps: int) -> None:
     """Disaggregated and seamless at each split in `points`, into rows[(split, policy)]."""
-    runs = {(t, pol): pool.submit(pol, hosts, t, cal, wl, steps, "sweep")
+    runs = {(t, pol): pool.submit(pol, t, steps, "sweep")
             for t in points for pol in ("disaggregated", "seamless")}
     rows.update({k: pool.result(f) for k, f in runs.items()})
 
@@ -219,34 +248,35 @@ def _init_worker(queue) -> None:
     _progress_queue = queue
 
 
-def _run_row(policy: str, hosts: int, train_hosts: int, cal: Calibration, wl: Workload, steps: int, label: str,
-             lend_margin: float, reclaim_grace_s: float = 0.0, drain_margin_s: float = 0.0) -> dict:
+def _run_row(t: Trial) -> dict:
     """One simulation in a worker process; its steps go to the parent's progress bar."""
     done = [0]
 
     def on_step(k: int) -> None:
-        if k - done[0] >= 10 or k == steps:
-            _progress_queue.put((label, k - done[0]))
+        if k - done[0] >= 10 or k == t.steps:
+            _progress_queue.put((t.label, k - done[0]))
             done[0] = k
-    long_run = label in POLICIES
-    row = run(policy, hosts, train_hosts, cal, wl, steps, lend_margin=lend_margin,
-              progress=on_step if long_run else None, reclaim_grace_s=reclaim_grace_s,
-              drain_margin_s=drain_margin_s).row()
+    long_run = t.label in POLICIES
+    row = run(t.policy, t.hosts, t.train_hosts, t.cal, t.wl, t.steps, lend_margin=t.lend_margin,
+              progress=on_step if long_run else None, reclaim_grace_s=t.reclaim_grace_s,
+              drain_margin_s=t.drain_margin_s).row()
     if not long_run:
-        _progress_queue.put((label, 1))
+        _progress_queue.put((t.label, 1))
     return row
 
 
 class _Pool:
-    """A process pool whose workers report progress on a queue that `result` drains while
-    it waits, so the bar moves during long runs. workers <= 1 runs everything in process."""
+    """A process pool for one plan's trials (on `hosts` hosts, `cal`, `wl`), whose workers report
+    progress on a queue that `result` drains while it waits, so the bar moves during long runs.
+    workers <= 1 runs everything in process."""
 
-    def __init__(self, workers: int, tick) -> None:
+    def __init__(self, workers: int, tick, hosts: int, cal: Calibration, wl: Workload) -> None:
         import multiprocessing as mp
         import os
 
         self.workers = workers or len(os.sched_getaffinity(0))
         self.tick = tick
+        self.hosts, self.cal, self.wl = hosts, cal, wl
         ctx = mp.get_context("fork")
         self.queue = ctx.SimpleQueue()
         self.ex = None
@@ -265,15 +295,15 @@ class _Pool:
         if self.ex is not None:
             self.ex.shutdown(wait=True, cancel_futures=True)
 
-    def submit(self, policy: str, hosts: int, train_hosts: int, cal: Calibration, wl: Workload, steps: int,
-               label: str, lend_margin: float = DEFAULT_MARGIN, reclaim_grace_s: float = 0.0,
-               drain_margin_s: float = 0.0):
-        args = (policy, hosts, train_hosts, cal, wl, steps, label, lend_margin, reclaim_grace_s, drain_margin_s)
+    def submit(self, policy: str, train_hosts: int, steps: int, label: str, lend_margin: float = DEFAULT_MARGIN,
+               reclaim_grace_s: float = 0.0, drain_margin_s: float = 0.0):
+        trial = Trial(policy, self.hosts, train_hosts, self.cal, self.wl, steps, label, lend_margin, reclaim_grace_s,
+                      drain_margin_s)
         if self.ex is None:
-            row = _run_row(*args)
+            row = _run_row(trial)
             self._drain()
             return row
-        return self.ex.submit(_run_row, *args)
+        return self.ex.submit(_run_row, trial)
 
     def result(self, future) -> dict:
         if isinstance(future, dict):
@@ -341,11 +371,13 @@ def cmd_plan(a) -> None:
     grid = [a.train_hosts] if a.train_hosts else splits(a.hosts)
     graces, drains = _floats(a.graces), _floats(a.drain_margins)
     total = jobs(grid, MARGINS, graces, drains, a.steps)
+    search = Search(a.steps, a.sweep_steps, a.train_hosts, graces=graces, drain_margins=drains,
+                    max_reprefill=a.max_reprefill)
     with Progress() as bar:
         task = bar.add_task(f"simulating {a.hosts} hosts", total=total)
-        p = plan(a.hosts, cal, wl, a.steps, a.sweep_steps, a.train_hosts,
+        p = plan(a.hosts, cal, wl, search,
                  progress=lambda what, k: bar.update(task, advance=k, description=f"simulating: {what}"),
-                 workload_name=a.workload, graces=graces, drain_margins=drains, max_reprefill=a.max_reprefill)
+                 workload_name=a.workload)
     print(table(p))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

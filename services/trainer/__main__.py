@@ -19,12 +19,17 @@ import signal
 import sys
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m services.trainer")
     ap.add_argument("--model", help="HF checkpoint dir to start from (SF_TRAINER_MODEL_DIR)")
     ap.add_argument("--checkpoint-dir", help="SF_TRAINER_CHECKPOINT_DIR")
     ap.add_argument("--weights-dir", help="weight store root (SF_TRAINER_WEIGHTS_DIR, else SF_WEIGHTS_DIR)")
     ap.add_argument("--max-steps", type=int, help="exit after this many steps in total (SF_TRAINER_MAX_STEPS)")
+    return ap
+
+
+def main() -> int:
+    ap = parser()
     args = ap.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     from shared.config import log_level

@@ -155,7 +155,7 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str, num_tokens: float | No
     raise ValueError(f"unknown aggregation {mode!r}")
 
 
-def policy_loss(
+def policy_loss(  # noqa: PLR0913  one argument per term of the loss, each a tensor its math names
     logp: Tensor,
     logp_prox: Tensor,
     logp_behav: Tensor,

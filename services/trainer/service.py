@@ -143,29 +143,37 @@ class TrainerService:
                 clean = True
             finally:
                 # 4. drain: stop fetching, keep what was trained, hand back the rest
-                self._stop_fetch.set()
-                try:
-                    await asyncio.wait_for(fetcher, cfg.fetch_timeout + 5)
-                except Exception:  # timed out, or it had failed: either way it is over
-                    fetcher.cancel()
-                try:  # a drain would wait on deliveries nobody will read; they come back after ack_wait
-                    await sub.unsubscribe()
-                except Exception as e:
-                    log.debug("unsubscribe: %s", e)
-                # After a failure the ranks may be out of step: no more collectives, nothing acked;
-                # the uncheckpointed trajectories come back to the next run and train once there.
-                if clean and self.step > self.checkpointed_step:
-                    async with self._device:
-                        await self._checkpoint()
+                await self._drain(fetcher, sub, clean)
                 keepalive.cancel()
-                untrained = self.intake.untrained()
-                await asyncio.gather(*(self._settle(m, "nak") for m in untrained))
-                log.info("trainer stopped at step %d, version %d (%d untrained deliveries handed back)",
-                         self.step, self.version, len(untrained))
+                await self._hand_back()
                 heartbeat.cancel()
                 await self._set_state("stopped")
                 self.metrics.close()
         return 0
+
+    async def _drain(self, fetcher: asyncio.Task, sub, clean: bool) -> None:
+        """Stop fetching; checkpoint what was trained if the steps ended without a failure (`clean`)."""
+        self._stop_fetch.set()
+        try:
+            await asyncio.wait_for(fetcher, self.cfg.fetch_timeout + 5)
+        except Exception:  # timed out, or it had failed: either way it is over
+            fetcher.cancel()
+        try:  # a drain would wait on deliveries nobody will read; they come back after ack_wait
+            await sub.unsubscribe()
+        except Exception as e:
+            log.debug("unsubscribe: %s", e)
+        # After a failure the ranks may be out of step: no more collectives, nothing acked;
+        # the uncheckpointed trajectories come back to the next run and train once there.
+        if clean and self.step > self.checkpointed_step:
+            async with self._device:
+                await self._checkpoint()
+
+    async def _hand_back(self) -> None:
+        """The deliveries not trained yet go back to the stream, for the next run."""
+        untrained = self.intake.untrained()
+        await asyncio.gather(*(self._settle(m, "nak") for m in untrained))
+        log.info("trainer stopped at step %d, version %d (%d untrained deliveries handed back)",
+                 self.step, self.version, len(untrained))
 
     async def _init_version(self) -> None:
         cur = await weightstore.current(self.js)

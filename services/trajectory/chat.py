@@ -23,7 +23,7 @@ from typing import Any
 from msgspec.structs import replace
 
 from services.trajectory.config import TrajectoryConfig
-from services.trajectory.generation import Call, Generated, GenerationFailed, generate
+from services.trajectory.generation import Call, Generated, GenerationFailed, Job, generate
 from services.trajectory.messagelist import InvalidMessage
 from services.trajectory.prompts import PromptBuilder, request_digests
 from services.trajectory.record import Prompt, last_worker, record
@@ -226,11 +226,11 @@ class TurnHandler:
             else:
                 # worker request ids are this handler's own: a replica that took the request over must
                 # not collide with (or abort) what a paused predecessor still has running on a worker
-                gen = await generate(self.call, lambda exclude: self._pick(sticky, exclude, expected),
-                                     f"{rid}.{secrets.token_hex(3)}",
-                                     look.session_id, prompt.ids, replace(req.sampling, max_tokens=budget), on_tokens,
-                                     self.cfg.max_redispatch, resume=partial,
-                                     hold_s=0.0 if req.agent_streams else self.cfg.plain_hold_s)
+                job = Job(f"{rid}.{secrets.token_hex(3)}", look.session_id, prompt.ids,
+                          replace(req.sampling, max_tokens=budget),
+                          hold_s=0.0 if req.agent_streams else self.cfg.plain_hold_s)
+                gen = await generate(self.call, lambda exclude: self._pick(sticky, exclude, expected), job, on_tokens,
+                                     self.cfg.max_redispatch, resume=partial)
         except GenerationFailed as e:
             await self.store.drop_request(rid, lease.owner)
             raise TurnError(e.status, "generation_failed", str(e)) from None
@@ -242,12 +242,11 @@ class TurnHandler:
         # 3. the turn and the reply (record.py), saved in one transaction. The text the agent has not been
         # shown yet goes with the ChatDone (`text` is the whole content; the gateway sends what its deltas
         # did not), not as a delta of its own: one NATS message less a turn, each end
-        sid = look.session_id
         if group:
             self.lengths.record(group, len(gen.token_ids))
-        turn, done = record(req, sid, turn_id, prompt, gen, stream.final_text(), self.renderer.token_texts,
-                            time.time())
-        await self._save(sid, turn, prompt, gen, done, last_worker(gen, sticky or ""), lease, began=begin is None)
+        turn, done = record(req, look.session_id, turn_id, prompt, gen, stream.final_text(),
+                            self.renderer.token_texts, time.time())
+        await self._save(turn, prompt, gen, done, last_worker(gen, sticky or ""), lease, began=begin is None)
         return done
 
     async def _persist(self, rid: str, records: list[DeltaRecord], lease: _Lease, begin: InFlight | None) -> None:
@@ -258,8 +257,9 @@ class TurnHandler:
             lease.lost = True
             raise LeaseLost(f"request {rid}: taken over by another replica before its tokens were saved")
 
-    async def _save(self, sid: str, turn: Turn, prompt: Prompt, gen: Generated, done: ChatDone, worker: str,
-                    lease: _Lease, began: bool) -> None:
+    async def _save(self, turn: Turn, prompt: Prompt, gen: Generated, done: ChatDone, worker: str, lease: _Lease,
+                    began: bool) -> None:
+        """Save the turn in the session the ChatDone names (record.py)."""
         cache = {}
         if turn.key:  # a later turn may extend this one: what finds it fast, and its token path
             cache["path"] = path = prompt.ids + gen.token_ids
@@ -268,8 +268,8 @@ class TurnHandler:
         # saved only while this replica holds the lease, checked in the same script: a replica paused past
         # its lease, whose request another took over or finished meanwhile, stops here instead of writing
         # the turn a second time
-        if not await self.store.save_turn(sid, turn, worker, result=encode(done), owner=lease.owner, began=began,
-                                          **cache):
+        if not await self.store.save_turn(done.session_id, turn, worker, result=encode(done), owner=lease.owner,
+                                          began=began, **cache):
             lease.lost = True
             raise LeaseLost(f"request {turn.request_id}: taken over by another replica before its turn was saved")
 

@@ -41,6 +41,18 @@ class GenerationFailed(RuntimeError):
         self.status = status
 
 
+@dataclass(frozen=True, slots=True)
+class Job:
+    """What a generation asks of the workers; each dispatch sends it as a `Generate`, the tokens
+    so far appended to the prompt, with the budget that is left."""
+
+    request_id: str
+    session_id: str
+    prompt_ids: TokenPath
+    sampling: Sampling
+    hold_s: float = 0.0  # how often at most the worker sends tokens (Generate.hold_s; 0: as they come)
+
+
 @dataclass
 class Generated:
     segments: list[Segment] = field(default_factory=list)
@@ -129,35 +141,30 @@ async def _dispatch(call: Call, worker: str, cmd: Generate, on_tokens: OnTokens,
 async def generate(
     call: Call,
     pick: Pick,
-    request_id: str,
-    session_id: str,
-    prompt_ids: TokenPath,
-    sampling: Sampling,
+    job: Job,
     on_tokens: OnTokens,
     max_redispatch: int,
     resume: Generated | None = None,
     backoff: float = 0.05,
-    hold_s: float = 0.0,
 ) -> Generated:
     """`on_tokens` runs before tokens count as generated: the service persists them there, so
-    a replica that resumes this request (`resume`, rebuilt from Redis) continues after them.
-    `hold_s`: how often at most the worker sends tokens (Generate.hold_s; 0: as they come)."""
+    a replica that resumes this request (`resume`, rebuilt from Redis) continues after them."""
     out = resume or Generated()
     preemptions = Preemptions(max_redispatch, backoff, out.dispatches)
     preempted_on: set[str] = set()
     while True:
-        remaining = sampling.max_tokens - len(out.token_ids)
+        remaining = job.sampling.max_tokens - len(out.token_ids)
         if remaining <= 0:
             out.finish_reason = "length"
             return out
         # 1. pick a serving worker; avoid one that just preempted us, if there is another
         worker = await pick(frozenset(preempted_on))
         cmd = Generate(
-            request_id=f"{request_id}.{out.dispatches}",
-            prompt_ids=(prompt_ids + out.token_ids).wire(),  # msgpack bytes spliced (tokenpath.py)
-            sampling=msgspec.structs.replace(sampling, max_tokens=remaining),
-            session_id=session_id,
-            hold_s=hold_s,
+            request_id=f"{job.request_id}.{out.dispatches}",
+            prompt_ids=(job.prompt_ids + out.token_ids).wire(),  # msgpack bytes spliced (tokenpath.py)
+            sampling=msgspec.structs.replace(job.sampling, max_tokens=remaining),
+            session_id=job.session_id,
+            hold_s=job.hold_s,
         )
         out.dispatches += 1
         # 2. stream its tokens into the current segment

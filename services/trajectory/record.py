@@ -63,8 +63,9 @@ def turn_key(req: ChatRequest, prompt: Prompt, reply: dict[str, Any]) -> str:
     return conversation_key(req.tools, req.messages + [reply])
 
 
-def record(req: ChatRequest, session_id: str, turn_id: int, prompt: Prompt, gen: Generated, text: str,
-           token_texts: TokenTexts, created: float) -> tuple[Turn, ChatDone]:
+def record(  # noqa: PLR0913  each is what one step of chat._handle made; the clock too, so this stays pure
+        req: ChatRequest, session_id: str, turn_id: int, prompt: Prompt, gen: Generated, text: str,
+        token_texts: TokenTexts, created: float) -> tuple[Turn, ChatDone]:
     """`text` is the generated text the agent may see (cut before a stop string)."""
     rid = req.request_id
     content, calls = toolcalls.parse(text, rid) if req.kind == "chat" and req.tools else (text, [])

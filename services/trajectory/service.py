@@ -36,7 +36,7 @@ from services.trajectory.routing import WorkerTable
 from services.trajectory.sessions import SessionOps
 from services.trajectory.store import Store
 from shared import backpressure, bus, subjects
-from shared.admission import Admission, Backlog, BacklogUnknown
+from shared.admission import Backlog, BacklogUnknown
 from shared.backpressure import Fill, HighWater
 from shared.codec import decode, encode
 from shared.config import Connections
@@ -91,11 +91,8 @@ class TrajectoryService:
             self.js = js
             self.turns = TurnHandler(self.cfg, self.store, renderer, self.table, self._call)
             self.publisher = Publisher(self.store, self._publish_trajectory, self.turns.owner)
-            self.sessions = SessionOps(
-                self.store, self.publisher, Admission(self.cfg.max_staleness),
-                self.cfg.open_session_timeout, lambda: self.policy_version, self._backlog,
-                pressure=self._pressure, publish_wait=self.cfg.publish_wait,
-            )
+            self.sessions = SessionOps(self.store, self.publisher, self.cfg, lambda: self.policy_version, self._backlog,
+                                       pressure=self._pressure)
             watcher = asyncio.create_task(
                 WeightFollower(self.nc, self._on_weights, WEIGHTS_POLL, self.malformed).run())
             stack.callback(watcher.cancel)

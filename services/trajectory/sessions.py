@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 from services.trajectory import turns as turn_tree
+from services.trajectory.config import TrajectoryConfig
 from services.trajectory.finishing import Publisher
 from services.trajectory.store import SessionFinished, SessionNotFound, Store
 from shared.admission import Admission, Backlog, BacklogUnknown, staleness
@@ -23,19 +24,17 @@ class SessionOps:
         self,
         store: Store,
         publisher: Publisher,
-        admission: Admission,
-        open_window: float,
+        cfg: TrajectoryConfig,
         policy_version: Callable[[], int],
         backlog: Callable[[], Awaitable[Backlog]],
         pressure: Callable[[], SessionReply | None] = lambda: None,
-        publish_wait: float = 5.0,
     ):
-        self.store, self.publisher, self.admission = store, publisher, admission
-        self.open_window = open_window
+        self.store, self.publisher, self.admission = store, publisher, Admission(cfg.max_staleness)
+        self.open_window = cfg.open_session_timeout
         self.policy_version = policy_version
         self.backlog = backlog
         self.pressure = pressure  # the stream's back-pressure: a refusal (429/503) while it is too full
-        self.publish_wait = publish_wait
+        self.publish_wait = cfg.publish_wait
 
     async def handle(self, req: SessionRequest) -> SessionReply:
         try:

@@ -467,9 +467,10 @@ class Store:
 
     # -- turns -------------------------------------------------------------------------------------
 
-    async def save_turn(self, sid: str, turn: Turn, worker: str, result: bytes = b"",
-                        path: TokenPath | None = None, alias: tuple[str, Alias] | None = None,
-                        owner: str = "", began: bool = True) -> bool:
+    async def save_turn(  # noqa: PLR0913  one per input of the save script, all but three named at each call
+            self, sid: str, turn: Turn, worker: str, result: bytes = b"",
+            path: TokenPath | None = None, alias: tuple[str, Alias] | None = None,
+            owner: str = "", began: bool = True) -> bool:
         """The turn, its index entry, the request's result (for a retried request) and the end
         of its partial state: all or nothing. `path` (the turn's whole token path) replaces
         its parent's cached path; `alias` is (raw digest of the request messages, what it names).

@@ -302,11 +302,11 @@ def test_demo_calc_rounds_through_the_stack(stack):
     warm-started, so it rarely calls the tool; the tool turn itself is test_tools_turn_with_the_sdk.)"""
     import asyncio
 
-    from seamlessflow.demo.rl import run_rounds
+    from seamlessflow.demo.rl import Rounds, run_rounds
 
     lines: list = []
-    result = asyncio.run(run_rounds(stack, rounds=2, groups=1, group_size=2, task="calc", max_tokens=12,
-                                    on_round=lines.append))
+    plan = Rounds(rounds=2, groups=1, group_size=2, task="calc", max_tokens=12)
+    result = asyncio.run(run_rounds(stack, plan, on_round=lines.append))
     assert [rd.index for rd in lines] == [0, 1] and all(len(rd.rewards) == 2 for rd in result.rounds)
     assert all(0.0 <= r <= 1.0 for rd in result.rounds for r in rd.rewards)
     assert all(rd.tokens > 0 and rd.versions == [0] and rd.t_end >= rd.seconds > 0 for rd in result.rounds)

@@ -22,7 +22,7 @@ import httpx
 import pytest
 import torch
 
-from seamlessflow.demo.rl import TRAINER_SETTINGS, run_rounds
+from seamlessflow.demo.rl import TRAINER_SETTINGS, Rounds, run_rounds
 from tests.integration.stack_fixture import make_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.deepspeed]
@@ -66,7 +66,7 @@ def test_mean_reward_rises(tmp_path, warm_model, nats_url, redis_url):
                        extra_env={"SF_TRAJECTORY_MAX_STALENESS": "2"})  # the trainer declares its batch
     try:
         stack.wait_ready(stack.spawn_trainer(group_size=GROUP_SIZE, groups_per_step=GROUPS, **TRAINER_SETTINGS))
-        result = asyncio.run(run_rounds(stack, ROUNDS, GROUPS, GROUP_SIZE, seed=1))
+        result = asyncio.run(run_rounds(stack, Rounds(ROUNDS, GROUPS, GROUP_SIZE, seed=1)))
         last_version = versions_on_disk(stack.weights_dir)[-1]
         page = status_with_trainer_metrics(stack, timeout=60)
         before, after = policy_reward(warm_model), policy_reward(version_dir(stack.weights_dir, last_version))

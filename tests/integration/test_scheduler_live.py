@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 from seamlessflow.ops import hosts as hostops
 from seamlessflow.stack import servers
 from seamlessflow.modelgen import eos_id
-from seamlessflow.demo.workload import GroupAgents
+from seamlessflow.demo.workload import GroupAgents, Load
 from services.trajectory.store import DeltaRecord
 from shared.config import connections
 from shared.timeouts import HEARTBEAT_STALE_AFTER
@@ -115,8 +115,9 @@ def run_policy(stack, policy: str, steps: int, timeout: float = 240):
     wait_for(lambda: all(h.mode == h.target for h in ask(stack).hosts), 60, "hosts settled")
     before = ask(stack)
     start = len(trained_steps(stack))
-    agents = GroupAgents(stack.gateway_url, stack.api_key, GROUP_SIZE, CONCURRENT_GROUPS, seed=len(policy),
-                         min_tokens=REPLY_TOKENS[0], max_tokens=REPLY_TOKENS[1], think_s=THINK_S)
+    agents = GroupAgents(stack.gateway_url, stack.api_key, Load(GROUP_SIZE, CONCURRENT_GROUPS, seed=len(policy),
+                                                                min_tokens=REPLY_TOKENS[0], max_tokens=REPLY_TOKENS[1],
+                                                                think_s=THINK_S))
     assert asyncio.run(agents.run(lambda: len(trained_steps(stack)) >= start + steps, timeout)), \
         f"{policy}: fewer than {steps} trainer steps within {timeout:.0f}s"
     after = ask(stack, "timeline")
@@ -206,8 +207,9 @@ def test_a_killed_worker_is_detected_its_requests_resume_and_the_host_rejoins(cl
     # by length, and no turn moved)
     # and never end early: CI once killed the worker as a request 42 tokens in ended by EOS, and nothing moved
     eos = eos_id(tiny_model)
-    agents = GroupAgents(cluster.gateway_url, cluster.api_key, GROUP_SIZE, 2, seed=7, min_tokens=256, max_tokens=384,
-                         think_s=THINK_S, stream=True, logit_bias={str(eos): -100.0})
+    load = Load(GROUP_SIZE, 2, seed=7, min_tokens=256, max_tokens=384, think_s=THINK_S, stream=True,
+                logit_bias={str(eos): -100.0})
+    agents = GroupAgents(cluster.gateway_url, cluster.api_key, load)
     killed = {"t": 0.0, "tokens": 0, "rid": ""}
 
     async def on_host_1(r) -> dict[str, int]:

@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 
 from seamlessflow.stack import control, servers
-from seamlessflow.demo.workload import GroupAgents
+from seamlessflow.demo.workload import GroupAgents, Load
 from tests.integration.stack_fixture import simulated_worker_cmd
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -144,8 +144,8 @@ class Agents:
     """GroupAgents (openai SDK) in flight on a thread of their own until stop()."""
 
     def __init__(self, up: Up, seed: int, min_tokens: int = 16, max_tokens: int = 64, lanes: int = 2):
-        self.agents = GroupAgents(up.gateway_url, up.api_key, group_size=2, lanes=lanes, seed=seed,
-                                  min_tokens=min_tokens, max_tokens=max_tokens)
+        self.agents = GroupAgents(up.gateway_url, up.api_key, Load(group_size=2, lanes=lanes, seed=seed,
+                                                                   min_tokens=min_tokens, max_tokens=max_tokens))
         self.done = threading.Event()
         self.crash: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)

@@ -11,6 +11,7 @@ from seamlessflow.planner.plan import (
     GRACES,
     MARGINS,
     POLICIES,
+    Search,
     jobs,
     pick_drain,
     plan,
@@ -26,8 +27,8 @@ CAL = CALIBRATIONS["decode-heavy"]
 def _plan(workers: int):
     wl = sized(WORKLOADS["long-tail"], CAL, 4, fill=0.5)
     ticks: Counter[str] = Counter()
-    p = plan(4, CAL, wl, steps=4, sweep_steps=2, margins=(1.0, 3.0), workers=workers,
-             progress=lambda what, k: ticks.update({what: k}), graces=(0.0, 60.0), drain_margins=(0.0,))
+    search = Search(steps=4, sweep_steps=2, margins=(1.0, 3.0), graces=(0.0, 60.0), drain_margins=(0.0,))
+    p = plan(4, CAL, wl, search, workers=workers, progress=lambda what, k: ticks.update({what: k}))
     return p, ticks
 
 
@@ -78,17 +79,18 @@ def test_the_sweep_runs_every_other_split_then_the_neighbours_of_the_best(monkey
     runs no split twice, leaves the far splits out, and runs each final policy once."""
     calls: list[tuple] = []
 
-    def fake(policy, hosts, train_hosts, cal, wl, steps, label, lend_margin, grace=0.0, drain=0.0):
-        calls.append((policy, train_hosts, label, lend_margin, grace, drain))
-        tok = 1000 - 10 * abs(train_hosts - 10) if policy == "seamless" else 500
-        plan_mod._progress_queue.put((label, steps if label in POLICIES else 1))
-        return {"policy": policy, "trained_tok_s": tok - grace, "reprefill_fraction": 0.05 - grace / 1000,
-                "trainer_wait": 0.5, "idle": 0.1, "steps": steps, "train_hosts": train_hosts}
+    def fake(t):
+        calls.append((t.policy, t.train_hosts, t.label, t.lend_margin, t.reclaim_grace_s, t.drain_margin_s))
+        tok = 1000 - 10 * abs(t.train_hosts - 10) if t.policy == "seamless" else 500
+        plan_mod._progress_queue.put((t.label, t.steps if t.label in POLICIES else 1))
+        return {"policy": t.policy, "trained_tok_s": tok - t.reclaim_grace_s,
+                "reprefill_fraction": 0.05 - t.reclaim_grace_s / 1000, "trainer_wait": 0.5, "idle": 0.1,
+                "steps": t.steps, "train_hosts": t.train_hosts}
 
     monkeypatch.setattr(plan_mod, "_run_row", fake)
     ticks: Counter[str] = Counter()
     wl = sized(WORKLOADS["long-tail"], CAL, 16)
-    p = plan(16, CAL, wl, steps=5, sweep_steps=2, workers=1, progress=lambda what, k: ticks.update({what: k}))
+    p = plan(16, CAL, wl, Search(steps=5, sweep_steps=2), workers=1, progress=lambda what, k: ticks.update({what: k}))
     grid = splits(16)
     assert grid == list(range(1, 16)) and p.split == 10
     swept = [r["train_hosts"] for r in p.sweep]

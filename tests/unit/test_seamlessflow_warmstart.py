@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from seamlessflow.demo import warmstart
+from seamlessflow.demo.warmstart import WarmStart
 
 
 @pytest.fixture
@@ -29,7 +30,7 @@ def test_past_half_the_target_it_checks_every_step_with_more_samples_and_stops_a
     script, seen = checks
     script += [0.0, 0.1, 0.3, 0.45, 0.52]  # step 0, 5, 10 (past 0.25), 11, 12 (>= 0.5)
     lines: list[str] = []
-    out = warmstart.warm_start(tiny_model, tmp_path / "sft", target_reward=0.5, max_steps=100, batch=4,
+    out = warmstart.warm_start(tiny_model, tmp_path / "sft", WarmStart(target_reward=0.5, max_steps=100, batch=4),
                                log=lines.append)
     assert out == {"steps": 12, "sampled_reward": 0.52}
     assert seen == [64, 64, 64, 128, 128]
@@ -41,8 +42,8 @@ def test_without_fine_checks_it_keeps_the_coarse_rule(tiny_model, tmp_path, chec
     """The learning test's settings (fine=False): every `check_every` steps, one lr, 64 samples."""
     script, seen = checks
     script += [0.0, 0.2, 0.31]
-    out = warmstart.warm_start(tiny_model, tmp_path / "sft", target_reward=0.3, check_every=3, fine=False,
-                               batch=4, log=lambda line: None)
+    out = warmstart.warm_start(tiny_model, tmp_path / "sft", WarmStart(target_reward=0.3, check_every=3, fine=False,
+                                                                       batch=4), log=lambda line: None)
     assert out["steps"] == 6 and seen == [64, 64, 64]
 
 
@@ -50,7 +51,8 @@ def test_a_warm_start_that_hits_its_step_bound_says_so(tiny_model, tmp_path, che
     script, seen = checks
     script += [0.0, 0.01, 0.02]
     lines: list[str] = []
-    out = warmstart.warm_start(tiny_model, tmp_path / "sft", max_steps=10, check_every=5, batch=4, log=lines.append)
+    out = warmstart.warm_start(tiny_model, tmp_path / "sft", WarmStart(max_steps=10, check_every=5, batch=4),
+                               log=lines.append)
     assert out == {"steps": 10, "sampled_reward": 0.02}
     assert any("WARNING stopped at its 10-step bound" in line and "below the target 0.5" in line for line in lines)
     assert warmstart.MAX_STEPS["calc"] > warmstart.MAX_STEPS["reverse"]  # calc's copies are learned late

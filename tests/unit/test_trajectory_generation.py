@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.trajectory.generation import GenerationFailed, generate
+from services.trajectory.generation import GenerationFailed, Job, generate
 from services.trajectory.tokenpath import TokenPath
 from shared.codec import decode, encode
 from shared.messages import Generate, GenerateDone, Sampling, TokenDelta
@@ -47,7 +47,7 @@ async def test_generation_redispatches_prompt_plus_partial_after_preemption():
     async def on_tokens(delta, worker, first, final):
         seen.extend(delta.token_ids)
 
-    out = await generate(call, pick, "r", "s", TokenPath.of([1, 2, 3]), Sampling(max_tokens=8), on_tokens, 4)
+    out = await generate(call, pick, Job("r", "s", TokenPath.of([1, 2, 3]), Sampling(max_tokens=8)), on_tokens, 4)
     assert out.finish_reason == "stop"
     assert out.token_ids == seen == [10, 11, 12, 2]
     assert [(s.token_ids, s.version, s.worker_id) for s in out.segments] == [([10, 11], 0, "w1"), ([12, 2], 1, "w2")]
@@ -62,7 +62,7 @@ async def test_generation_gives_up_after_bounded_redispatches():
     pick, on_tokens = _only_worker_w, _keep_every_token
 
     with pytest.raises(GenerationFailed, match="preempted"):
-        await generate(call, pick, "r", "s", TokenPath.of([1]), Sampling(max_tokens=4), on_tokens, 3, backoff=0.0)
+        await generate(call, pick, Job("r", "s", TokenPath.of([1]), Sampling(max_tokens=4)), on_tokens, 3, backoff=0.0)
 
 
 @pytest.mark.parametrize("done,status", [
@@ -78,7 +78,7 @@ async def test_generation_error_maps_to_status_by_the_workers_code(done, status)
     pick, on_tokens = _only_worker_w, _keep_every_token
 
     with pytest.raises(GenerationFailed) as e:
-        await generate(call, pick, "r", "s", TokenPath.of([1]), Sampling(max_tokens=4), on_tokens, 3, backoff=0.0)
+        await generate(call, pick, Job("r", "s", TokenPath.of([1]), Sampling(max_tokens=4)), on_tokens, 3, backoff=0.0)
     assert e.value.status == status and done.error in str(e.value)
 
 
@@ -96,7 +96,8 @@ async def test_generation_resumes_from_persisted_partial():
     async def on_tokens(delta, worker, first, final):
         pass
 
-    out = await generate(call, pick, "r", "s", TokenPath.of([1, 2, 3]), Sampling(max_tokens=8), on_tokens, 4, resume=partial)
+    job = Job("r", "s", TokenPath.of([1, 2, 3]), Sampling(max_tokens=8))
+    out = await generate(call, pick, job, on_tokens, 4, resume=partial)
     assert sent[0][1].prompt_ids == [1, 2, 3, 10, 11] and sent[0][1].sampling.max_tokens == 6
     assert sent[0][1].request_id == "r.1"
     assert out.token_ids == [10, 11, 2] and len(out.segments) == 2
@@ -116,7 +117,8 @@ async def test_scheduled_preemptions_count_neither_toward_the_limit_nor_the_back
     pick, on_tokens = _only_worker_w, _keep_every_token
 
     t0 = time.monotonic()
-    out = await generate(call, pick, "r", "s", TokenPath.of([1]), Sampling(max_tokens=2), on_tokens, 1, backoff=0.5)
+    out = await generate(call, pick, Job("r", "s", TokenPath.of([1]), Sampling(max_tokens=2)), on_tokens, 1,
+                         backoff=0.5)
     assert out.token_ids == [5, 6] and out.finish_reason == "length" and len(sent) == 5
     assert time.monotonic() - t0 < 0.4  # counted, the moves would fail it (limit 1) and back off (0.5 s, 1 s)
 
@@ -131,7 +133,7 @@ async def test_scheduled_preemptions_are_still_bounded(monkeypatch):
     pick, on_tokens = _only_worker_w, _keep_every_token
 
     with pytest.raises(GenerationFailed, match="moved by the scheduler 6 times"):
-        await generate(call, pick, "r", "s", TokenPath.of([1]), Sampling(max_tokens=4), on_tokens, 3, backoff=0.0)
+        await generate(call, pick, Job("r", "s", TokenPath.of([1]), Sampling(max_tokens=4)), on_tokens, 3, backoff=0.0)
     assert len(sent) == 6
 
 
@@ -148,7 +150,8 @@ async def test_repeated_preemptions_back_off_before_redispatching():
     pick, on_tokens = _only_worker_w, _keep_every_token  # "w" is the only worker
 
     t0 = time.monotonic()
-    out = await generate(call, pick, "r", "s", TokenPath.of([1]), Sampling(max_tokens=2), on_tokens, 8, backoff=0.05)
+    out = await generate(call, pick, Job("r", "s", TokenPath.of([1]), Sampling(max_tokens=2)), on_tokens, 8,
+                         backoff=0.05)
     waited = time.monotonic() - t0
     assert out.token_ids == [5, 6] and len(sent) == 5
     assert 0.05 + 0.1 + 0.2 <= waited < 2.0  # no wait after the first preemption, then doubling
@@ -173,7 +176,7 @@ async def test_generation_ends_stop_when_on_tokens_says_so_and_closes_the_call()
     async def on_tokens(delta, worker, first, final):
         return 2 if 4 in delta.token_ids else None  # "a stop string completed at token 4"
 
-    out = await generate(call, pick, "r", "s", TokenPath.of([0]), Sampling(max_tokens=10), on_tokens, 3)
+    out = await generate(call, pick, Job("r", "s", TokenPath.of([0]), Sampling(max_tokens=10)), on_tokens, 3)
     assert out.finish_reason == "stop" and out.token_ids == [1, 2, 3, 4] and closed == [True]
     assert [s.logprobs for s in out.segments] == [[-0.1, -0.2, -0.3, -0.4]]
 
@@ -192,7 +195,8 @@ async def test_the_held_tail_on_a_done_gives_its_tokens_marked_final_only_when_i
     async def on_tokens(delta, worker, first, final):
         seen.append((delta.token_ids, delta.version, first, final))
 
-    out = await generate(call, _only_worker_w, "r", "s", TokenPath.of([1, 2, 3]), Sampling(max_tokens=8), on_tokens, 4)
+    job = Job("r", "s", TokenPath.of([1, 2, 3]), Sampling(max_tokens=8))
+    out = await generate(call, _only_worker_w, job, on_tokens, 4)
     assert seen == [([10], 0, True, False), ([11, 12], 0, False, False), ([13, 2], 1, True, True)]
     assert out.finish_reason == "stop" and out.token_ids == [10, 11, 12, 13, 2]
     assert [(s.token_ids, s.logprobs, s.version) for s in out.segments] == [
@@ -207,5 +211,5 @@ async def test_a_stop_string_in_the_held_tail_ends_the_generation_there():
         assert final
         return 2  # "a stop string completed at the tail's second token"
 
-    out = await generate(call, _only_worker_w, "r", "s", TokenPath.of([0]), Sampling(max_tokens=3), on_tokens, 3)
+    out = await generate(call, _only_worker_w, Job("r", "s", TokenPath.of([0]), Sampling(max_tokens=3)), on_tokens, 3)
     assert out.finish_reason == "stop" and out.token_ids == [1, 2]

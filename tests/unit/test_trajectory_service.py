@@ -13,7 +13,7 @@ from services.trajectory.config import TrajectoryConfig
 from services.trajectory.service import TrajectoryService
 from services.trajectory.sessions import SessionOps
 from shared import subjects
-from shared.admission import Admission, Backlog, BacklogUnknown
+from shared.admission import Backlog, BacklogUnknown
 from shared.codec import encode
 from shared.config import Connections
 from shared.messages import Generate, Sampling, SessionRequest, TokenDelta
@@ -63,7 +63,7 @@ async def test_session_create_answers_503_when_the_backlog_is_unknown():
     async def unknown():
         raise BacklogUnknown("consumer 'trainer': TimeoutError")
 
-    ops = SessionOps(Store(), None, Admission(0), 3600, lambda: 0, unknown)
+    ops = SessionOps(Store(), None, TrajectoryConfig(max_staleness=0), lambda: 0, unknown)
     reply = await ops.create(SessionRequest("create"))
     assert reply.status == 503 and "backlog" in reply.message
 

@@ -166,6 +166,12 @@ class Simulator:
         cluster = Cluster(cluster.tags[::m], cluster.capacity[::m], cluster.train_hosts // m)
         self.K = max(1, cal.max_seqs * m // w)  # slots per simulated host, in simulated sessions
         self.train_hosts = 0 if policy == "colocated" else cluster.train_hosts
+        self._init_hosts(cluster)
+        self._init_sessions()
+        self._init_trainer(cluster.n)
+
+    def _init_hosts(self, cluster: Cluster) -> None:
+        """Each simulated host's state (a host group counts as one)."""
         n = cluster.n
         self.cap = np.asarray(cluster.capacity, dtype=float)
         self.mode = np.zeros(n, np.int8)
@@ -177,7 +183,10 @@ class Simulator:
         self.k_run = np.zeros(n, np.int64)  # running sequences per host, kept as they start and stop
         self.hosts = [P.Host(host_id(i), cluster.tags[i], cluster.capacity[i]) for i in range(n)]
         self.index = {h.id: i for i, h in enumerate(self.hosts)}
-        # sessions (fixed pool; admission bounds how many are open)
+
+    def _init_sessions(self) -> None:
+        """Sessions (a fixed pool; admission bounds how many are open) and their groups."""
+        w, wl = self.w, self.wl
         cap_real = self.adm.capacity(self.B) if self.adm.enabled else 4 * self.B
         size = cap_real // w + wl.group_size + 8
         self.s_state = np.zeros(size, np.int8)
@@ -201,7 +210,9 @@ class Simulator:
         self.cur_group, self.group_fill = -1, 0
         # complete groups the trainer has not taken: (samples, tokens, generated, v0 sum, v0 min)
         self.complete: deque[tuple[int, float, float, float, int]] = deque()
-        # trainer
+
+    def _init_trainer(self, n: int) -> None:
+        """The trainer, the clock, and what is accounted over the run (n: simulated hosts)."""
         self.t = 0.0
         self.tstate = "waiting"
         self.version = 0
@@ -215,7 +226,7 @@ class Simulator:
         self.untrained = 0  # real completed samples not trained yet (the admission backlog)
         self.open = 0  # real open sessions
         self.rate = 0.0
-        self.pred_len = wl.length_median  # predicted turn length (recent completions), for lent routing
+        self.pred_len = self.wl.length_median  # predicted turn length (recent completions), for lent routing
         self.dirty = True
         self.last_verdict = None
         self.tot = Totals(n)
@@ -416,18 +427,36 @@ class Simulator:
             q = q[self.s_ready[q] <= self.t]
         if not len(q):
             return
-        n = len(self.mode)
-        rolling = (self.mode == 1) & (self.target == 1)
         running = self.k_run.copy()
+        free = self._free(running)
+        total = int(free.sum())
+        if total <= 0:
+            return
+        sh, st, sr = self._slots(t0, free, freed_h, freed_t)
+        if self.opt.route == "least_loaded":
+            order = self._least_loaded(sh, st, running, min(total, len(q)))
+        else:
+            order = np.lexsort((sh, sr, st))[: min(total, len(q))]
+        sh, st = sh[order], st[order]
+        q = q[np.argsort(self.s_ready[q], kind="stable")][: len(sh)]
+        self._start(q, sh, st, running)
+
+    def _free(self, running: np.ndarray) -> np.ndarray:
+        """Free slots per host: on rolling hosts, and on a lent one only for turns predicted to end
+        before its reclaim."""
+        rolling = (self.mode == 1) & (self.target == 1)
         free = np.where(rolling, self.K - running, 0)
         lent = rolling & (self.lent_until > 0)
         if lent.any():  # route to a lent host only turns predicted to end before its reclaim
             turn_s = self.pred_len * self.cal.step_s(self.cal.max_seqs) / self.cap
             free = np.where(lent & (self.t + turn_s > self.lent_until), 0, free)
-        total = int(free.sum())
-        if total <= 0:
-            return
-        # slots: those freed this tick (their free time) first, then ones free since t0
+        return free
+
+    def _slots(self, t0: float, free: np.ndarray, freed_h: np.ndarray,
+               freed_t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The free slots as (host, free since, rank on its host): those freed this tick (their
+        free time) first, then ones free since t0."""
+        n = len(self.mode)
         extra = np.bincount(freed_h, minlength=n) if len(freed_h) else np.zeros(n, np.int64)
         pre = np.maximum(free - extra, 0)
         hosts = np.nonzero(pre)[0]
@@ -438,12 +467,12 @@ class Simulator:
         sh = np.concatenate([freed_h[keep], ph])
         st = np.concatenate([freed_t[keep], np.full(len(ph), t0)])
         sr = np.concatenate([np.zeros(int(keep.sum())), rank])
-        if self.opt.route == "least_loaded":
-            order = self._least_loaded(sh, st, running, min(total, len(q)))
-        else:
-            order = np.lexsort((sh, sr, st))[: min(total, len(q))]
-        sh, st = sh[order], st[order]
-        q = q[np.argsort(self.s_ready[q], kind="stable")][: len(sh)]
+        return sh, st, sr
+
+    def _start(self, q: np.ndarray, sh: np.ndarray, st: np.ndarray, running: np.ndarray) -> None:
+        """Start the queued sessions q on the slots (host sh, free since st); `running`: each
+        host's running sequences before this tick's starts."""
+        n = len(self.mode)
         self.s_state[q] = RUNNING
         self.s_host[q] = sh
         self.k_run += np.bincount(sh, minlength=n)
