@@ -68,8 +68,9 @@ def scale_factors(hosts: int, train_hosts: int, wl: Workload) -> tuple[int, int]
 def run(policy: str, hosts: int, train_hosts: int, cal: Calibration, wl: Workload, steps: int,
         seed: int = 0, lend_margin: float = 1.5, timeline: bool = False, dt: float | None = None,
         exact: bool = False, progress=None, pool_only_train: bool = False, drain_margin_s: float = 0.0,
-        reclaim_grace_s: float = 0.0) -> Result:
-    """One policy on one cluster. colocated is verl-style synchronous: max_staleness 0, every host trains."""
+        reclaim_grace_s: float = 0.0, **options) -> Result:
+    """One policy on one cluster. colocated is verl-style synchronous: max_staleness 0, every host trains.
+    `options`: more sim.Options (lent_rule, reprefill_ratio, ...)."""
     if policy == "colocated":
         wl = replace(wl, max_staleness=0)
     w, m = (1, 1) if exact else scale_factors(hosts, train_hosts, wl)
@@ -80,7 +81,7 @@ def run(policy: str, hosts: int, train_hosts: int, cal: Calibration, wl: Workloa
         dt = max(0.01, turn_s / (10 if hosts > 256 else 100))
     return simulate(Cluster.uniform(hosts, train_hosts, pool_only_train), cal, wl, policy, steps=steps, seed=seed,
                     dt=dt, lend_margin=lend_margin, replicas=w, host_group=m, timeline=timeline, progress=progress,
-                    drain_margin_s=drain_margin_s, reclaim_grace_s=reclaim_grace_s)
+                    drain_margin_s=drain_margin_s, reclaim_grace_s=reclaim_grace_s, **options)
 
 
 def splits(hosts: int, points: int = 12) -> list[int]:
