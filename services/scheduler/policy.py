@@ -21,7 +21,10 @@ Tags decide what a host *may* do (`train`, `rollout`); the policy decides what i
   trajectories still missing, exceeds the switch cost (lend + reclaim) by `lend_margin`, or
   when no host outside the train pool can roll out (every rollout host dead or cordoned):
   the missing trajectories can then only come from the pool, whatever the rate of the last
-  30 s says. Seen in CI: host-1's worker killed right after a reclaim; no lend for 21 s,
+  30 s says. Where the caller knows the work a lent host would be given (`Snapshot.offer`:
+  the turns waiting for a slot, the predicted length, the hosts' speed; shared/lending.py),
+  a lend must also add more rollout than its switch takes: a host lent that receives no turn
+  costs its switch and buys nothing. Without an offer (None) the wait alone decides. Seen in CI: host-1's worker killed right after a reclaim; no lend for 21 s,
   host-0 idle while the requests the kill cut waited for host-1 to restart (the prediction:
   the trainer's buffer counts members of groups the kill left incomplete, so few
   trajectories looked missing, at the rate of the last 30 s).
