@@ -3,6 +3,7 @@
     seamlessflow plan --hosts 64 [--calibration decode-heavy] [--workload long-tail] [--steps 200]
                       [--train-hosts N] [--out var/plan]
     seamlessflow plan --hosts 4096 --steps 1000          # the scale bound: under 60 s here
+    seamlessflow plan --hosts 64 --calibration one-gpu --workload one-gpu-reasoning   # the second public one
     seamlessflow plan --hosts 64 --graces 0,30,60,90 --drain-margins 0,60 --max-reprefill 0.02
 
 It sweeps the train/rollout split (disaggregated against seamless, short runs: every other
@@ -32,6 +33,7 @@ from services.scheduler.sim import Cluster, simulate
 from services.scheduler.sim.result import Result
 from services.scheduler.sim.workload import (
     CALIBRATIONS,
+    FIXED_BATCH,
     WORKLOADS,
     Calibration,
     Workload,
@@ -325,11 +327,13 @@ def table(p: Plan) -> str:
             f"{p.split} train / {p.hosts - p.split} rollout, lend_margin {p.lend_margin:g}, reclaim_grace_s "
             f"{p.reclaim_grace_s:g}, drain_margin_s {p.drain_margin_s:g}; {p.seconds:.1f} s")
     lines = [head, "", ("| policy | trained tok/s | of physical limit | idle | max host idle | staleness mean / max | "
-                  "trainer wait | lends / reclaims | re-prefilled |"), "|---|---|---|---|---|---|---|---|---|"]
-    for r in p.results:
+                  "trainer wait | lends / reclaims | re-prefilled | lent-idle host-s (of lent) |"),
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in p.results:  # lent-idle: a host lent and given no turn, a defect the lend verdict should prevent
         lines.append(f"| {r['policy']} | {r['trained_tok_s']:,} | {r['limit_fraction']:.1%} | {r['idle']:.1%} | "
                      f"{r['idle_host_max']:.1%} | {r['staleness_mean']:.2f} / {r['staleness_max']} | "
-                     f"{r['trainer_wait']:.1%} | {r['lends']} / {r['reclaims']} | {r['reprefill_fraction']:.2%} |")
+                     f"{r['trainer_wait']:.1%} | {r['lends']} / {r['reclaims']} | {r['reprefill_fraction']:.2%} | "
+                     f"{r.get('lent_idle_s', 0):,.0f} ({r.get('lent_s', 0):,.0f}) |")
     if p.drains:
         dis = next(r["disaggregated"] for r in p.sweep if r["train_hosts"] == p.split)
         lines += ["", f"Drain trade-off (seamless at split {p.split}, short runs): {p.drain_note}", "",
@@ -367,7 +371,9 @@ def cmd_plan(a) -> None:
     from rich.progress import Progress
 
     cal = CALIBRATIONS[a.calibration]
-    wl = sized(WORKLOADS[a.workload], cal, a.hosts)
+    wl = WORKLOADS[a.workload]
+    if a.workload not in FIXED_BATCH:  # a public calibration's batch is part of it
+        wl = sized(wl, cal, a.hosts)
     grid = [a.train_hosts] if a.train_hosts else splits(a.hosts)
     graces, drains = _floats(a.graces), _floats(a.drain_margins)
     total = jobs(grid, MARGINS, graces, drains, a.steps)

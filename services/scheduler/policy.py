@@ -25,6 +25,10 @@ Tags decide what a host *may* do (`train`, `rollout`); the policy decides what i
   right after a reclaim, the trainer's buffer counts the members of groups the death left
   incomplete, so few trajectories look missing at the rate of the last 30 s, and the pool
   host would sit idle while the requests the death cut wait for that worker to restart.
+  Where the caller knows the work a lent host would be given (`Snapshot.offer`: the turns
+  waiting for a slot, the predicted length, the hosts' speed; shared/lending.py), a lend must
+  also add more rollout than its switch takes: a host lent that receives no turn costs its
+  switch and buys nothing. Without an offer (None) the wait alone decides.
 
   Two knobs trade the trainer's time for re-prefill (a reclaim vacates a lent host's running
   sequences, which carry their whole context to prefill again where they land):
@@ -66,6 +70,7 @@ from dataclasses import dataclass, fields, replace
 from operator import attrgetter
 from typing import Literal
 
+from shared.lending import Offer, offer_worth
 from shared.messages.scheduler import Activity, HostMode, PolicyName, TrainerState
 
 POLICIES: tuple[PolicyName, ...] = ("colocated", "disaggregated", "seamless")
@@ -133,6 +138,9 @@ class Snapshot:
     # with a grace: lend only once the trainer has waited this long for data (30 s: the live completion
     # rate's window, registry.RATE_WINDOW, so that the rate then counts only this wait's completions)
     lend_settle_s: float = 30.0
+    # the work a lent host would be given (shared/lending.py), where the caller knows it: a lend must buy
+    # more rollout than margin x the switch costs. None: not known (lend on the predicted wait alone)
+    offer: Offer | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,9 +187,24 @@ def lend_verdict(s: Snapshot, others_roll_out: bool | None = None) -> tuple[bool
     wait = predicted_wait(s.trainer, s.completion_rate) - s.drain_margin_s
     cost = s.costs.lend_s + s.costs.reclaim_s + s.reclaim_grace_s  # a lend may hold the trainer the grace
     what = "predicted wait" + (f" - drain {s.drain_margin_s:g}s" if s.drain_margin_s else "")
-    if wait > s.lend_margin * cost:
-        return True, f"{what} {wait:.1f}s > {s.lend_margin:g} x switch {cost:.2f}s"
-    return False, f"{what} {wait:.1f}s <= {s.lend_margin:g} x switch {cost:.2f}s"
+    if wait <= s.lend_margin * cost:
+        return False, f"{what} {wait:.1f}s <= {s.lend_margin:g} x switch {cost:.2f}s"
+    if s.offer is not None:
+        return _offer_verdict(s, wait, cost)
+    return True, f"{what} {wait:.1f}s > {s.lend_margin:g} x switch {cost:.2f}s"
+
+
+def _offer_verdict(s: Snapshot, wait: float, cost: float) -> tuple[bool, str]:
+    """Lend only if the work a lent host would be given (Snapshot.offer) adds more rollout, in
+    seconds of a host decoding at full batch, than its switch takes: a host lent that receives
+    nothing costs its switch and buys nothing. (The margin is the predicted wait's: the offer
+    counts only the turns waiting now, fewer than a lent host takes as turns end elsewhere.)"""
+    o = s.offer
+    worth = offer_worth(o, wait - s.costs.lend_s - s.costs.reclaim_s)  # served from the lend to the reclaim
+    what = f"a lent host adds {worth:.1f}s of rollout ({o.turns} turns waiting for {o.hosts} hosts)"
+    if worth > cost:
+        return True, f"{what} > switch {cost:.2f}s"
+    return False, f"{what} <= switch {cost:.2f}s"
 
 
 def draining(s: Snapshot, h: Host) -> bool:

@@ -5,63 +5,41 @@ prefix cache holds the conversation, as long as that worker serves the newest we
 version and is not full. Otherwise the choice goes, in order, to a worker that is not
 full, at the newest version, least loaded (running / capacity), with the most capacity.
 
-Predicted lending: a worker the tag scheduler lent (`WorkerStatus.lent_until`, its
-predicted reclaim time) only gets requests predicted to finish before then: the
-request's expected length (the 90th percentile of its GRPO group's recent replies,
-`LengthHistory`) over the
-worker's per-request decode speed (from its heartbeats' token counts). Longer ones go to
-workers that are not lent, if any serve, so a reclaim has little to migrate.
+Predicted lending: which requests a worker the tag scheduler lent (`WorkerStatus.lent_until`,
+its predicted reclaim time) takes is shared/lending.py's `takes_turn`, the rule the simulator
+runs too: the request's expected length (`LengthHistory`: the 90th percentile of its GRPO
+group's recent replies) at the worker's speed (`DecodeSpeed.measured`, from its heartbeats'
+token counts) with the request added to its batch. Under rule "fit" only requests predicted
+to finish before the reclaim; under "migrate" (the default) any request whose partial tokens
+are worth more than re-prefilling them where the reclaim moves them. Requests a lent worker
+does not take go to workers that are not lent, if any serve.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass
 
 from shared.heartbeats import WorkerHeartbeats
+from shared import lending
+from shared.lending import DEFAULT_RULE, REPREFILL_RATIO, DecodeSpeed, LengthHistory, Rule
 from shared.messages import WorkerStatus
+
+__all__ = ["LengthHistory", "Picker", "WorkerTable"]  # LengthHistory lives in shared/lending.py
 
 PREFER_OTHER_WORKER_S = 2.0  # after a preemption, how long to wait for a worker other than the preempter
 RATE_EWMA = 0.3  # weight of the newest heartbeat interval in a worker's token rate
-
-
-class LengthHistory:
-    """Expected reply length (tokens) per GRPO group, for predicted lending: the `quantile`
-    (0.9) of the group's recent replies, falling back to that of all recent replies. A high
-    quantile, not the mean: the requests a reclaim catches are the long ones. Bounded: the
-    oldest groups are forgotten."""
-
-    def __init__(self, keep: int = 4096, per_group: int = 16, overall: int = 256, quantile: float = 0.9):
-        self.keep, self.quantile = keep, quantile
-        self.by_group: dict[str, deque[int]] = {}
-        self.per_group = per_group
-        self.recent: deque[int] = deque(maxlen=overall)
-
-    def record(self, group: str, tokens: int) -> None:
-        lengths = self.by_group.pop(group, None) or deque(maxlen=self.per_group)
-        lengths.append(tokens)
-        self.by_group[group] = lengths  # re-inserted: the most recently used group is kept longest
-        self.recent.append(tokens)
-        while len(self.by_group) > self.keep:
-            self.by_group.pop(next(iter(self.by_group)))
-
-    def expected(self, group: str | None) -> float | None:
-        lengths = self.by_group.get(group) if group else None
-        lengths = lengths or self.recent
-        if not lengths:
-            return None
-        ordered = sorted(lengths)
-        return float(ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))])
 
 
 class WorkerTable(WorkerHeartbeats):
     """The latest heartbeat of every worker (shared/heartbeats.py), plus the requests this
     replica has sent since that heartbeat (so a burst does not all land on one worker)."""
 
-    def __init__(self, stale_after: float):
+    def __init__(self, stale_after: float, rule: Rule = DEFAULT_RULE):
         super().__init__(stale_after)
         self.inflight: Counter[str] = Counter()
         self.rates: dict[str, float] = {}  # worker id -> generated tokens/s, a running mean of heartbeats
+        self.reprefill_ratio = REPREFILL_RATIO if rule == "migrate" else None  # shared/lending.py's rule
 
     def update(self, status: WorkerStatus) -> None:
         prev = self.get(status.worker_id)
@@ -87,20 +65,12 @@ class WorkerTable(WorkerHeartbeats):
         return max(s.running, self.inflight[s.worker_id]) / max(s.capacity, 1)
 
     def finishes_in_time(self, s: WorkerStatus, now: float, expected_tokens: float | None) -> bool:
-        """Would a request of `expected_tokens` end before this lent worker is reclaimed?
-        (True when the worker is not lent, or when there is nothing to predict from; False once
-        lent_until has passed: the scheduler drains a lent host by setting it to now.)"""
-        if s.lent_until <= 0:
-            return True
-        if s.lent_until <= now:
-            return False
-        if not expected_tokens:
-            return True
-        rate = self.rates.get(s.worker_id, 0.0)
-        if rate <= 0:
-            return True
-        per_request = rate / (max(s.running, self.inflight[s.worker_id]) + 1)
-        return now + expected_tokens / per_request <= s.lent_until
+        """Does this (lent) worker take a request of `expected_tokens`? shared/lending.py's
+        `takes_turn`, at the worker's measured speed with the request added to its batch (True when
+        the worker is not lent or nothing is measured; False once lent_until has passed)."""
+        speed = DecodeSpeed.measured(self.rates.get(s.worker_id, 0.0))
+        step = speed.step_s(max(s.running, self.inflight[s.worker_id]) + 1) if speed else None
+        return lending.takes_turn(now, s.lent_until, expected_tokens, step, reprefill_ratio=self.reprefill_ratio)
 
     def choose(self, now: float, sticky: str | None = None, exclude: frozenset[str] = frozenset(),
                expected_tokens: float | None = None) -> str | None:

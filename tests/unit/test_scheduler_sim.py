@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from services.scheduler import policy
-from services.scheduler.sim import ACTS, Cluster, simulate
+from services.scheduler.sim import ACTS, Cluster, Simulator, simulate
 from services.scheduler.sim.workload import CALIBRATIONS, WORKLOADS, Calibration, Workload
 
-SMALL = Workload(group_size=4, groups_per_step=8, prompt_tokens=64, length_median=200, length_sigma=1.0,
+SMALL = Workload(group_size=4, groups_per_step=48, prompt_tokens=64, length_median=200, length_sigma=1.0,
                  length_cap=2000, max_staleness=1)
 CAL = CALIBRATIONS["live-mini"]
 
@@ -124,23 +124,28 @@ def test_a_reclaim_grace_trades_trainer_time_for_re_prefill():
 def test_a_drain_margin_moves_lent_until_earlier_in_the_simulator_too():
     kw = dict(steps=8, seed=1)
     now = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", **kw)
-    margin = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", drain_margin_s=1.0, **kw)
+    margin = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", drain_margin_s=3.0, **kw)
     assert now.drains == 0 and margin.drains > 0  # lent_until re-sent as the predicted reclaim moved
     assert margin.generated != now.generated
     assert abs(margin.unaccounted_generated) < 1e-6 * margin.generated
 
 
-@pytest.mark.parametrize("grace", [1.0, 30.0])
-def test_decide_runs_only_when_a_draining_host_changes_and_the_run_is_the_same(grace):
-    """While lent hosts drain, the simulator asks the policy again only when a host's state, which
-    hosts run anything, or the grace's expiry changed; calling decide every tick (as the live
-    control loop does) must give exactly the same run."""
-    kw = dict(steps=8, seed=1, reclaim_grace_s=grace, lend_settle_s=0.0)
-    lazy = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", **kw)
-    every = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", decide_every_tick=True, **kw)
-    assert lazy.drains > 0 and lazy.decide_calls < every.decide_calls
-    assert lazy.row() == every.row()
-    assert np.array_equal(lazy.host_time, every.host_time)
+@pytest.mark.parametrize("grace", [0.0, 30.0])
+def test_the_simulator_asks_the_policy_every_tick_as_the_live_control_loop_does(grace, monkeypatch):
+    """policy.decide runs on every tick (and once at the start), whatever the simulator thinks
+    changed: it once asked only when its own checks said the inputs had, and those checks read
+    the lend verdict without the hosts, so a verdict that turned to "lend" mid-wait went unseen."""
+    ticks = []
+    advance = Simulator._advance
+
+    def counted(self, t0, t1):
+        ticks.append(t0)
+        return advance(self, t0, t1)
+
+    monkeypatch.setattr(Simulator, "_advance", counted)
+    r = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", steps=8, seed=1, reclaim_grace_s=grace,
+                 lend_settle_s=0.0)
+    assert r.lends > 0 and r.decide_calls == len(ticks) + 1
 
 
 def test_with_a_grace_the_simulator_lends_only_after_the_settle():
@@ -195,9 +200,10 @@ def test_a_latency_per_turn_lengthens_sessions_by_that_much_and_lowers_throughpu
     """Options.turn_latency_s: each turn waits that long outside the engine, its session open
     meanwhile. With admission holding N = 64 sessions open and an engine step that does not
     depend on the batch (b = 0), the time per session N / (turns/s) (Little's law) grows by the
-    latency, less at most one tick (a turn that arrived mid-tick waited for the next one
-    anyway): 1.12 s without it, 1.57 s at 0.5 s, 2.08 s at 1.0 s; throughput falls in
-    proportion. 0 is the run without it, to the last figure."""
+    latency, less at most a tenth of it and a tick (a turn that arrived mid-tick waited for the
+    next one anyway): 1.08 s without it, 1.53 s at 0.5 s, 1.99 s at 1.0 s (0.90x the latency
+    at 20, 40 and 80 steps alike; the host lent here, given no turn, once made it look like
+    1.0x); throughput falls in proportion. 0 is the run without it, to the last figure."""
     cal = replace(CALIBRATIONS["live-mini"], decode_b_s=0.0, decode_a_s=0.009)
     wl = WORKLOADS["live-mini"]
     kw = dict(steps=20, dt=0.05, backlog="undelivered", route="least_loaded")
@@ -211,7 +217,7 @@ def test_a_latency_per_turn_lengthens_sessions_by_that_much_and_lowers_throughpu
     for lat in (0.5, 1.0):
         slow = simulate(Cluster.uniform(4, 1), cal, wl, "seamless", turn_latency_s=lat, **kw)
         grew = session_s(slow) - session_s(free)
-        assert lat - kw["dt"] - 1e-6 <= grew <= lat + 1e-6, (lat, grew)
+        assert 0.9 * lat - kw["dt"] - 1e-6 <= grew <= lat + 1e-6, (lat, grew)
         ratio = slow.trained_tokens_per_s / free.trained_tokens_per_s
         assert abs(ratio / (session_s(free) / session_s(slow)) - 1) < 0.01, ratio
         assert slow.idle_fraction > free.idle_fraction + 0.25  # hosts wait for turns to come back

@@ -102,3 +102,14 @@ def test_the_sweep_runs_every_other_split_then_the_neighbours_of_the_best(monkey
     assert (0.0, 0.0) not in [(c[4], c[5]) for c in calls if c[2] == "drain"]
     assert sorted(c[0] for c in calls if c[2] in POLICIES) == sorted(POLICIES)
     assert sum(ticks.values()) == jobs(grid, MARGINS, GRACES, DRAIN_MARGINS, 5)
+
+
+def test_the_table_shows_lent_idle_host_seconds_and_a_public_batch_is_kept():
+    """A host lent and given no turn is a defect: `plan` prints its host-seconds beside the lent
+    ones; the one-gpu workload's batch (512 samples) is the calibration's, not sized to the hosts."""
+    p, _ = _plan(workers=1)
+    text = plan_mod.table(p)
+    assert "lent-idle host-s (of lent)" in text
+    seamless = next(r for r in p.results if r["policy"] == "seamless")
+    assert f"{seamless['lent_idle_s']:,.0f} ({seamless['lent_s']:,.0f})" in text
+    assert "one-gpu-reasoning" in plan_mod.FIXED_BATCH and WORKLOADS["one-gpu-reasoning"].batch_samples == 512

@@ -79,9 +79,10 @@ def test_routing_prefers_the_newest_version_then_capacity():
 
 
 def test_a_lent_worker_gets_only_requests_predicted_to_end_before_its_reclaim():
+    """Rule "fit" (shared/lending.py): the option; "migrate" is the default (next test)."""
     from services.trajectory.routing import LengthHistory
 
-    t = WorkerTable(stale_after=5)
+    t = WorkerTable(stale_after=5, rule="fit")
     t.update(_ws("lent", ts=100.0, tokens=0, lent_until=110.0))
     t.update(_ws("lent", ts=101.0, tokens=400, lent_until=110.0))  # 400 tok/s, idle: 400 tok/s per request
     t.update(_ws("home", running=3))
@@ -101,6 +102,48 @@ def test_a_lent_worker_gets_only_requests_predicted_to_end_before_its_reclaim():
     h.record("g2", 50)
     h.record("g3", 10)
     assert h.expected("g1") == h.expected(None) == 400  # g1 forgotten (bounded): all recent replies
+
+
+def test_by_default_a_lent_worker_takes_any_request_a_reclaim_would_move_for_less_than_it_adds():
+    """Rule "migrate": the 8,000-token request that "fit" sends home goes to the idle lent worker,
+    which decodes 3,600 tokens of it before the reclaim moves it (re-prefilled at 0.25x: 900 < 3,600)."""
+    t = WorkerTable(stale_after=5)
+    t.update(_ws("lent", ts=100.0, tokens=0, lent_until=110.0))
+    t.update(_ws("lent", ts=101.0, tokens=400, lent_until=110.0))
+    t.update(_ws("home", running=3))
+    assert t.choose(101.0, expected_tokens=8000) == "lent"
+    t.update(_ws("lent", ts=102.0, tokens=800, lent_until=102.0))  # drained: closed all the same
+    assert t.choose(102.0, expected_tokens=10) == "home"
+
+
+def test_the_live_router_and_the_simulator_call_the_same_routing_function(monkeypatch):
+    """One rule, live and simulated: both reach shared.lending.takes_turn (patched here to refuse
+    every turn to a lent worker: the router then sends nothing to a lent worker, and the simulator, whose lend verdict
+    asks it too, lends only before any length is known)."""
+    import shared.lending
+    from services.scheduler.sim import Cluster, simulate
+    from services.scheduler.sim.workload import CALIBRATIONS, Workload
+
+    wl = Workload(group_size=4, groups_per_step=48, prompt_tokens=64, length_median=200, length_cap=2000)
+    cal = CALIBRATIONS["live-mini"]
+    before = simulate(Cluster.uniform(4, 2), cal, wl, "seamless", steps=6, seed=1)
+    calls = []
+
+    def refuse(now, lent_until, *args, **kw):
+        calls.append(lent_until)
+        return lent_until <= 0  # a worker that is not lent takes every turn, as before
+
+    monkeypatch.setattr(shared.lending, "takes_turn", refuse)
+    t = WorkerTable(stale_after=5)
+    t.update(_ws("lent", ts=100.0, tokens=0, lent_until=110.0))
+    t.update(_ws("lent", ts=101.0, tokens=400, lent_until=110.0))
+    t.update(_ws("home", running=3))
+    assert t.choose(101.0, expected_tokens=10) == "home" and calls  # the router asked it
+    n = len(calls)
+    after = simulate(Cluster.uniform(4, 2), cal, wl, "seamless", steps=6, seed=1)
+    assert len(calls) > n  # the simulator asked it
+    # lent only while no turn had ended (nothing to predict a length from: every turn is taken)
+    assert before.lent_idle_s < 0.05 * before.lent_s and after.lends < before.lends / 4
 
 
 def test_a_worker_restarted_under_the_same_id_is_another_process():

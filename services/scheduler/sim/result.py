@@ -35,6 +35,8 @@ class Totals:
     decide_calls: int = 0
     control_turns: int = 0  # simulated turns that passed through the control plane
     control_wait_s: float = 0.0  # seconds queued turns waited for the control plane (Options.control_s_per_turn)
+    lent_s: float = 0.0  # host-seconds pool hosts were lent (rollout mode, applied; seamless)
+    lent_idle_s: float = 0.0  # of which running nothing: a lent host given no work (a defect)
     host_time: np.ndarray = field(default=None)  # [host, activity] seconds
     timeline: list = field(default_factory=list)  # (host, start, end, activity)
 
@@ -70,6 +72,8 @@ class Result:
     host_time: np.ndarray
     timeline: list
     control_wait_s: float = 0.0  # per turn: seconds a queued turn waited for the control plane, mean
+    lent_s: float = 0.0  # host-seconds pool hosts were lent (seamless)
+    lent_idle_s: float = 0.0  # host-seconds lent pool hosts ran nothing: lent and given no work (a defect)
 
     @property
     def limit_fraction(self) -> float:
@@ -100,7 +104,7 @@ class Result:
             reprefill_fraction=t.reprefilled / t.generated if t.generated else 0.0,
             unaccounted_generated=t.generated - t.trained_generated - in_flight_generated,
             decide_calls=t.decide_calls, host_time=ht, timeline=t.timeline,
-            control_wait_s=t.control_wait_s / max(t.control_turns, 1))
+            control_wait_s=t.control_wait_s / max(t.control_turns, 1), lent_s=t.lent_s, lent_idle_s=t.lent_idle_s)
 
     def row(self) -> dict:
         return {"policy": self.policy, "hosts": self.hosts, "train_hosts": self.train_hosts, "steps": self.steps,
@@ -110,4 +114,5 @@ class Result:
                 "staleness_mean": round(self.staleness_mean, 2), "staleness_max": self.staleness_max,
                 "trainer_wait": round(self.trainer_wait_fraction, 3), "lends": self.lends,
                 "reclaims": self.reclaims, "drains": self.drains, "switch_s": round(self.switch_s, 1),
-                "reprefill_fraction": round(self.reprefill_fraction, 4)}
+                "reprefill_fraction": round(self.reprefill_fraction, 4), "reprefilled": round(self.reprefilled),
+                "lent_s": round(self.lent_s, 1), "lent_idle_s": round(self.lent_idle_s, 1)}

@@ -11,9 +11,13 @@ No model runs here: hosts generate and train tokens at a calibrated speed
 What it owns: virtual time, the hosts' running sequences, the trainer's state machine and
 the bookkeeping (result.Result). What it borrows, never copies:
 - placement: services/scheduler/policy.py `decide`, `apply`, `gate_open`, `lend_verdict`
-  and `activity` (host timelines) are called as the live scheduler calls them, but only when
-  what they read has changed (`Options.decide_every_tick` asks decide every tick during a
-  drain, as the live control loop does; a unit test checks the run is the same);
+  and `activity` (host timelines) are called as the live scheduler calls them: `decide` on
+  every tick, as its control loop does (at 4,096 hosts x 1,000 steps this costs a few seconds;
+  asking it only when its own inputs changed once missed lends the verdict allowed);
+- which turns a lent host takes: shared/lending.py `takes_turn` (through `lent_offer`), the
+  live router's rule, with its length predictor (`LengthHistory`) and its speed model
+  (`DecodeSpeed`, here the calibration's a + b*k at the lent host's batch with the turn added);
+  the work on offer to hosts not yet lent goes to the lend verdict as `Snapshot.offer`;
 - the staleness bound: shared/admission.py `Admission`, as the trajectory manager applies it
   on every session it creates.
 
@@ -25,8 +29,8 @@ Model, in order of one tick (steps numbered in `_tick`):
   Within a tick k is constant; a slot freed mid-tick is refilled with the time it was free
   credited, so a saturated host loses nothing to the tick.
 - Sessions: admitted by `Admission`, then queued, dispatched to free slots (a lent host
-  only takes a turn predicted to finish before its `lent_until`), decoded, then either a
-  tool call (slot freed for `tool_latency_s`) or done. A group is complete when all its
+  only takes the turns `Options.lent_rule` gives it: "fit", predicted to finish before its
+  `lent_until`; "migrate", worth their re-prefill), decoded, then either a tool call (slot freed for `tool_latency_s`) or done. A group is complete when all its
   sessions are; the trainer takes `groups_per_step` complete groups per step.
 - A reclaimed host vacates: its sequences keep their tokens, re-queue, and pay a prefill of
   their whole context where they land (counted as re-prefilled). Colocated holds instead.
@@ -79,6 +83,7 @@ from services.scheduler import policy as P
 from services.scheduler.sim.result import Result, Totals
 from services.scheduler.sim.workload import Calibration, Workload
 from shared.admission import Admission, Backlog
+from shared.lending import DEFAULT_RULE, DecodeSpeed, LengthHistory, Offer, lent_offer
 
 MODES = ("idle", "rollout", "train")  # array codes 0, 1, 2
 _MODE = {m: i for i, m in enumerate(MODES)}
@@ -123,9 +128,6 @@ class Options:
     timeline: bool = False  # record every host's activity intervals (for Gantt charts)
     max_time_s: float = math.inf
     progress: object = None  # callable(steps_done) or None
-    # call decide every tick while lent hosts drain, not only when what it reads there changed
-    # (the same run, many more calls: a test's reference)
-    decide_every_tick: bool = False
     # what admission counts as the backlog: "untrained" (completed, not trained yet), or
     # "undelivered", as the live trajectory manager reads it (its trainer consumer's pending
     # count): the trainer fetches until 2 x groups_per_step complete groups wait in its intake,
@@ -141,6 +143,12 @@ class Options:
     # where a queued turn goes: "refill" (slots freed this tick first, then the others by rank;
     # fast, the default) or "least_loaded", as the live trajectory manager routes (per turn)
     route: str = "refill"
+    # which turns a lent host takes (shared/lending.py, the live router's rule): "fit" (only turns
+    # predicted to end before its reclaim) or "migrate" (any turn worth its re-prefill)
+    lent_rule: str = DEFAULT_RULE
+    # a re-prefilled token against a token decoded at full batch; None: the calibration's own
+    # (prefill_s_per_token / (step(K) / K))
+    reprefill_ratio: float | None = None
 
 
 def host_id(i: int) -> str:
@@ -192,6 +200,7 @@ class Simulator:
         self.s_state = np.zeros(size, np.int8)
         self.s_host = np.full(size, -1, np.int64)
         self.s_rem = np.zeros(size)
+        self.s_len = np.zeros(size)  # the current turn's length, drawn (what the length predictor records)
         self.s_turn = np.zeros(size, np.int64)
         self.s_group = np.zeros(size, np.int64)
         self.s_ctx = np.zeros(size)  # context tokens: prompt + generated + tool output
@@ -226,9 +235,14 @@ class Simulator:
         self.untrained = 0  # real completed samples not trained yet (the admission backlog)
         self.open = 0  # real open sessions
         self.rate = 0.0
-        self.pred_len = self.wl.length_median  # predicted turn length (recent completions), for lent routing
-        self.dirty = True
-        self.last_verdict = None
+        # the live router's length predictor (shared/lending.py): here its window of all recent replies,
+        # which is what it reads for a turn whose group has no finished reply yet (every group of one)
+        self.lengths = LengthHistory()
+        ratio = self.opt.reprefill_ratio
+        if ratio is None:
+            ratio = self.cal.prefill_s_per_token * self.cal.max_seqs / self.cal.step_s(self.cal.max_seqs)
+        self.reprefill_ratio = ratio if self.opt.lent_rule == "migrate" else None
+        self._offer_at: tuple[float, Offer | None] = (-1.0, None)
         self.tot = Totals(n)
         self.act_prev = np.full(n, -1, np.int8)
         self.act_since = np.zeros(n)
@@ -239,7 +253,6 @@ class Simulator:
         self.hosts_rev = 0
         self._gate: tuple[int, bool] = (-1, False)
         self._drain_hosts: tuple[int, np.ndarray, list[P.Host]] = (-1, np.zeros(0, np.int64), [])
-        self._drain_seen: tuple | None = None  # _drain_state() when decide last ran
         self.cp_free = 0.0  # when the control plane has done all the turns queued so far
 
     # -- the policy, called as the live scheduler calls it -----------------------------------
@@ -250,7 +263,31 @@ class Simulator:
         return P.Snapshot(self.policy, self.t, hosts, P.Trainer(self.tstate, needed, self.wants_since,
                                                                  self.waiting_since),
                           self.rate, P.Costs(self.cal.lend_s, self.cal.reclaim_s), self.opt.lend_margin,
-                          self.train_hosts, self.opt.drain_margin_s, self.opt.reclaim_grace_s, self.opt.lend_settle_s)
+                          self.train_hosts, self.opt.drain_margin_s, self.opt.reclaim_grace_s, self.opt.lend_settle_s,
+                          self._offer())
+
+    def _offer(self) -> Offer | None:
+        """The work lent hosts would be given now (policy.Snapshot.offer), in real turns and hosts:
+        the queued turns that the serving hosts' free slots do not take, shared by the pool hosts
+        not lent yet, at the predicted length and the calibrated speed."""
+        if self.policy != "seamless":
+            return None
+        at, offer = self._offer_at
+        if at == self.t:
+            return offer
+        q = np.nonzero(self.s_state == QUEUED)[0]
+        rolling = (self.mode == 1) & (self.target == 1)
+        serving = rolling & (self.lent_until <= 0)
+        free = int((self.K - self.k_run[serving]).clip(0).sum())
+        turns = max(0, len(q) - free) * self.w
+        pool = self.pool_idx
+        hosts = int(np.count_nonzero(~rolling[pool])) * self.m
+        cap = float(self.cap[pool].mean()) if len(pool) else 1.0
+        speed = DecodeSpeed(self.cal.decode_a_s / cap, self.cal.decode_b_s / cap)
+        ctx = float(self.s_ctx[q].mean()) if len(q) else float(self.wl.prompt_tokens)
+        offer = Offer(turns, hosts, self.lengths.expected(None), speed, self.cal.max_seqs, ctx, self.reprefill_ratio)
+        self._offer_at = (self.t, offer)
+        return offer
 
     def _running_hosts(self) -> list[P.Host]:
         """self.hosts with `running` filled in (the grace reads how many sequences each host
@@ -269,9 +306,8 @@ class Simulator:
         """policy.gate_open, asked again only when the hosts changed (it reads nothing else
         that moves: their modes, targets and health, and the pool)."""
         if self._gate[0] != self.hosts_rev:
-            s = self.snapshot_light()
-            self._gate = (self.hosts_rev, P.gate_open(P.Snapshot(s.policy, s.now, tuple(self.hosts), s.trainer,
-                                                                 train_hosts=self.train_hosts)))
+            s = P.Snapshot(self.policy, self.t, tuple(self.hosts), train_hosts=self.train_hosts)
+            self._gate = (self.hosts_rev, P.gate_open(s))
         return self._gate[1]
 
     def _draining(self) -> bool:
@@ -311,45 +347,6 @@ class Simulator:
         if vacate:
             self._vacate(vacate)
 
-    def _drain_state(self) -> tuple | None:
-        """What decide reads while lent hosts drain, beyond the hosts' states (hosts_rev): which
-        hosts run anything (`draining` reads `running > 0`), and whether the grace is out. The
-        trainer cannot move on meanwhile: its gate waits for the drained hosts."""
-        if not self._draining():
-            return None
-        out = self.t >= self.wants_since + self.opt.reclaim_grace_s
-        return self.hosts_rev, (self.k_run > 0).tobytes(), out
-
-    def _drain_changed(self) -> bool:
-        """Has what decide reads while lent hosts drain changed since it last ran? (Every tick
-        with Options.decide_every_tick, as the live scheduler's control loop calls it.)"""
-        state = self._drain_state()
-        if state is None:
-            return False
-        return self.opt.decide_every_tick or state != self._drain_seen
-
-    def _margin_watch(self) -> bool:
-        """With a drain margin, while the trainer waits and pool hosts are lent: the policy moves
-        their lent_until as the prediction moves."""
-        if self.opt.drain_margin_s <= 0 or self.policy != "seamless" or self.tstate != "waiting":
-            return False
-        return bool(((self.mode[self.pool_idx] == 1) & (self.target[self.pool_idx] == 1)).any())
-
-    def _verdict_changed(self) -> bool:
-        if self.policy != "seamless" or self.tstate != "waiting":
-            return False
-        v = P.lend_verdict(self.snapshot_light())[0]
-        changed, self.last_verdict = v != self.last_verdict, v
-        return changed
-
-    def snapshot_light(self) -> P.Snapshot:
-        """lend_verdict reads only the trainer, the rate, the costs and the drain knobs: no host tuple
-        needed."""
-        needed = max(0, self.B - self.available)
-        return P.Snapshot(self.policy, self.t, (), P.Trainer(self.tstate, needed, self.wants_since, self.waiting_since),
-                          self.rate, P.Costs(self.cal.lend_s, self.cal.reclaim_s), self.opt.lend_margin,
-                          self.train_hosts, self.opt.drain_margin_s, self.opt.reclaim_grace_s, self.opt.lend_settle_s)
-
     def _settle_switches(self) -> None:
         done = np.nonzero(self.switch_end <= self.t + 1e-12)[0]
         if not len(done):
@@ -363,7 +360,6 @@ class Simulator:
                                    lent_until=h.lent_until)
             if self.mode[i] == 1:
                 self.hversion[i] = self.version  # a lent host loaded the current version first
-        self.dirty = True
         self.hosts_rev += 1
 
     # -- sessions ----------------------------------------------------------------------------
@@ -412,7 +408,7 @@ class Simulator:
             self.group_fill = (self.group_fill + take) % gs
         self.s_state[js] = QUEUED
         self.s_turn[js] = 0
-        self.s_rem[js] = wl.draw(self.rng, n)
+        self.s_rem[js] = self.s_len[js] = wl.draw(self.rng, n)
         self.s_ctx[js] = wl.prompt_tokens
         self.s_pf[js] = wl.prompt_tokens
         self.s_gen[js] = 0.0
@@ -428,7 +424,7 @@ class Simulator:
         if not len(q):
             return
         running = self.k_run.copy()
-        free = self._free(running)
+        free = self._free(running, q)
         total = int(free.sum())
         if total <= 0:
             return
@@ -441,32 +437,36 @@ class Simulator:
         q = q[np.argsort(self.s_ready[q], kind="stable")][: len(sh)]
         self._start(q, sh, st, running)
 
-    def _free(self, running: np.ndarray) -> np.ndarray:
+    def _free(self, running: np.ndarray, q: np.ndarray) -> np.ndarray:
         """Free slots per host: on rolling hosts, and on a lent one only for turns predicted to end
         before its reclaim."""
         rolling = (self.mode == 1) & (self.target == 1)
         free = np.where(rolling, self.K - running, 0)
-        lent = rolling & (self.lent_until > 0)
-        if lent.any():  # route to a lent host only turns predicted to end before its reclaim
-            turn_s = self.pred_len * self.cal.step_s(self.cal.max_seqs) / self.cap
-            free = np.where(lent & (self.t + turn_s > self.lent_until), 0, free)
+        lent = rolling & (self.lent_until > 0) & (free > 0)
+        if lent.any():  # a lent host offers the slots whose turn the live router's rule gives it
+            free = self._lent_free(free, lent, float(self.s_ctx[q].mean()))
         return free
 
     def _slots(self, t0: float, free: np.ndarray, freed_h: np.ndarray,
                freed_t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The free slots as (host, free since, rank on its host): those freed this tick (their
-        free time) first, then ones free since t0."""
+        free time) first, then ones free since t0; a host offers no more than `free` in all (a
+        lent host's offer may be fewer than it freed)."""
         n = len(self.mode)
+        if len(freed_h):
+            o = np.lexsort((freed_t, freed_h))
+            freed_h, freed_t = freed_h[o], freed_t[o]
+            keep = np.arange(len(freed_h)) - np.searchsorted(freed_h, freed_h) < free[freed_h]
+            freed_h, freed_t = freed_h[keep], freed_t[keep]
         extra = np.bincount(freed_h, minlength=n) if len(freed_h) else np.zeros(n, np.int64)
         pre = np.maximum(free - extra, 0)
         hosts = np.nonzero(pre)[0]
         cnt = pre[hosts]
         ph = np.repeat(hosts, cnt)
         rank = np.arange(len(ph)) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-        keep = free[freed_h] > 0 if len(freed_h) else np.zeros(0, bool)
-        sh = np.concatenate([freed_h[keep], ph])
-        st = np.concatenate([freed_t[keep], np.full(len(ph), t0)])
-        sr = np.concatenate([np.zeros(int(keep.sum())), rank])
+        sh = np.concatenate([freed_h, ph])
+        st = np.concatenate([freed_t, np.full(len(ph), t0)])
+        sr = np.concatenate([np.zeros(len(freed_h)), rank])
         return sh, st, sr
 
     def _start(self, q: np.ndarray, sh: np.ndarray, st: np.ndarray, running: np.ndarray) -> None:
@@ -488,6 +488,19 @@ class Simulator:
             adv = np.minimum(credit / step, self.s_rem[q] - 1e-9)
             adv = np.maximum(adv, 0.0)
             self._generate(q, sh, adv)
+
+    def _lent_free(self, free: np.ndarray, lent: np.ndarray, context: float) -> np.ndarray:
+        """`free` with each lent host's free slots cut to those shared/lending.py's `lent_offer` gives
+        turns: at the host's own speed (capacity, host group and replicas in), at the batch each
+        slot makes."""
+        free = free.copy()
+        expected = self.lengths.expected(None)
+        a, b = self.cal.decode_a_s, self.cal.decode_b_s * self.w / self.m  # per simulated sequence
+        for i in np.nonzero(lent)[0].tolist():
+            speed = DecodeSpeed(a / self.cap[i], b / self.cap[i])
+            o = Offer(0, 1, expected, speed, self.K, context, self.reprefill_ratio)
+            free[i] = lent_offer(o, self.t, float(self.lent_until[i]), int(self.k_run[i]), int(free[i]))
+        return free
 
     def _least_loaded(self, sh: np.ndarray, st: np.ndarray, running: np.ndarray, want: int) -> np.ndarray:
         """Which of the free slots (host sh, free since st) `want` queued turns take, routed as
@@ -546,8 +559,7 @@ class Simulator:
 
     def _finish_turns(self, f: np.ndarray, ft: np.ndarray) -> None:
         wl = self.wl
-        n = len(f)  # the means, as sums (np.mean's own arithmetic, without its overhead)
-        self.pred_len = 0.9 * self.pred_len + 0.1 * float(self.s_gen[f].sum() / n / (self.s_turn[f].sum() / n + 1))
+        self.lengths.record_recent(self.s_len[f].tolist())
         self.s_host[f] = -1
         more = self.s_turn[f] + 1 < wl.turns
         tool = f[more]
@@ -557,7 +569,7 @@ class Simulator:
             self.s_ready[tool] = ft[more] + self.opt.turn_latency_after_s + wl.tool_latency_s
             self.s_ctx[tool] += wl.tool_tokens
             self.s_pf[tool] = wl.tool_tokens
-            self.s_rem[tool] = wl.draw(self.rng, len(tool))
+            self.s_rem[tool] = self.s_len[tool] = wl.draw(self.rng, len(tool))
         done = f[~more]
         if not len(done):
             return
@@ -677,16 +689,11 @@ class Simulator:
         return False
 
     def _set_trainer(self, state: str) -> None:
-        # decide() reads the trainer's state only through wants_hosts (and the lend verdict
-        # while it waits): computing -> publishing changes nothing it reads
         if state == "waiting" and self.tstate != "waiting":
             self.waiting_since = self.t
-        if (state in P.TRAINER_WANTS_HOSTS) != (self.tstate in P.TRAINER_WANTS_HOSTS):
-            self.dirty = True
-            if state in P.TRAINER_WANTS_HOSTS:
-                self.wants_since = self.t
+        if state in P.TRAINER_WANTS_HOSTS and self.tstate not in P.TRAINER_WANTS_HOSTS:
+            self.wants_since = self.t
         self.tstate = state
-        self.last_verdict = None
 
     # -- accounting --------------------------------------------------------------------------
 
@@ -703,6 +710,11 @@ class Simulator:
 
     def _account(self, t0: float, t1: float, act: np.ndarray) -> None:
         self.tot.host_time[self._host_rows, act] += t1 - t0  # one cell per host: no np.add.at needed
+        if self.policy == "seamless" and len(self.pool_idx):  # lent pool hosts, and those running nothing
+            p = self.pool_idx
+            lent = (self.mode[p] == 1) & (self.target[p] == 1)
+            self.tot.lent_s += float(np.count_nonzero(lent)) * (t1 - t0) * self.m
+            self.tot.lent_idle_s += float(np.count_nonzero(lent & (self.k_run[p] == 0))) * (t1 - t0) * self.m
         if self.tstate in ("waiting", "ready"):
             self.tot.trainer_wait_s += t1 - t0
         if self.opt.timeline:
@@ -743,14 +755,9 @@ class Simulator:
             # 3. switches that finished; the trainer's state machine (gate included)
             self._settle_switches()
             self._trainer()
-            # 4. the policy, whenever what it reads has changed (while lent hosts drain: which hosts
-            # run anything, and whether the grace is out; with a drain margin, every tick while the
-            # predicted reclaim moves)
-            if self.dirty or self._verdict_changed() or self._drain_changed() or self._margin_watch():
-                self.dirty = False
-                self._decide()
-                self._trainer()  # a reclaim may have been instant (nothing to reclaim)
-                self._drain_seen = self._drain_state()
+            # 4. the policy, every tick, as the live scheduler's control loop calls it
+            self._decide()
+            self._trainer()  # a reclaim may have been instant (nothing to reclaim)
             # 5. tools return, admission opens sessions, queued turns take free slots
             self._wake_tools()
             self._admit()
@@ -769,7 +776,6 @@ class Simulator:
     def _settle_now(self) -> None:
         self.switch_end[:] = np.where(np.isfinite(self.switch_end), self.t, math.inf)
         self._settle_switches()
-        self.dirty = False
 
 
 def simulate(cluster: Cluster, cal: Calibration, wl: Workload, policy: str, **kw) -> Result:

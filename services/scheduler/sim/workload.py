@@ -70,6 +70,15 @@ CALIBRATIONS: dict[str, Calibration] = {
         prefill_s_per_token=0.002 / 32, train_s_per_token=1 / 17_123,
         weight_sync_s=0.05, lend_s=0.5, reclaim_s=0.5,
         source="services/rollout/simulated.py defaults; BENCHMARKS.md trainer step (tiny, zero0)"),
+    # an independent model's default (issue 29), hosts of ONE accelerator: decode 12 ms + 0.2 ms per
+    # running sequence up to 64, training 2.8 ms per token per host, weight sync 10 s, switches 5 s each
+    # way. It states no prefill: 15 k tok/s is decode-heavy's per-GPU assumption, so that a re-prefilled
+    # token costs 0.17x a token decoded at full batch (docs/capacity-planning.md, "one-gpu").
+    "one-gpu": Calibration(
+        "one-gpu", decode_a_s=0.012, decode_b_s=0.0002, max_seqs=64,
+        prefill_s_per_token=1 / 15_000, train_s_per_token=0.0028,
+        weight_sync_s=10.0, lend_s=5.0, reclaim_s=5.0,
+        source="an independent model's default calibration (issue 29); prefill assumed as decode-heavy's per GPU"),
 }
 
 
@@ -116,7 +125,16 @@ WORKLOADS: dict[str, Workload] = {
     # what `services/rollout/simulated.py` live runs use: 4 groups x 8 sessions, 96 tokens fixed
     "live-mini": Workload(group_size=8, groups_per_step=4, prompt_tokens=32, length="fixed",
                           length_median=96, length_cap=96),
+    # the independent model's workload, run on "one-gpu" hosts: a batch of 512 one-sample groups, no
+    # prompt, lognormal lengths (median 2,000, sigma 1, capped at 16,000), max_staleness 1. Its batch
+    # is part of the calibration: planners run it as it is (FIXED_BATCH), not sized to the cluster.
+    "one-gpu-reasoning": Workload(group_size=1, groups_per_step=512, prompt_tokens=0, length_median=2000,
+                                  length_sigma=1.0, length_cap=16_000, max_staleness=1),
 }
+
+# workloads whose batch is part of a public calibration: `seamlessflow plan` and bench/pipeline.py run
+# them as they are instead of sizing the batch to the cluster's slots
+FIXED_BATCH: frozenset[str] = frozenset({"one-gpu-reasoning"})
 
 
 def scaled(wl: Workload, **kw) -> Workload:

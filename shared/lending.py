@@ -1,0 +1,179 @@
+"""Which turns a lent rollout worker takes: one rule for the live router and the simulator.
+
+    from shared.lending import DecodeSpeed, LengthHistory, takes_turn
+    ok = takes_turn(now, worker.lent_until, history.expected(group), speed.step_s(worker.running + 1))
+
+The tag scheduler lends a train host to rollout until `lent_until`, its predicted reclaim. A
+reclaim vacates the host: what it still runs migrates with its partial tokens (partial
+rollout) and is prefilled again where it lands. Two rules decide which turns a lent worker
+takes (`Rule`):
+
+- "fit": only a turn predicted to end before `lent_until`, so a reclaim finds little to move.
+- "migrate": any turn, as long as re-prefilling what the reclaim moves costs less than the
+  rollout the lent worker adds: the tokens it decodes before the reclaim, each worth a token
+  decoded at full batch elsewhere, against the context those tokens make, prefilled again at
+  `reprefill_ratio` of that cost per token.
+
+A turn's length is predicted by `LengthHistory` (a high quantile of recent replies, its GRPO
+group's first); a worker's speed by `DecodeSpeed` (a decode step of `a + b*k` seconds for `k`
+running sequences), taken at the batch the worker has with the turn added. The live router
+(services/trajectory/routing.py) and the simulator (services/scheduler/sim/simulator.py) call
+`takes_turn` and `lent_offer`; the policy's lend verdict (services/scheduler/policy.py) calls
+`offer_worth` on the same figures.
+
+This module knows nothing about NATS, heartbeats or virtual time: numbers in, answers out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Literal
+
+Rule = Literal["fit", "migrate"]
+RULES: tuple[Rule, ...] = ("fit", "migrate")
+# measured in the simulator on the one-gpu calibration (docs/capacity-planning.md, "Which turns a lent
+# host takes"): "fit" with the live length predictor finds almost no turn that fits a lend window
+DEFAULT_RULE: Rule = "migrate"
+# a re-prefilled token against a token decoded at full batch, where the live router has no measure of
+# its own: prefill is compute-bound and several times faster per token (one-gpu: 0.17; decode-heavy: 0.22)
+REPREFILL_RATIO = 0.25
+QUANTILE = 0.9  # LengthHistory's: the requests a reclaim catches are the long ones
+
+
+class LengthHistory:
+    """Expected reply length (tokens) per GRPO group: the `quantile` of the group's recent
+    replies, falling back to that of all recent replies. Bounded: the oldest groups are
+    forgotten."""
+
+    def __init__(self, keep: int = 4096, per_group: int = 16, overall: int = 256, quantile: float = QUANTILE):
+        self.keep, self.quantile = keep, quantile
+        self.by_group: dict[Hashable, deque[float]] = {}
+        self.per_group = per_group
+        self.recent: deque[float] = deque(maxlen=overall)
+        self._recent_q: float | None = None  # the quantile of `recent`, until it changes
+
+    def record(self, group: Hashable, tokens: float) -> None:
+        lengths = self.by_group.pop(group, None) or deque(maxlen=self.per_group)
+        lengths.append(tokens)
+        self.by_group[group] = lengths  # re-inserted: the most recently used group is kept longest
+        self.recent.append(tokens)
+        self._recent_q = None
+        while len(self.by_group) > self.keep:
+            self.by_group.pop(next(iter(self.by_group)))
+
+    def record_recent(self, tokens: list[float]) -> None:
+        """Replies of groups that are over (no member will ask again): only the overall window."""
+        self.recent.extend(tokens)
+        self._recent_q = None
+
+    def expected(self, group: Hashable | None) -> float | None:
+        lengths = self.by_group.get(group) if group is not None else None
+        if lengths:
+            return quantile(lengths, self.quantile)
+        if self._recent_q is None and self.recent:
+            self._recent_q = quantile(self.recent, self.quantile)
+        return self._recent_q
+
+
+def quantile(values, q: float) -> float:
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSpeed:
+    """A worker's decode step: `a_s + b_s * k` seconds for `k` running sequences, one token each."""
+
+    a_s: float
+    b_s: float
+
+    def step_s(self, running: float) -> float:
+        return self.a_s + self.b_s * running
+
+    @classmethod
+    def measured(cls, tokens_per_s: float) -> DecodeSpeed | None:
+        """From a worker's measured throughput alone (its heartbeats' token counts): one figure cannot
+        separate the fixed part from the per-sequence part, so the whole step is taken as per
+        sequence (a = 0): throughput does not grow with the batch, the pessimistic reading for a
+        busy worker. None: nothing measured yet."""
+        return cls(0.0, 1.0 / tokens_per_s) if tokens_per_s > 0 else None
+
+
+def takes_turn(now: float, lent_until: float, expected_tokens: float | None, step_s: float | None,
+               context_tokens: float = 0.0, reprefill_ratio: float | None = None) -> bool:
+    """Does a lent worker take a turn of `expected_tokens`, decoded at `step_s` seconds a token
+    (its speed at its batch with this turn added), carrying `context_tokens` (prompt and earlier
+    turns)? `reprefill_ratio` None: rule "fit"; a number: rule "migrate" with that cost ratio.
+
+    True when the worker is not lent (lent_until 0) or there is nothing to predict from; False
+    once lent_until has passed (the scheduler drains a lent host by setting it to now)."""
+    if lent_until <= 0:
+        return True
+    if lent_until <= now:
+        return False
+    if not expected_tokens or not step_s or step_s <= 0:
+        return True
+    window = lent_until - now
+    if expected_tokens * step_s <= window:
+        return True
+    if reprefill_ratio is None:
+        return False
+    decoded = window / step_s  # what the worker adds before the reclaim moves the turn on
+    return reprefill_ratio * (context_tokens + decoded) < decoded
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """The work lent hosts would be given: `turns` waiting for a slot (beyond what the hosts that
+    stay serving take), shared by `hosts` lent hosts of `slots` sequences decoding at `speed`,
+    each turn predicted `expected_tokens` long and carrying `context_tokens` (prompt, earlier
+    turns). `reprefill_ratio` None: rule "fit"; a number: rule "migrate" (takes_turn)."""
+
+    turns: int
+    hosts: int
+    expected_tokens: float | None
+    speed: DecodeSpeed
+    slots: int
+    context_tokens: float = 0.0
+    reprefill_ratio: float | None = None
+
+
+def lent_offer(o: Offer, now: float, lent_until: float, running: int, free: int) -> int:
+    """How many of its `free` slots a lent host running `running` offers now: the first ones whose
+    turn `takes_turn` at the batch they make (running + 1, running + 2, ...); a turn that does not
+    fit at a batch does not fit at a bigger one."""
+    if free <= 0:
+        return 0
+    if lent_until <= 0 or not o.expected_tokens:
+        return free
+    if lent_until <= now:
+        return 0
+    lo, hi = 0, free  # the first `lo` slots fit: bisect on the batch size (step_s grows with it)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if takes_turn(now, lent_until, o.expected_tokens, o.speed.step_s(running + mid), o.context_tokens,
+                      o.reprefill_ratio):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def offer_worth(o: Offer, window_s: float) -> float:
+    """Seconds of rollout one of `o.hosts` lent hosts adds if lent for `window_s` (from the end of
+    the lend to the reclaim): the tokens it decodes on its share of the turns that `lent_offer`
+    gives it, each worth a token decoded at full batch, less re-prefilling what the reclaim
+    moves. 0 when it would be given nothing: a lent host that receives nothing is pure loss."""
+    if o.hosts <= 0 or window_s <= 0 or o.turns <= 0:
+        return 0.0
+    taken = lent_offer(o, 0.0, window_s, 0, min(o.slots, math.ceil(o.turns / o.hosts)))
+    if taken <= 0:
+        return 0.0
+    step = o.speed.step_s(taken)
+    length = o.expected_tokens or math.inf
+    decoded = min(length, window_s / step)  # per turn: until it ends, or until the reclaim moves it
+    moved = 0.0 if length * step <= window_s else (o.reprefill_ratio or 0.0) * (o.context_tokens + decoded)
+    return taken * (decoded - moved) * o.speed.step_s(o.slots) / o.slots
