@@ -258,8 +258,9 @@ def cmd_hosts(a: argparse.Namespace) -> None:
     if a.action == "policy" and not a.arg:
         sys.exit("error: hosts policy needs a policy: colocated, disaggregated or seamless")
     op = {"list": "status", "policy": "set_policy"}.get(a.action, a.action)
-    reply = asyncio.run(hosts.ask(conn, op, host=a.arg if a.action != "policy" else "",
-                                  policy=a.arg if a.action == "policy" else ""))
+    arg = a.arg or ""  # `hosts list` has none
+    reply = asyncio.run(hosts.ask(conn, op, host=arg if a.action != "policy" else "",
+                                  policy=arg if a.action == "policy" else ""))
     print(hosts.format_hosts(reply))
 
 
