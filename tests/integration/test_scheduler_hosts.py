@@ -3,8 +3,8 @@ the CLI in its own process, finding the stack through --data-dir (stack.json).
 
 The stack: scheduler (seamless), host-0 {train, rollout} and host-1 {rollout}, each agent with a
 resident rollout worker running the SIMULATED engine (services/rollout/simulated.py: the subject
-is the control path, not generation), no trainer. Its own NATS and Redis: the scheduler persists
-its policy and hosts, which must not leak into another module's scheduler.
+is the control path, not generation), no trainer, hosts pinned (`--pin`). Its own NATS and Redis:
+the scheduler persists its policy and hosts, which must not leak into another module's scheduler.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import time
 import pytest
 
 from seamlessflow.stack import servers
+from seamlessflow.stack.pinning import pin_plan
 from tests.integration.stack_fixture import make_stack
 
 pytestmark = [pytest.mark.integration]
@@ -30,7 +31,7 @@ def stack(tmp_path_factory, tiny_model, private_nats):
     redis = servers.start_redis(port, tmp / "redis")
     try:
         s = make_stack(tmp / "stack", tiny_model, private_nats, f"redis://127.0.0.1:{port}/0", simulated=True,
-                       policy="seamless", hosts=["train+rollout", "rollout"], ready_timeout=120)
+                       policy="seamless", hosts=["train+rollout", "rollout"], ready_timeout=120, pin=True)
         try:
             yield s
         finally:
@@ -107,3 +108,28 @@ def test_timeline_exports_every_hosts_activity(stack, tmp_path):
     assert {"sessions_per_s", "groups_per_s"} <= set(doc["rates"])
     for h in doc["hosts"].values():
         assert abs(sum(h["fractions"].values()) - 1.0) < 1e-6
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            if d.isdigit() and int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d))
+        except OSError:
+            continue
+    return out
+
+
+def test_pinned_hosts_run_their_agent_and_worker_on_their_own_cores(stack):
+    plan = pin_plan(sorted(os.sched_getaffinity(0)), 2)
+    procs = {p.name: p.popen.pid for p in stack.procs}
+    for i, host in enumerate(("host-0", "host-1")):
+        agent = procs[host]
+        assert os.sched_getaffinity(agent) == set(plan.hosts[i])
+        (worker,) = children(agent)  # its resident worker
+        assert os.sched_getaffinity(worker) == set(plan.hosts[i])
+    for name in ("scheduler", "gateway", "trajectory-0"):
+        assert os.sched_getaffinity(procs[name]) == set(plan.control)
+    doc = json.loads((stack.data / "stack.json").read_text())
+    assert [h["cores"] for h in doc["hosts"]] == [",".join(map(str, s)) for s in plan.hosts]
