@@ -1,6 +1,8 @@
 """Live A/B of the tag scheduler's policies on this machine's two real hosts, in one run.
 
     .venv/bin/python bench/scheduler_ab.py --seconds 90 [--policies disaggregated,seamless,colocated]
+    # issue 29's workload: 12 agents (3 groups of 4 in flight), 2 turns, think 0-3 s, 2 groups a step, pinned
+    .venv/bin/python bench/scheduler_ab.py --seconds 120 --lanes 3 --think-s 1.5 --pin
 
 One stack: host-0 {train, rollout, cpu} runs the DeepSpeed trainer and a resident vLLM-CPU
 worker, host-1 {rollout, cpu} a vLLM-CPU worker (each host its own core), the scheduler, a
@@ -11,7 +13,11 @@ per policy: trained tokens/s (completion tokens of the sessions the trainer's au
 says it trained in the window), trainer steps, host-0's activity fractions from the
 scheduler's timeline (idle is measured, not inferred), lend and reclaim counts, and switch
 latency p50/max measured by the host agents (lend = offload + wake + load + resume; reclaim
-= vacate until the last request has migrated + sleep + reload).
+= vacate until the last request has migrated + sleep + reload), trained samples/s (sessions the
+trainer trained in the window, per second), lend/reclaim cycles per minute, turns whose tokens
+came from more than one worker (moved by a reclaim), failed agent requests, and the scheduler's
+rates at the end (sessions/s, groups/s, predicted wait, lent hosts that generate nothing).
+With --pin each host runs on a CPU set of its own (seamlessflow/stack/pinning.py).
 """
 
 from __future__ import annotations
@@ -63,7 +69,8 @@ def switches(stack: Stack, t0: float, t1: float) -> dict[str, list[float]]:
     return out
 
 
-def measure(stack: Stack, conn, policy: str, seconds: float, seed: int) -> dict:
+def measure(stack: Stack, conn, policy: str, a: argparse.Namespace, seed: int) -> dict:
+    seconds = a.seconds
     asyncio.run(hostops.ask(conn, "set_policy", policy=policy))
     deadline = time.monotonic() + 600  # the first policy waits for both vLLM workers to start
     while time.monotonic() < deadline:
@@ -71,7 +78,9 @@ def measure(stack: Stack, conn, policy: str, seconds: float, seed: int) -> dict:
         if all(h.mode == h.target != "idle" and h.healthy for h in asyncio.run(hostops.ask(conn, "status")).hosts):
             break
         time.sleep(0.5)
-    agents = GroupAgents(stack.gateway_url, stack.api_key, Load(group_size=4, lanes=4, seed=seed))
+    agents = GroupAgents(stack.gateway_url, stack.api_key, Load(
+        group_size=a.group_size, lanes=a.lanes, seed=seed, min_tokens=a.min_tokens, max_tokens=a.max_tokens,
+        turns=a.turns, think_s=a.think_s))
     before = asyncio.run(hostops.ask(conn, "status"))
     n0, t0 = len(steps(stack)), time.time()
     asyncio.run(agents.run(lambda: time.time() - t0 >= seconds, seconds + 120))
@@ -83,14 +92,23 @@ def measure(stack: Stack, conn, policy: str, seconds: float, seed: int) -> dict:
     host0 = next(h for h in after.hosts if h.host == "host-0")
     frac = fractions([Interval(iv.activity, iv.t_start, iv.t_end) for iv in host0.timeline], t0, t1)
     sw = switches(stack, t0, t1)
+    reclaims = after.counts.get("reclaims", 0) - before.counts.get("reclaims", 0)
     return {
         "policy": policy, "seconds": round(t1 - t0, 1), "steps": len(window), "trained_sessions": len(trained),
+        "trained_samples_per_s": round(len(trained) / (t1 - t0), 3),
         "trained_tokens_per_s": round(tokens / (t1 - t0), 1), "agent_turns": agents.ok,
         "failures": len(agents.failures), "host0": {k: round(v, 3) for k, v in frac.items()},
-        "lends": after.counts.get("lends", 0) - before.counts.get("lends", 0),
-        "reclaims": after.counts.get("reclaims", 0) - before.counts.get("reclaims", 0),
+        "lends": after.counts.get("lends", 0) - before.counts.get("lends", 0), "reclaims": reclaims,
+        "cycles_per_min": round(reclaims / (t1 - t0) * 60, 2), "moved_turns": moved_turns(agents),
         "lend_s": _p(sw["lend"]), "reclaim_s": _p(sw["reclaim"]),
+        "rates": {k: round(v, 3) for k, v in after.rates.items()},
     }
+
+
+def moved_turns(agents: GroupAgents) -> int:
+    """Turns whose tokens came from more than one worker (a reclaim migrated them mid-turn)."""
+    turns = [turn for t in agents.trajectories() for turn in t["turns"]]
+    return sum(len({seg["worker_id"] for seg in turn["segments"]}) > 1 for turn in turns)
 
 
 def _p(xs: list[float]) -> dict:
@@ -103,6 +121,15 @@ def main() -> None:
     ap.add_argument("--policies", default="disaggregated,seamless")
     ap.add_argument("--model", type=Path, help="default: the tiny model, built in a temp dir")
     ap.add_argument("--out", type=Path, default=Path("var/bench/scheduler_ab.json"))
+    ap.add_argument("--pin", action="store_true", help="each host on a CPU set of its own (up --pin)")
+    ap.add_argument("--lanes", type=int, default=4, help="groups in flight (agents = lanes x group size)")
+    ap.add_argument("--group-size", type=int, default=4, help="sessions per group (SF_TRAINER_GROUP_SIZE too)")
+    ap.add_argument("--groups-per-step", type=int, default=2, help="SF_TRAINER_GROUPS_PER_STEP")
+    ap.add_argument("--turns", type=int, default=2)
+    ap.add_argument("--think-s", type=float, default=0.0, help="between an agent's turns: uniform in [0, 2x]")
+    ap.add_argument("--min-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--worker-cmd", default="", help="e.g. 'python -m services.rollout.simulated' (SIMULATED)")
     a = ap.parse_args()
     cache = Path(__file__).resolve().parents[1] / ".cache" / "tests"  # the test suite's JIT and vLLM caches
     for key, sub in (("TORCH_EXTENSIONS_DIR", "torch_extensions"), ("VLLM_CACHE_ROOT", "vllm"),
@@ -113,7 +140,8 @@ def main() -> None:
     opts = StackOptions(model=model, data_dir=tmp, gateway_port=servers.free_port(), admin_port=servers.free_port(),
                         nats_port=servers.free_port(), redis_port=servers.free_port(), max_model_len=512,
                         max_num_seqs=8, policy="seamless", hosts=["train+rollout", "rollout"], train=True,
-                        trainer_settings=TRAINER, ready_timeout=900)
+                        trainer_settings=TRAINER | {"group_size": a.group_size, "groups_per_step": a.groups_per_step},
+                        ready_timeout=900, pin=a.pin, worker_cmd=a.worker_cmd)
     stack = Stack(opts)
     print(f"starting the stack in {tmp} ...", file=sys.stderr)
     stack.start()
@@ -121,22 +149,28 @@ def main() -> None:
     results = []
     try:
         for i, policy in enumerate(a.policies.split(",")):
-            r = measure(stack, conn, policy, a.seconds, seed=i)
+            r = measure(stack, conn, policy, a, seed=i)
             print(json.dumps(r), flush=True)
             results.append(r)
     finally:
         stack.stop()
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(results, indent=1))
-    print("\n| policy | trained tok/s | steps | host-0 idle | host-0 train | host-0 rollout | host-0 switch "
-          "| lends | reclaims | lend p50/max s | reclaim p50/max s | failed turns |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(table(results))
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| policy | trained samples/s | trained tok/s | steps | host-0 idle | host-0 train | host-0 rollout "
+            "| host-0 switch | lends | reclaims | cycles/min | moved turns | lend p50/max s | reclaim p50/max s "
+            "| failed turns |", "|---" * 15 + "|"]
     for r in results:
         h = r["host0"]
-        print(f"| {r['policy']} | {r['trained_tokens_per_s']} | {r['steps']} | {h['idle']:.0%} | {h['train']:.0%} | "
-              f"{h['rollout']:.0%} | {h['switch']:.0%} | {r['lends']} | {r['reclaims']} | "
-              f"{r['lend_s'].get('p50', '-')}/{r['lend_s'].get('max', '-')} | "
-              f"{r['reclaim_s'].get('p50', '-')}/{r['reclaim_s'].get('max', '-')} | {r['failures']} |")
+        rows.append(f"| {r['policy']} | {r['trained_samples_per_s']} | {r['trained_tokens_per_s']} | {r['steps']} "
+                    f"| {h['idle']:.0%} | {h['train']:.0%} | {h['rollout']:.0%} | {h['switch']:.0%} | {r['lends']} "
+                    f"| {r['reclaims']} | {r['cycles_per_min']} | {r['moved_turns']} "
+                    f"| {r['lend_s'].get('p50', '-')}/{r['lend_s'].get('max', '-')} "
+                    f"| {r['reclaim_s'].get('p50', '-')}/{r['reclaim_s'].get('max', '-')} | {r['failures']} |")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

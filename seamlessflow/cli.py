@@ -9,7 +9,7 @@
     seamlessflow workers list | vacate ID | resume ID
     seamlessflow weights publish DIR | list
     seamlessflow plan --hosts N [--calibration decode-heavy|train-heavy] [--steps 200]   (SIMULATED)
-    seamlessflow up --policy seamless --hosts train+rollout,rollout --train
+    seamlessflow up --policy seamless --hosts train+rollout,rollout --train [--pin]
     seamlessflow hosts list | cordon ID | uncordon ID | policy NAME
     seamlessflow timeline --out timeline.json
     seamlessflow dead list [--limit 20] [--json] | purge
@@ -40,6 +40,10 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hosts", default="train+rollout,rollout",
                    help="with --policy: one tag set per host, e.g. train+rollout,rollout (cpu is added)")
     p.add_argument("--train", action="store_true", help="with --policy: also run the trainer on the first train host")
+    p.add_argument("--pin", action="store_true",
+                   help="with --policy: give each host a CPU set of its own (its agent, rollout worker and trainer "
+                        "rank), the control plane the rest; with fewer cores than hosts + 1, one core per host and "
+                        "the control plane on all (seamlessflow/stack/pinning.py)")
     p.add_argument("--worker-cmd", default="",
                    help="run each rollout worker with this command instead of `python -m services.rollout` "
                         "(--model and --worker-id are appended); e.g. 'python -m services.rollout.simulated', SIMULATED")
@@ -53,6 +57,8 @@ def _stack_options(a: argparse.Namespace):
             parse_hosts(a.hosts)
         except StackError as e:
             sys.exit(f"error: {e}")
+    elif a.pin:
+        sys.exit("error: --pin pins the hosts of the tag scheduler: give --policy too")
 
     model = a.model
     if model is None:
@@ -69,7 +75,7 @@ def _stack_options(a: argparse.Namespace):
         gateway_port=a.gateway_port, admin_port=a.admin_port, nats_port=a.nats_port, redis_port=a.redis_port,
         served_model=a.served_model, max_model_len=a.max_model_len,
         policy=a.policy or "", hosts=parse_hosts(a.hosts) if a.policy else [], train=bool(a.policy and a.train),
-        worker_cmd=a.worker_cmd,
+        worker_cmd=a.worker_cmd, pin=a.pin,
     )
 
 
@@ -174,7 +180,7 @@ def _demo_command(a: argparse.Namespace) -> str:
     if a.model is not None:
         args += ["--model", str(a.model)]
     if a.policy:
-        args += ["--policy", a.policy, "--hosts", a.hosts]
+        args += ["--policy", a.policy, "--hosts", a.hosts] + ["--train"] * bool(a.train) + ["--pin"] * bool(a.pin)
     return shlex.join(args)
 
 
@@ -258,8 +264,9 @@ def cmd_hosts(a: argparse.Namespace) -> None:
     if a.action == "policy" and not a.arg:
         sys.exit("error: hosts policy needs a policy: colocated, disaggregated or seamless")
     op = {"list": "status", "policy": "set_policy"}.get(a.action, a.action)
-    reply = asyncio.run(hosts.ask(conn, op, host=a.arg if a.action != "policy" else "",
-                                  policy=a.arg if a.action == "policy" else ""))
+    arg = a.arg or ""  # `hosts list` has none
+    reply = asyncio.run(hosts.ask(conn, op, host=arg if a.action != "policy" else "",
+                                  policy=arg if a.action == "policy" else ""))
     print(hosts.format_hosts(reply))
 
 

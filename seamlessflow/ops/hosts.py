@@ -12,6 +12,7 @@ Connections come from SF_NATS_URL, or the stack `seamlessflow up` runs from --da
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -21,11 +22,14 @@ from shared.config import Connections
 from shared.messages.scheduler import SchedulerControl, SchedulerReply, fractions
 
 
-async def ask(conn: Connections, op: str, host: str = "", policy: str = "", timeout: float = 10.0) -> SchedulerReply:
+async def ask(conn: Connections, op: str, host: str | None = "", policy: str | None = "",
+              timeout: float = 10.0) -> SchedulerReply:
+    """One control request; SystemExit with the scheduler's error, or when none runs. A missing host
+    or policy (None: an optional argument not given) is sent as "", as the control message says."""
+    ctl = SchedulerControl(op=op, host=host or "", policy=policy or "")
     nc = await bus.connect(conn, name="sf-ops")
     try:
-        data = await bus.request(nc, subjects.SCHED_CTL, encode(SchedulerControl(op=op, host=host, policy=policy)),
-                                 timeout)
+        data = await bus.request(nc, subjects.SCHED_CTL, encode(ctl), timeout)
     except bus.BusUnavailable:
         raise SystemExit("error: no scheduler is running (start the stack with --policy)") from None
     finally:
@@ -38,8 +42,10 @@ async def ask(conn: Connections, op: str, host: str = "", policy: str = "", time
 
 def format_hosts(reply: SchedulerReply) -> str:
     now = time.time()
-    rows = [f"policy {reply.policy}; " + ", ".join(f"{k} {v}" for k, v in sorted(reply.counts.items())),
-            f"{'host':<10} {'tags':<24} {'mode':<8} {'target':<8} {'epoch':>5}  {'health':<9} {'now':<8} seen"]
+    rows = [f"policy {reply.policy}; " + ", ".join(f"{k} {v}" for k, v in sorted(reply.counts.items()))]
+    if reply.rates:
+        rows.append("rates: " + ", ".join(f"{k} {v:.3g}" for k, v in sorted(reply.rates.items())))
+    rows.append(f"{'host':<10} {'tags':<24} {'mode':<8} {'target':<8} {'epoch':>5}  {'health':<9} {'now':<8} seen")
     for h in sorted(reply.hosts, key=lambda h: h.host):
         health = ("cordoned" if h.cordoned else "ok") if h.healthy else "DEAD"
         rows.append(f"{h.host:<10} {','.join(h.tags):<24} {h.mode:<8} {h.target:<8} {h.epoch:>5}  {health:<9} "
@@ -55,7 +61,8 @@ def timeline_doc(reply: SchedulerReply) -> dict:
         t0 = ivs[0].t_start if ivs else 0.0
         hosts[h.host] = {"tags": h.tags, "intervals": [[iv.activity, iv.t_start, iv.t_end] for iv in ivs],
                          "fractions": fractions(ivs, t0)}
-    return {"policy": reply.policy, "counts": reply.counts, "hosts": hosts}
+    rates = {k: (v if math.isfinite(v) else None) for k, v in reply.rates.items()}  # JSON has no infinity
+    return {"policy": reply.policy, "counts": reply.counts, "rates": rates, "hosts": hosts}
 
 
 def write_timeline(reply: SchedulerReply, out: Path) -> str:

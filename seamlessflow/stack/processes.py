@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from seamlessflow.stack import servers
+from seamlessflow.stack.pinning import PinPlan, cpu_list, pin_plan
 from seamlessflow.stack.supervisor import shutdown_tiers
 
 ENGINE_ENV = {  # not VLLM_CPU_KVCACHE_SPACE: the rollout worker sets it from SF_ROLLOUT_KV_CACHE_GIB
@@ -64,6 +65,9 @@ class StackOptions:
     # (e.g. `python -m services.rollout.simulated`, SIMULATED, for tests of supervision and benchmarks);
     # `--model MODEL --worker-id NAME` are appended. Host agents get it as SF_HOST_WORKER_CMD.
     worker_cmd: str = ""
+    # with a policy: each host's agent, worker and trainer rank on a CPU set of its own, the control
+    # plane on the rest (pinning.py says how fewer cores than hosts + 1 are shared)
+    pin: bool = False
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,8 @@ class Stack:
         # (a fixed 9401 would let two stacks on one machine read each other's trainer)
         self.trainer_metrics_port = 0
         self.metrics_urls: dict[str, str] = {}  # process name -> its Prometheus /metrics (stack.json "metrics")
+        self.pins: dict[str, tuple[int, ...]] = {}  # process name -> its CPU set (--pin); others: the control set
+        self.control_cpus: tuple[int, ...] = ()  # () = not pinned
 
     # -- public -----------------------------------------------------------------------------------
 
@@ -225,9 +231,12 @@ class Stack:
         self._credentials()
         self.trainer_metrics_port = servers.free_port()
         specs = host_specs(self.o.hosts, list(os.sched_getaffinity(0))) if self.o.policy else []
+        if self.o.pin and specs:
+            specs = self._pin(specs, pin_plan(list(os.sched_getaffinity(0)), len(specs)))
         state = {**self.public_urls(), "gateway_url": self.gateway_url,
                  "admin_url": self.admin_url, "weights_dir": str(self.weights_dir), "policy": self.o.policy,
-                 "hosts": [{"id": h.id, "tags": list(h.tags), "cores": h.cores} for h in specs]}
+                 "hosts": [{"id": h.id, "tags": list(h.tags), "cores": h.cores} for h in specs],
+                 "control_cpus": cpu_list(self.control_cpus)}
         (self.data / "stack.json").write_text(json.dumps(state))
         try:
             self._spawn_infra()
@@ -239,6 +248,8 @@ class Stack:
                     self.spawn_host(h)
                 trainer_host = next((h for h in specs if "train" in h.tags), None)
                 if self.o.train and trainer_host is not None:
+                    if trainer_host.id in self.pins:  # its rank runs on its host's cores
+                        self.pins["trainer"] = self.pins[trainer_host.id]
                     self.spawn_trainer(host=trainer_host.id, scheduler_gate="true", **self.o.trainer_settings)
             else:
                 for i in range(self.o.workers):
@@ -318,6 +329,7 @@ class Stack:
         """A host agent; its resident rollout worker (if tagged rollout) logs to logs/<id>-rollout.log."""
         env = self.env() | {
             "SF_HOST_ID": h.id, "SF_HOST_TAGS": ",".join(h.tags), "SF_HOST_CORES": h.cores,
+            "SF_HOST_CPUS": cpu_list(self.pins.get(h.id, ())),
             "SF_HOST_LOG_DIR": str(self.logs), "SF_HOST_TRAINER": str(self.o.train and "train" in h.tags).lower(),
             "SF_ROLLOUT_SERVED_MODEL_NAME": self.o.served_model,
             "SF_ROLLOUT_MAX_MODEL_LEN": str(self.o.max_model_len),
@@ -393,6 +405,12 @@ class Stack:
 
     # -- internals --------------------------------------------------------------------------------
 
+    def _pin(self, specs: list[HostSpec], plan: PinPlan) -> list[HostSpec]:
+        """Record the plan (hosts by id, the control plane's set); the hosts' vLLM binding follows their set."""
+        self.control_cpus = plan.control
+        self.pins = {h.id: cpus for h, cpus in zip(specs, plan.hosts, strict=True)}
+        return [HostSpec(h.id, h.tags, ",".join(map(str, cpus))) for h, cpus in zip(specs, plan.hosts, strict=True)]
+
     def _credentials(self) -> None:
         """The stack's secrets, generated once, in DATA_DIR/credentials.json (0600): the API and admin
         keys, and the logins of the NATS and Redis it starts (added to an older file that lacks them)."""
@@ -447,8 +465,10 @@ class Stack:
                log: Path | None = None, port: int = 0) -> Proc:
         log = log or self.logs / f"{name}.log"
         offset = log.stat().st_size if log.exists() else 0
+        cpus = self.pins.get(name, self.control_cpus)
         with open(log, "ab") as out:
-            popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                     preexec_fn=_affinity(cpus) if cpus else None)
         proc = Proc(name, popen, log, ready, offset, argv, env, port)
         self.procs.append(proc)
         return proc
@@ -480,6 +500,11 @@ def log_tail(path: Path, n: int = 15) -> str:
             return _tail(f.read().decode(errors="replace"), n)
     except OSError:
         return ""
+
+
+def _affinity(cpus: tuple[int, ...]):
+    """A preexec_fn that runs the child on `cpus` (it and whatever it starts)."""
+    return lambda: os.sched_setaffinity(0, cpus)
 
 
 def _signal_group(p: Proc, sig: int) -> None:

@@ -42,6 +42,9 @@ class HostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tags: str = "rollout,cpu"  # comma-separated: roles (train, rollout) and hardware (cpu, gpu:h100, ...)
     capacity: float = 1.0
     cores: str = ""  # CPU cores for its rollout worker (VLLM_CPU_OMP_THREADS_BIND), e.g. "0" or "2-3"
+    # the host's own CPU set ("0-1,4"): the agent pins itself there (os.sched_setaffinity), so its
+    # worker and anything it starts run only there ("" = not pinned); `seamlessflow up --pin` sets it
+    cpus: str = ""
     model: str = ""  # the checkpoint its resident rollout worker loads ("" = no worker even if tagged rollout)
     worker_id: str = ""  # "" = "<id>-rollout"
     trainer: bool = False  # a trainer rank runs on this host: offload/reload it around lends
@@ -73,6 +76,22 @@ def load_host(**overrides) -> HostConfig:
         raise ConfigError(f"SF_HOST_TAGS={cfg.tags!r}: a host needs a role tag, train and/or rollout")
     if cfg.capacity <= 0:
         raise ConfigError("SF_HOST_CAPACITY must be > 0")
+    try:
+        parse_cpu_list(cfg.cpus)
+    except ValueError as e:
+        raise ConfigError(f"SF_HOST_CPUS={cfg.cpus!r}: {e} (write it as Linux does, e.g. 0-3,6)") from None
     if not cfg.worker_id:
         cfg = msgspec.structs.replace(cfg, worker_id=f"{cfg.id}-rollout")
     return cfg
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """"0-3,6" -> {0, 1, 2, 3, 6}; "" -> set(). ValueError on anything else."""
+    out: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, sep, hi = part.partition("-")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if first < 0 or last < first:
+            raise ValueError(f"bad CPU range {part!r}")
+        out.update(range(first, last + 1))
+    return out

@@ -39,7 +39,7 @@ from pathlib import Path
 import msgspec
 from nats.aio.msg import Msg
 
-from services.scheduler.config import HostConfig, load_host
+from services.scheduler.config import HostConfig, load_host, parse_cpu_list
 from services.scheduler.policy import Step, transition_steps
 from shared import bus, subjects
 from shared.codec import decode, encode
@@ -119,7 +119,8 @@ class HostAgent:
 
     def heartbeat(self) -> HostHeartbeat:
         return HostHeartbeat(self.cfg.id, self.tags, self.cfg.capacity, self.mode, self.epoch, time.time(),
-                             self.cfg.worker_id if self.has_worker else "", self.cfg.cores, self.switching,
+                             self.cfg.worker_id if self.has_worker else "", self.cfg.cores or self.cfg.cpus,
+                             self.switching,
                              self.restarts, ready=not self.has_worker or self._worker_is_up())
 
     def _worker_is_up(self) -> bool:
@@ -246,8 +247,9 @@ class HostAgent:
     async def _supervise(self, quit: asyncio.Event) -> None:
         backoff = RESTART_BACKOFF
         env = dict(os.environ) | {"SF_ROLLOUT_START_VACATED": "true", "SF_ROLLOUT_HOST": self.cfg.id}
-        if self.cfg.cores:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cfg.cores
+        cores = self.cfg.cores or ",".join(map(str, sorted(parse_cpu_list(self.cfg.cpus))))
+        if cores:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cores
         while not quit.is_set():
             out = None
             if self.cfg.log_dir:
@@ -304,6 +306,15 @@ def _die_with_parent() -> None:
         pass
 
 
+def pin(cfg: HostConfig) -> None:
+    """Run this agent, and so its worker (affinity is inherited), on the host's CPU set (SF_HOST_CPUS)."""
+    cpus = parse_cpu_list(cfg.cpus)
+    if not cpus:
+        return
+    os.sched_setaffinity(0, cpus)
+    log.info("host %s pinned to CPUs %s", cfg.id, cfg.cpus)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m services.scheduler.host")
     ap.add_argument("--id")
@@ -312,7 +323,7 @@ def main() -> None:
     args = ap.parse_args()
     setup_logging()
     cfg = load_host(id=args.id, tags=args.tags, model=args.model)
-
+    pin(cfg)
     run_until_signalled(HostAgent(cfg, connections()).run)
 
 

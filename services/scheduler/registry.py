@@ -2,7 +2,17 @@
 
 The service feeds it what arrives (host heartbeats, worker heartbeats, HostModeChanged,
 trainer heartbeats, finished trajectories) with the time passed in, asks it for a
-`policy.Snapshot`, and records the assignments it issues. It knows nothing about NATS
+`policy.Snapshot`, and records the assignments it issues.
+
+Predicted wait. The trainer takes whole groups, so what it still needs is counted in whole
+groups (`groups_per_step - ready_groups`, times the group size): members of groups still
+open do not shorten the wait. The rate they come at is that of whole groups (groups
+completed per second, from the finished trajectories' group ids, times the group size);
+the session rate is measured too, and stands in until groups complete.
+
+Activity. A host in rollout mode serves while its worker runs a request at a heartbeat or
+generated tokens since the previous one (short turns start and end between two beats); a
+lent host that does neither is idle, and `lent_idle` names it. It knows nothing about NATS
 or Redis: `store.py` persists `HostRecord`s and timelines, `service.py` does the I/O.
 
 Health. A host is healthy while its agent's heartbeat is younger than `stale_after`
@@ -36,8 +46,9 @@ from shared.messages.scheduler import (
 log = logging.getLogger("sf.scheduler")
 
 EWMA = 0.3  # weight of the newest switch duration in the running mean
-RATE_WINDOW = 30.0  # seconds of finished trajectories the completion rate looks at
+RATE_WINDOW = 30.0  # seconds of finished trajectories (and groups) the completion rates look at
 TIMELINE_KEEP = 10_000  # intervals kept in memory per host
+OPEN_GROUPS_KEEP = 4096  # groups counted towards completion at most (the oldest is forgotten)
 
 
 @dataclass
@@ -84,6 +95,12 @@ class Registry:
     wants_since: float = 0.0  # when the trainer began to want its hosts (0 = it does not): the reclaim grace
     waiting_since: float = 0.0  # when the trainer began to wait for data (0 = it does not): the lend settle
     finished: deque[float] = field(default_factory=deque)  # arrival times of finished trajectories
+    groups_done: deque[float] = field(default_factory=deque)  # times groups completed (their last member)
+    open_groups: dict[str, int] = field(default_factory=dict)  # group id -> members finished, while incomplete
+    # worker id -> did it generate since its previous heartbeat (or run a request at it)? A turn of a
+    # fraction of a second starts and ends between two beats: `running` alone would never see it
+    served: dict[str, bool] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)  # worker id -> generated_tokens at its last beat
     costs: policy.Costs = policy.Costs()
     counts: dict[str, int] = field(default_factory=lambda: {"lends": 0, "reclaims": 0, "failed_switches": 0,
                                                             "gates_granted": 0, "gates_timed_out": 0})
@@ -121,7 +138,11 @@ class Registry:
         rec.epoch = max(rec.epoch, hb.epoch)
         rec.healthy = True
 
-    def on_worker(self, worker_id: str, running: int, now: float) -> None:
+    def on_worker(self, worker_id: str, running: int, now: float, generated_tokens: int = 0) -> None:
+        prev = self.tokens.get(worker_id)
+        self.tokens[worker_id] = generated_tokens
+        # a restarted worker counts from 0 again: fewer tokens than before is not generation
+        self.served[worker_id] = running > 0 or (prev is not None and generated_tokens > prev)
         self.workers.beat(worker_id, running, now)
 
     def on_changed(self, ev: HostModeChanged, now: float) -> str | None:
@@ -135,8 +156,10 @@ class Registry:
             return f"host {ev.host} failed to switch to {ev.mode} (epoch {ev.epoch}): {ev.error}; marked unhealthy"
         was = rec.mode
         rec.mode, rec.since = ev.mode, now
-        # the configured costs are a prior: the first measured switch replaces it, later ones blend in
-        if ev.mode == "rollout" and was == "train":
+        # the configured costs are a prior: the first measured switch replaces it, later ones blend in.
+        # A lend is any switch of a train host into rollout, from train or from idle (the lend at
+        # start-up, or after a worker restart): its agent runs the same steps (offload, wake, load, resume)
+        if ev.mode == "rollout" and was != "rollout" and "train" in rec.tags:
             lend = _ewma(self.costs.lend_s, took) if self.counts["lends"] else took
             self.costs = policy.Costs(lend, self.costs.reclaim_s)
             self.counts["lends"] += 1
@@ -150,8 +173,19 @@ class Registry:
     def on_trainer(self, st: TrainerStatus, now: float) -> None:
         self.trainer, self.trainer_seen = st, now
 
-    def on_finished(self, now: float) -> None:
+    def on_finished(self, now: float, group_id: str = "") -> None:
+        """A trajectory finished; its group completes with its trainer-reported `group_size`-th member."""
         self.finished.append(now)
+        if not group_id:
+            return
+        members = self.open_groups.pop(group_id, 0) + 1
+        size = self.trainer.group_size if self.trainer else 0
+        if size and members >= size:
+            self.groups_done.append(now)
+            return
+        self.open_groups[group_id] = members  # re-inserted last: the oldest open group is forgotten first
+        if len(self.open_groups) > OPEN_GROUPS_KEEP:
+            self.open_groups.pop(next(iter(self.open_groups)))
 
     # -- what the service does -------------------------------------------------------------------
 
@@ -193,7 +227,9 @@ class Registry:
         st = self.trainer
         if st is None or now - self.trainer_seen > self.stale_after or st.state == "stopped":
             return policy.Trainer("ready" if self.gate_pending else "absent")
-        needed = max(0, st.groups_per_step * st.group_size - st.buffered_samples)
+        # whole groups only: members of groups still open do not shorten the wait, since the trainer
+        # takes complete groups (with several groups filling at once, most buffered samples are such members)
+        needed = max(0, st.groups_per_step - st.ready_groups) * st.group_size
         state = st.state
         if st.state in ("waiting", "ready") and st.step < self.granted_step:
             state = "computing"  # a heartbeat from before the grant: the step it was granted is running
@@ -202,12 +238,35 @@ class Registry:
         return policy.Trainer(state, 0 if state != "waiting" else needed)
 
     def completion_rate(self, now: float) -> float:
-        while self.finished and now - self.finished[0] > RATE_WINDOW:
-            self.finished.popleft()
-        if len(self.finished) < 2:
-            return 0.0
-        span = max(now - self.finished[0], 1.0)
-        return len(self.finished) / span
+        """Finished trajectories (sessions) per second, over the last RATE_WINDOW seconds."""
+        return _rate(self.finished, now)
+
+    def group_rate(self, now: float) -> float:
+        """Completed groups per second, over the last RATE_WINDOW seconds."""
+        return _rate(self.groups_done, now)
+
+    def whole_group_rate(self, now: float) -> float:
+        """Trajectories per second that arrive in whole groups (group rate x group size): the rate the
+        trainer's samples_needed is consumed at. The session rate until groups complete (no trainer
+        heard yet, or fewer than two groups completed in the window)."""
+        size = self.trainer.group_size if self.trainer else 0
+        groups = self.group_rate(now)
+        return groups * size if groups > 0 and size else self.completion_rate(now)
+
+    def rates(self, now: float) -> dict[str, float]:
+        """What the operator sees (SchedulerReply.rates) and the metrics export."""
+        trainer = self.trainer_view(now)
+        rate = self.whole_group_rate(now)
+        return {"sessions_per_s": self.completion_rate(now), "groups_per_s": self.group_rate(now),
+                "samples_needed": float(trainer.samples_needed),
+                "predicted_wait_s": policy.predicted_wait(trainer, rate), "lend_s": self.costs.lend_s,
+                "reclaim_s": self.costs.reclaim_s, "lent_idle_hosts": float(len(self.lent_idle()))}
+
+    def lent_idle(self) -> list[str]:
+        """Train hosts lent to rollout whose worker generated nothing since its previous heartbeat: a
+        lend that buys nothing (the router sent it no turn)."""
+        return [r.host for r in self.hosts.values() if "train" in r.tags and r.mode == r.target == "rollout"
+                and r.healthy and not self.served.get(r.worker_id)]
 
     def snapshot(self, policy_name: PolicyName, now: float, lend_margin: float, train_hosts: int,
                  drain_margin_s: float = 0.0, reclaim_grace_s: float = 0.0,
@@ -223,7 +282,7 @@ class Registry:
             self.waiting_since = now
         trainer = replace(trainer, wants_since=self.wants_since, waiting_since=self.waiting_since)
         hosts = tuple(r.view(self.workers.get(r.worker_id) or 0) for r in self.hosts.values())
-        return policy.Snapshot(policy_name, now, hosts, trainer, self.completion_rate(now), self.costs, lend_margin,
+        return policy.Snapshot(policy_name, now, hosts, trainer, self.whole_group_rate(now), self.costs, lend_margin,
                                train_hosts, drain_margin_s, reclaim_grace_s, lend_settle_s)
 
     def record_activity(self, now: float) -> list[tuple[str, Interval]]:
@@ -232,6 +291,8 @@ class Registry:
         trainer_state = self.trainer_view(now).state
         for rec in self.hosts.values():
             running = self.workers.get(rec.worker_id) or 0
+            if self.served.get(rec.worker_id) and rec.mode == rec.target == "rollout":
+                running = max(running, 1)  # it generated since its previous heartbeat: it serves
             act = policy.activity(rec.mode, rec.target, trainer_state, running)
             if not rec.healthy:
                 act = "idle"
@@ -245,6 +306,16 @@ class Registry:
     def timeline(self, host: str, now: float) -> list[Interval]:
         rec = self.hosts[host]
         return [*self.timelines.get(host, ()), Interval(rec.activity, rec.activity_since, now)]
+
+
+def _rate(times: deque[float], now: float) -> float:
+    """Events per second in `times` (arrival times, oldest first), over the last RATE_WINDOW seconds;
+    drops the older ones. 0 with fewer than two."""
+    while times and now - times[0] > RATE_WINDOW:
+        times.popleft()
+    if len(times) < 2:
+        return 0.0
+    return len(times) / max(now - times[0], 1.0)
 
 
 def _ewma(old: float, new: float) -> float:

@@ -4,7 +4,7 @@
     sf.sched.changed       HostModeChanged in (an assignment applied, or failed)
     sf.rollout.status      WorkerStatus in (a serving host's worker must stay alive; its load)
     sf.trainer.status      TrainerStatus in (waiting for data, ready, computing, publishing)
-    sf.traj.completed      counted as they pass (the completion rate that predicts the wait)
+    sf.traj.completed      counted as they pass, with their group (the completion rates that predict the wait)
     sf.weights.published   the version a lent host must load before it serves
     sf.sched.gate          TrainGate in, TrainGateReply out once the train pool is reclaimed
     sf.sched.ctl           SchedulerControl in (status, set_policy, cordon, uncordon, timeline)
@@ -29,14 +29,16 @@ import time
 from contextlib import AsyncExitStack
 from typing import get_args
 
+import msgspec
 from nats.aio.msg import Msg
 
 from services.scheduler import policy
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.registry import Registry
 from services.scheduler.store import Store
 from shared import bus, subjects, weightstore
-from shared.codec import encode
+from shared.codec import decode, encode
 from shared.config import Connections
 from shared.deadletter import Malformed
 from shared.messages.rollout import WorkerStatus
@@ -59,6 +61,13 @@ PERSIST_EVERY = 1.0  # seconds between registry writes to Redis
 ASSIGN_RETRIES = 3  # publishes of one assignment before the host is marked unhealthy
 
 
+class Finished(msgspec.Struct, tag="TrajectoryCompleted"):
+    """What the scheduler reads of a TrajectoryCompleted (shared/messages/trajectory.py): its group,
+    for the group completion rate. The samples are skipped, not decoded."""
+
+    group_id: str = ""
+
+
 class _Gate:
     def __init__(self, msg: Msg, req: TrainGate, now: float):
         self.msg, self.req, self.t0 = msg, req, now
@@ -74,6 +83,7 @@ class SchedulerService:
         self.gates: list[_Gate] = []
         self.weights: WeightsPublished | None = None
         self.malformed = Malformed("scheduler")
+        self.metrics = SchedulerMetrics(self.malformed.registry)
 
     async def run(self, quit: asyncio.Event, ready: asyncio.Event | None = None) -> None:
         async with AsyncExitStack() as stack:
@@ -159,9 +169,10 @@ class SchedulerService:
                 elif now >= g.deadline:
                     self.reg.counts["gates_timed_out"] += 1
                     await self._answer(g, False, f"train pool not reclaimed within {g.req.timeout:.0f}s", now)
-        # 5. timelines
+        # 5. timelines and gauges
         closed = self.reg.record_activity(now)
         await self.store.append_intervals(closed)
+        self.metrics.update(self.reg.rates(now), self.reg.counts, {h: r.activity for h, r in self.reg.hosts.items()})
 
     def _snapshot(self, now: float) -> policy.Snapshot:
         c = self.cfg
@@ -217,15 +228,20 @@ class SchedulerService:
     async def _on_worker(self, msg: Msg) -> None:
         st = self.malformed.decode(msg, WorkerStatus, subjects.ROLLOUT_STATUS)
         if st is not None:
-            self.reg.on_worker(st.worker_id, st.running, time.time())
+            self.reg.on_worker(st.worker_id, st.running, time.time(), st.generated_tokens)
 
     async def _on_trainer(self, msg: Msg) -> None:
         st = self.malformed.decode(msg, TrainerStatus, subjects.TRAINER_STATUS)
         if st is not None:
             self.reg.on_trainer(st, time.time())
 
-    async def _on_finished(self, msg: Msg) -> None:  # counted, not read: the trainer reads (and dead-letters)
-        self.reg.on_finished(time.time())
+    async def _on_finished(self, msg: Msg) -> None:
+        # counted, and its group read: the trainer reads the rest (and dead-letters what it cannot read)
+        try:
+            group = decode(msg.data, Finished).group_id
+        except msgspec.DecodeError:
+            group = ""
+        self.reg.on_finished(time.time(), group)
 
     async def _on_weights(self, msg: Msg) -> None:
         ev = self.malformed.decode(msg, WeightsPublished, subjects.WEIGHTS_PUBLISHED)
@@ -278,6 +294,7 @@ class SchedulerService:
                     info = rec.info()
                     info.timeline = self.reg.timeline(rec.host, now)
                     infos.append(info)
-                return SchedulerReply(True, self.policy, infos, counts=dict(self.reg.counts))
+                return SchedulerReply(True, self.policy, infos, counts=dict(self.reg.counts),
+                                      rates=self.reg.rates(now))
         return SchedulerReply(True, self.policy, [r.info() for r in self.reg.hosts.values()],
-                              counts=dict(self.reg.counts))
+                              counts=dict(self.reg.counts), rates=self.reg.rates(now))

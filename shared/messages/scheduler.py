@@ -166,6 +166,8 @@ class SchedulerReply(msgspec.Struct, omit_defaults=True):
     hosts: list[HostInfo] = []
     error: str = ""
     counts: dict[str, int] = {}  # lends, reclaims, gate waits, ...
+    # sessions_per_s, groups_per_s (completion rates), samples_needed, predicted_wait_s, lend_s, reclaim_s, ...
+    rates: dict[str, float] = {}
 
 
 TrainerOp = Literal["offload", "reload"]

@@ -10,8 +10,8 @@ def hb(host="host-1", mode="idle", epoch=0, restarts=0, tags=("rollout", "cpu"))
     return HostHeartbeat(host, list(tags), 1.0, mode, epoch, 0.0, worker_id=f"{host}-rollout", restarts=restarts)
 
 
-def trainer(state="waiting", buffered=0) -> TrainerStatus:
-    return TrainerStatus(state, 3, 3, 0, 0, buffered, 2, 4, 1.0, 0.5, 0.0)
+def trainer(state="waiting", buffered=0, ready=0, open_=0) -> TrainerStatus:
+    return TrainerStatus(state, 3, 3, ready, open_, buffered, 2, 4, 1.0, 0.5, 0.0)
 
 
 def test_a_host_registers_and_dies_by_heartbeat_age():
@@ -92,9 +92,9 @@ def test_a_switch_that_never_reports_times_out():
 def test_trainer_view_and_completion_rate():
     reg = Registry(stale_after=3.0)
     assert reg.trainer_view(0.0).state == "absent"
-    reg.on_trainer(trainer("waiting", buffered=3), 10.0)
+    reg.on_trainer(trainer("waiting", buffered=3, open_=1), 10.0)
     t = reg.trainer_view(11.0)
-    assert (t.state, t.samples_needed) == ("waiting", 2 * 4 - 3)
+    assert (t.state, t.samples_needed) == ("waiting", 2 * 4)  # 3 members of an open group: no whole group
     reg.gate_pending = True
     assert reg.trainer_view(11.0).state == "ready"
     assert reg.trainer_view(20.0).state == "ready"  # a gate request without heartbeats still counts
@@ -182,3 +182,101 @@ def test_the_snapshot_carries_what_the_reclaim_grace_reads():
     assert reg.snapshot("seamless", 110.0, 1.5, 0).trainer.wants_since == 0.0
     reg.issued("host-0", "train", 2, 111.0, lent_until=160.0)
     assert reg.hosts["host-0"].lent_until == 0.0  # only a rollout assignment is lent
+
+
+def test_the_predicted_wait_counts_whole_groups_only():
+    """2 groups of 4 a step; 3 groups filling at once hold 6 members, none complete. The trainer
+    waits for 8 samples that complete whole groups, not for 8 - 6 = 2."""
+    reg = Registry()
+    reg.on_trainer(trainer("waiting", buffered=6, open_=3), 10.0)
+    assert reg.trainer_view(10.0).samples_needed == 8
+    reg.on_trainer(trainer("waiting", buffered=7, ready=1, open_=1), 11.0)  # one group complete, 3 open
+    assert reg.trainer_view(11.0).samples_needed == 4
+    reg.on_trainer(trainer("waiting", buffered=12, ready=3), 12.0)  # more than a step buffered (prefetch)
+    assert reg.trainer_view(12.0).samples_needed == 0
+    # the wait: whole-group samples at the rate whole groups come (1 group of 4 every 2 s = 2 samples/s)
+    reg.on_trainer(trainer("waiting", buffered=6, open_=3), 20.0)
+    for i in range(16):
+        reg.on_finished(20.0 + i * 0.5, f"g{i // 4}")
+    reg.on_trainer(trainer("waiting", buffered=6, open_=3), 28.0)  # its groups went to the last step
+    s = reg.snapshot("seamless", 28.0, 1.5, 0)
+    assert s.trainer.samples_needed == 8 and abs(s.completion_rate - 4 * 4 / (28.0 - 21.5)) < 1e-9
+    rates = reg.rates(28.0)
+    assert abs(rates["predicted_wait_s"] - 8 / s.completion_rate) < 1e-9
+    assert abs(rates["sessions_per_s"] - 16 / 8.0) < 1e-9 and abs(rates["groups_per_s"] - 4 / 6.5) < 1e-9
+
+
+def test_groups_complete_with_their_last_member_and_both_rates_are_measured():
+    reg = Registry()
+    reg.on_finished(1.0, "a")  # no trainer heard yet: its group size is unknown, members are counted
+    reg.on_trainer(trainer("waiting"), 1.0)  # group_size 4
+    for t, g in [(2.0, "a"), (2.5, "b"), (3.0, "a"), (4.0, "b"), (5.0, "a"), (6.0, "b"), (7.0, "b")]:
+        reg.on_finished(t, g)
+    assert list(reg.groups_done) == [5.0, 7.0] and reg.open_groups == {}
+    assert abs(reg.group_rate(7.0) - 2 / 2.0) < 1e-9
+    assert abs(reg.completion_rate(7.0) - 8 / 6.0) < 1e-9
+    assert abs(reg.whole_group_rate(7.0) - 4 * 1.0) < 1e-9
+    reg.on_finished(8.0, "c")
+    assert reg.whole_group_rate(100.0) == 0.0 and reg.open_groups == {"c": 1}  # the window passed
+
+
+def test_without_completed_groups_the_session_rate_stands_in():
+    reg = Registry()
+    reg.on_trainer(trainer("waiting"), 0.0)
+    for t in range(5):
+        reg.on_finished(float(t), f"g{t}")  # five groups open, none complete
+    assert reg.group_rate(4.0) == 0.0 and reg.whole_group_rate(4.0) == reg.completion_rate(4.0) > 0
+
+
+def test_every_lend_is_a_measured_switch_the_start_up_lend_too():
+    reg = Registry()
+    reg.on_heartbeat(hb("host-0", "idle", tags=("train", "rollout")), 100.0)  # registers idle
+    reg.on_heartbeat(hb("host-1", "idle"), 100.0)
+    reg.issued("host-0", "rollout", 1, 100.0)
+    reg.issued("host-1", "rollout", 1, 100.0)
+    reg.on_changed(HostModeChanged("host-0", "rollout", 1, 100.0, 100.4), 100.4)  # idle -> rollout: a lend
+    reg.on_changed(HostModeChanged("host-1", "rollout", 1, 100.0, 100.1), 100.1)  # a rollout host: no lend
+    assert reg.counts["lends"] == 1 and abs(reg.costs.lend_s - 0.4) < 1e-9
+    reg.issued("host-0", "train", 2, 101.0)
+    reg.on_changed(HostModeChanged("host-0", "train", 2, 101.0, 101.5), 101.5)
+    assert reg.counts["reclaims"] == 1 and abs(reg.costs.reclaim_s - 0.5) < 1e-9
+    reg.issued("host-0", "rollout", 3, 102.0)
+    reg.on_changed(HostModeChanged("host-0", "rollout", 3, 102.0, 102.2), 102.2)  # train -> rollout
+    assert reg.counts["lends"] == 2 and abs(reg.costs.lend_s - (0.7 * 0.4 + 0.3 * 0.2)) < 1e-9
+    reg.issued("host-0", "rollout", 4, 103.0, lent_until=103.0)  # a drain: rollout -> rollout, no switch
+    reg.on_changed(HostModeChanged("host-0", "rollout", 4, 103.0, 103.01), 103.01)
+    assert reg.counts["lends"] == 2
+
+
+def lent_host(reg: Registry) -> None:
+    reg.on_heartbeat(hb("host-0", "train", tags=("train", "rollout")), 100.0)
+    reg.on_trainer(trainer("waiting"), 100.0)
+    reg.issued("host-0", "rollout", 1, 100.0, lent_until=130.0)
+    reg.on_changed(HostModeChanged("host-0", "rollout", 1, 100.0, 100.5), 100.5)
+
+
+def test_a_lent_host_whose_turns_end_between_heartbeats_shows_rollout():
+    """The demo's short turns start and end between two worker heartbeats: every beat reports
+    running 0, but the worker's generated tokens grew, so the host served."""
+    reg = Registry()
+    lent_host(reg)
+    reg.on_worker("host-0-rollout", 0, 100.6, generated_tokens=500)
+    reg.record_activity(100.6)
+    reg.on_worker("host-0-rollout", 0, 101.6, generated_tokens=540)  # 40 tokens since, none running now
+    reg.record_activity(101.6)
+    assert reg.hosts["host-0"].activity == "rollout" and reg.lent_idle() == []
+    reg.on_worker("host-0-rollout", 0, 102.6, generated_tokens=540)  # nothing since
+    reg.record_activity(102.6)
+    assert [iv.activity for iv in reg.timeline("host-0", 103.0)] == ["idle", "rollout", "idle"]
+
+
+def test_a_lent_host_that_receives_nothing_shows_idle_and_is_named():
+    reg = Registry()
+    lent_host(reg)
+    for i in range(3):
+        reg.on_worker("host-0-rollout", 0, 101.0 + i, generated_tokens=500)
+        reg.record_activity(101.0 + i)
+    assert reg.hosts["host-0"].activity == "idle" and reg.lent_idle() == ["host-0"]
+    assert reg.rates(104.0)["lent_idle_hosts"] == 1.0
+    reg.on_worker("host-0-rollout", 0, 104.0, generated_tokens=3)  # a restarted worker counts from 0
+    assert reg.lent_idle() == ["host-0"]
