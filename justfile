@@ -7,9 +7,9 @@ set positional-arguments
 py := ".venv/bin/python"
 data := env_var_or_default("SF_DATA_DIR", "var")
 just := quote(just_executable())
-# test-fast's selection: an integration test that starts vLLM or DeepSpeed, or one marked slow, is left
-# to `just test` (a unit test marked vllm only imports vLLM, and stays)
-fast := "not slow and not (integration and (vllm or deepspeed))"
+# test-fast's selection: what starts DeepSpeed, an integration test that starts vLLM, and what is marked
+# slow are left to `just test` (a unit test marked vllm only imports vLLM, and stays)
+fast := "not slow and not deepspeed and not (integration and vllm)"
 
 # install or update the venv (idempotent)
 setup:

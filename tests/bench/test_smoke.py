@@ -8,7 +8,8 @@ on a shared machine, the figures mean nothing; the checks only show that they ar
 
 Markers: `bench` on every case; `integration` where the benchmark starts NATS and Redis (with the
 SIMULATED engine); `vllm` / `deepspeed` where it starts one (those run in `just test`, not in
-`just test-fast`). The last test checks that every bench/*.py is run here, or says which case runs it.
+`just test-fast`); `slow` as pyproject.toml says. The last test checks that every bench/*.py is run
+here, or says which case runs it.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ def test_gateway_overhead_simulated():
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # a second stack start (~10 s) for a mode; the case above runs the same stack and engine
 def test_gateway_overhead_one_long_session():
     out = bench("gateway_overhead.py", "--engine", "simulated", "--turns", "10", "--sessions", "1", "--idle", "0")
     assert figures(rf"\| \S+ \| 10 \| {FIGURE} \| ", out)[0] > 0
