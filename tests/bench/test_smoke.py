@@ -1,0 +1,221 @@
+"""Every benchmark runs at a tiny size with its documented command, so that a change which breaks a
+benchmark or its flags fails the suite instead of the next person who measures.
+
+Each case runs the script as its docstring says (`.venv/bin/python bench/NAME.py ...`, from the
+repository root) in a process group of its own with a timeout, and checks that it exited 0 and printed
+its result: a figure parsed from what it printed (or wrote with --out), and found > 0. At these sizes,
+on a shared machine, the figures mean nothing; the checks only show that they are there.
+
+Markers: `bench` on every case; `integration` where the benchmark starts NATS and Redis (with the
+SIMULATED engine); `vllm` / `deepspeed` where it starts one (those run in `just test`, not in
+`just test-fast`); `slow` as pyproject.toml says. The last test checks that every bench/*.py is run
+here, or says which case runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The SIMULATED engine's command after the interpreter (up --worker-cmd, the fault harness and the stack
+# fixture run it; every stack benchmark below runs it inside the real rollout worker).
+ENGINE = ["bench/simulated_engine.py"]
+
+pytestmark = pytest.mark.bench
+
+FIGURE = r"(\d+(?:\.\d+)?)"
+
+
+def run(argv: list[str], timeout: float) -> str:
+    """`python ARGV...` from the repository root; its stdout, after checking it exited 0. The process
+    group is killed on a timeout, so a benchmark's stack does not outlive it."""
+    p = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"{' '.join(argv)}: no result in {timeout:.0f} s\n{out[-3000:]}\n{err[-3000:]}")
+    assert p.returncode == 0, f"{' '.join(argv)} exited {p.returncode}\n{out[-3000:]}\n{err[-3000:]}"
+    return out
+
+
+def bench(name: str, *args: str, timeout: float = 120) -> str:
+    return run([f"bench/{name}", *args], timeout)
+
+
+def figures(pattern: str, text: str) -> list[float]:
+    """Every group of every match of `pattern`, in order, as numbers (at least one)."""
+    found = [float(x) for m in re.finditer(pattern, text) for x in m.groups()]
+    assert found, f"no line matches {pattern!r} in:\n{text[-3000:]}"
+    return found
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{") and line.endswith("}")]
+
+
+# -- simulated: no servers, no model ---------------------------------------------------------------
+
+def test_pipeline(tmp_path):
+    out = bench("pipeline.py", "--steps", "1", "--sweep-steps", "1", "--skip-scale", "--skip-drain",
+                "--out", str(tmp_path))
+    assert "**Goals**" in out
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["long-tail-64"]["policies"]["seamless"]["trained_tok_s"] > 0
+    assert report["goals"] and all(g["measured"] >= 0 for g in report["goals"])
+
+
+def test_pipeline_breakdown():
+    out = bench("pipeline_breakdown.py", "--steps", "2", "--no-diagnostics")
+    tok_s = figures(rf"steps\*\*: {FIGURE} tok/s", out.replace(",", ""))
+    assert len(tok_s) == 4 and all(x > 0 for x in tok_s)
+
+
+# -- a tokenizer, no servers -----------------------------------------------------------------------
+
+def test_cold_calls(tiny_model):
+    out = bench("cold_calls.py", "--model", str(tiny_model), "--calls", "5")
+    rows = figures(rf"\| tokenizer encode \| 2 ms \| {FIGURE} µs", out)
+    assert rows[0] > 0
+
+
+def test_stopstrings(tiny_model):
+    [row] = json_lines(bench("stopstrings.py", "--model", str(tiny_model), "--tokens", "100", "--repeats", "1"))
+    assert row["tokens"] == 100 and row["us_per_token_4_stops"] > 0 and row["us_per_token_no_stops"] > 0
+
+
+# -- plain torch and transformers, no servers ------------------------------------------------------
+
+def test_probe_learning(tmp_path):
+    """`prepare` (the tiny model, one warm-start step) then `run` (two RL steps, evaluated on 8 prompts)."""
+    out = bench("probe_learning.py", "prepare", "--dir", str(tmp_path), "--targets", "--warm-steps", "1")
+    assert "steps 1:" in out
+    out = bench("probe_learning.py", "run", "--model", str(tmp_path / "warmsteps1"), "--steps", "2",
+                "--eval-every", "2", "--eval-n", "8", "--groups-per-step", "2", "--group-size", "2")
+    res = json_lines(out)[-1]
+    assert set(res["eval"]) == {"0", "2"} and len(res["batch_reward"]) == 2 and res["sec_per_step"] > 0
+
+
+# -- a stack on NATS and Redis, the SIMULATED engine -----------------------------------------------
+
+def test_simulated_engine_parses_its_documented_flags():
+    """Its run needs a NATS server: every stack case below runs it inside the real rollout worker."""
+    out = run([*ENGINE, "--help"], timeout=60)
+    assert "--worker-id" in out and "--capacity" in out
+
+
+@pytest.mark.integration
+def test_gateway_overhead_simulated():
+    out = bench("gateway_overhead.py", "--engine", "simulated", "--concurrency", "1", "--requests", "8",
+                "--rounds", "1", "--idle", "0")
+    direct, gateway = figures(rf"\| \S+ \| 1 \| {FIGURE} / [\d.]+ \| {FIGURE} / ", out)[:2]
+    assert direct > 0 and gateway > 0
+
+
+@pytest.mark.integration
+@pytest.mark.slow  # a second stack start (~10 s) for a mode; the case above runs the same stack and engine
+def test_gateway_overhead_one_long_session():
+    out = bench("gateway_overhead.py", "--engine", "simulated", "--turns", "10", "--sessions", "1", "--idle", "0")
+    assert figures(rf"\| \S+ \| 10 \| {FIGURE} \| ", out)[0] > 0
+
+
+@pytest.mark.integration
+def test_hop_floor():
+    rows = json_lines(bench("hop_floor.py", "--concurrency", "1", "--requests", "8", "--rounds", "1"))
+    sides = {r["side"]: r for r in rows if "side" in r}
+    assert set(sides) == {"services", "floor"}
+    assert all(r["p50_ms"] > 0 and r["turns"] >= 8 for r in sides.values())
+
+
+@pytest.mark.integration
+def test_load(tmp_path):
+    bench("load.py", "--sessions", "4", "--seconds", "2", "--warmup", "1", "--replicas", "1", "--procs", "1",
+          "--workers", "1", "--out", str(tmp_path / "load.json"))
+    [row] = json.loads((tmp_path / "load.json").read_text())["rows"]
+    assert row["turns"] > 0 and row["turns_per_s"] > 0
+    assert row["error_count"] == 0, row["errors"]
+
+
+@pytest.mark.integration
+def test_scheduler_scale(tmp_path):
+    bench("scheduler_scale.py", "--hosts", "4", "--train-hosts", "1", "--seconds", "3", "--period", "1",
+          "--out", str(tmp_path / "scale.json"))
+    r = json.loads((tmp_path / "scale.json").read_text())
+    assert r["hosts"] == 4 and r["assignments_per_s"] > 0
+
+
+@pytest.mark.integration
+def test_pipeline_live(tmp_path):
+    """The live stack (scheduler, host agents with SIMULATED engines, bench/sim_trainer.py) beside the
+    simulator."""
+    out = bench("pipeline_live.py", "--hosts", "2", "--steps", "3", "--warmup", "1", "--timeout", "120",
+                "--out", str(tmp_path / "live.json"), timeout=240)
+    assert "failed turns 0" in out
+    r = json.loads((tmp_path / "live.json").read_text())
+    assert r["live"]["trained_tokens_per_s"] > 0 and r["sim"]["trained_tokens_per_s"] > 0
+
+
+# -- vLLM or DeepSpeed: `just test` only -----------------------------------------------------------
+
+@pytest.mark.integration
+@pytest.mark.vllm
+def test_gateway_overhead_vllm():
+    out = bench("gateway_overhead.py", "--concurrency", "1", "--requests", "4", "--rounds", "1", "--idle", "0",
+                timeout=600)
+    assert figures(rf"\| \S+ \| 1 \| {FIGURE} / ", out)[0] > 0
+
+
+@pytest.mark.integration
+@pytest.mark.vllm
+def test_weight_update_stall():
+    out = bench("weight_update_stall.py", "--agents", "2", "--workers", "1", "--seconds", "4", "--every", "2",
+                "--max-tokens", "8", timeout=600)
+    phases = {r["phase"]: r for r in json_lines(out) if "phase" in r}
+    assert set(phases) == {"baseline", "keep", "abort"} and all(r["requests"] > 0 for r in phases.values())
+
+
+@pytest.mark.integration
+@pytest.mark.deepspeed
+def test_train_step(tmp_path):
+    bench("train_step.py", "--models", "tiny", "--steps", "1", "--warmup", "0", "--groups", "1", "--group-size", "2",
+          "--prompt", "8", "--generated", "8", "--json", str(tmp_path / "rows.json"), timeout=600)
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert {r["path"] for r in rows} == {"plain", "zero0", "zero2"} and all(r["tokens_per_s"] > 0 for r in rows)
+
+
+@pytest.mark.integration
+@pytest.mark.vllm
+@pytest.mark.deepspeed
+def test_scheduler_ab(tmp_path, tiny_model):
+    bench("scheduler_ab.py", "--seconds", "10", "--policies", "seamless", "--model", str(tiny_model),
+          "--out", str(tmp_path / "ab.json"), timeout=600)
+    [row] = json.loads((tmp_path / "ab.json").read_text())
+    assert row["policy"] == "seamless"
+
+
+# -- every benchmark is here -----------------------------------------------------------------------
+
+# bench/ files that are parts of a benchmark, not one: the case that runs each
+PARTS = {
+    "cpu_cap.py": "load.py --replica-cpu (root and a cgroup cpu controller): tests/unit/test_bench_load.py",
+    "sim_trainer.py": "test_pipeline_live (its trainer)",
+    "simulated_engine.py": "test_simulated_engine_parses_its_documented_flags (ENGINE) and every stack case",
+}
+
+
+def test_every_benchmark_has_a_smoke_run():
+    source = Path(__file__).read_text()
+    run_here = set(re.findall(r'bench\("(\w+\.py)"', source))
+    missing = {p.name for p in (ROOT / "bench").glob("*.py")} - run_here - set(PARTS)
+    assert not missing, f"bench/ scripts with no smoke run in {Path(__file__).name}: {sorted(missing)}"
