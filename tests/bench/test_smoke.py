@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # The SIMULATED engine's command after the interpreter (up --worker-cmd, the fault harness and the stack
 # fixture run it; every stack benchmark below runs it inside the real rollout worker).
-ENGINE = ["bench/simulated_engine.py"]
+ENGINE = ["-m", "services.rollout.simulated"]
 
 pytestmark = pytest.mark.bench
 
@@ -210,7 +210,6 @@ def test_scheduler_ab(tmp_path, tiny_model):
 PARTS = {
     "cpu_cap.py": "load.py --replica-cpu (root and a cgroup cpu controller): tests/unit/test_bench_load.py",
     "sim_trainer.py": "test_pipeline_live (its trainer)",
-    "simulated_engine.py": "test_simulated_engine_parses_its_documented_flags (ENGINE) and every stack case",
 }
 
 
