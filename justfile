@@ -83,7 +83,7 @@ host *ARGS:
 
 # validate the compose files against the Compose Specification schema (tests/unit/test_compose_schema.py runs it too)
 compose-check:
-    .venv/bin/check-jsonschema --builtin-schema vendor.compose-spec deploy/compose/docker-compose.yml deploy/compose/compose.gpu.yaml
+    .venv/bin/check-jsonschema --builtin-schema vendor.compose-spec deploy/compose/docker-compose.yml deploy/compose/compose.gpu.yaml deploy/compose/compose.ha.yaml
 
 # write finished trajectories as JSONL
 export OUT="trajectories.jsonl":

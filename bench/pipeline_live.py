@@ -1,6 +1,6 @@
 """Simulator fidelity: the same small workload on a live stack and in the simulator, side by side.
 
-    .venv/bin/python bench/pipeline_live.py [--hosts 4] [--steps 20] [--warmup 4] [--policy seamless]
+    .venv/bin/python bench/pipeline_live.py [--hosts 4] [--steps 20] [--warmup 4] [--policy seamless] [--pin]
 
 Everything that computes is SIMULATED; everything that coordinates is real.
 - Live: the real scheduler, host agents, NATS, Redis, trajectory manager and gateway. Each
@@ -14,7 +14,10 @@ Everything that computes is SIMULATED; everything that coordinates is real.
   CALIBRATIONS["live-mini"] set to the engine's step costs, with switch costs (lend,
   reclaim: the host agents' measured p50), weight sync (the trainer's measured publish) and
   the train cost per token (the trainer's measured compute per token) taken from the live
-  run; WORKLOADS["live-mini"] with the live prompt length; dt = the live scheduler tick.
+  run; WORKLOADS["live-mini"] with the live prompt length; dt = the live scheduler tick. Its lend
+  verdict and routing are the live stack's: the offer only with SF_SCHEDULER_LIVE_OFFER, the renewal
+  SF_SCHEDULER_RENEW_S, rebalance on a lend SF_TRAJECTORY_REBALANCE (sim.Options offer, renew_s,
+  rebalance; without them the simulator's policy read an offer the live one did not, and never lent).
 
 Compared over the same steps (warmup+1 .. steps; the simulator is run to `warmup` and to
 `steps` with one seed, and the difference taken): trained tokens/s (prompt + generated
@@ -58,6 +61,12 @@ answered - the t1 (last delta yielded) of the dispatch that finished (the deltas
 the worker, trajectory manager and gateway to the agent, then /finish); the means over the
 paired turns (`split_latency`). before + engine (last t1 - first t0) + after = the agents' time
 per turn exactly, over the same turns. --split-latency-ms BEFORE,AFTER sets them instead.
+
+A fifth, "sim + spread", is the fourth with each turn's latency drawn around those means
+(sim.Options.turn_latency_cv: a gamma of the measured coefficient of variation of before + after
+over the paired turns; --latency-cv sets it). With one fixed latency every turn of the
+fixed-length workload stays in step with the sessions admitted beside it, and the simulated
+rollout hosts idle between the bursts; live, the latency varies and the bursts spread.
 """
 
 from __future__ import annotations
@@ -89,13 +98,17 @@ from seamlessflow.ops import hosts as hostops  # noqa: E402
 from seamlessflow.stack import servers  # noqa: E402
 from seamlessflow.modelgen import init_model  # noqa: E402
 from seamlessflow.stack import Stack, StackOptions  # noqa: E402
+from services.scheduler.config import load_scheduler  # noqa: E402
 from services.scheduler.sim import Cluster, Simulator, Options  # noqa: E402
 from services.scheduler.sim.result import ACTS  # noqa: E402
 from services.scheduler.sim.workload import CALIBRATIONS, WORKLOADS  # noqa: E402
-from shared.config import connections  # noqa: E402
+from services.trajectory.config import TrajectoryConfig  # noqa: E402
+from shared.config import connections, load  # noqa: E402
 from shared.messages.scheduler import Interval, fractions  # noqa: E402
 
 WL = WORKLOADS["live-mini"]
+LIVE = load_scheduler()  # the live scheduler's settings (SF_SCHEDULER_*): the simulator's policy reads the same
+TRAJ = load(TrajectoryConfig, "SF_TRAJECTORY_")  # the live router's (SF_TRAJECTORY_REBALANCE): the simulator's routing too
 
 
 class SimTrainerStack(Stack):
@@ -258,7 +271,10 @@ def split_latency(turns: list[tuple], engine: list[dict]) -> dict:
         inside.append(t1 - t0)
         after.append(finished - t1)
     mean = lambda xs: statistics.mean(xs) if xs else float("nan")  # noqa: E731
-    return {"before_s": mean(before), "engine_s": mean(inside), "after_s": mean(after), "turns": len(before)}
+    outside = [b + f for b, f in zip(before, after)]  # its spread: sim.Options.turn_latency_cv
+    cv = statistics.pstdev(outside) / mean(outside) if len(outside) > 1 and mean(outside) > 0 else 0.0
+    return {"before_s": mean(before), "engine_s": mean(inside), "after_s": mean(after), "turns": len(before),
+            "cv": cv}
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -275,7 +291,7 @@ def live_stack(a, tmp: Path) -> SimTrainerStack:
     opts = StackOptions(model=model, data_dir=tmp, gateway_port=servers.free_port(), admin_port=servers.free_port(),
                         nats_port=servers.free_port(), redis_port=servers.free_port(), max_model_len=512,
                         max_num_seqs=a.capacity, policy=a.policy, hosts=["train+rollout"] + ["rollout"] * (a.hosts - 1),
-                        train=True, trainer_settings=trainer,
+                        train=True, trainer_settings=trainer, pin=a.pin,
                         extra_env={"SF_HOST_WORKER_CMD": engine, "SF_SCHEDULER_TICK": str(a.tick),
                                    "SF_TRAJECTORY_MAX_STALENESS": str(WL.max_staleness)})
     SimTrainerStack.s_per_token = a.s_per_token
@@ -393,7 +409,8 @@ def live(a, tmp: Path) -> dict:
     }
 
 
-def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0), latency: float = 0.0, after: float = 0.0) -> dict:
+def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0), latency: float = 0.0, after: float = 0.0,
+              cv: float = 0.0) -> dict:
     """The simulator on the live run's measured costs; `control` = (CPU s per turn, cores) of
     the control plane (Options.control_s_per_turn, control_cores), (0, 1) to leave it out;
     `latency` = wall seconds per turn outside the engine before it (Options.turn_latency_s), and
@@ -402,21 +419,30 @@ def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0), latency: fl
                   max_seqs=a.capacity, lend_s=m["lend_s"] or a.switch_s, reclaim_s=m["reclaim_s"] or a.switch_s, weight_sync_s=m["publish_s"],
                   train_s_per_token=m["train_s_per_token"],
                   prefill_s_per_token=a.step_ms / 1000 / max(m["prompt_tokens"], 1))  # a prefill costs one step
+    measured_inputs(cal, m, control, latency, after)
     prompt = round(m["prompt_tokens"])
     wl = replace(WL, prompt_tokens=prompt, length_median=round(m["gen_tokens"]), length_cap=round(m["gen_tokens"]))
     runs = {}
+    limit = sim_time_limit(m)
     for n in (a.warmup, a.steps):
+        # the lend verdict as the live scheduler ran it: its offer setting (off by default) and its renewal
         opt = Options(steps=n, dt=a.tick, seed=0, backlog=a.backlog, control_s_per_turn=control[0],
-                      control_cores=control[1], route=a.route, turn_latency_s=latency, turn_latency_after_s=after)
+                      control_cores=control[1], route=a.route, turn_latency_s=latency, turn_latency_after_s=after,
+                      turn_latency_cv=cv, max_time_s=limit, offer=LIVE.live_offer, renew_s=LIVE.renew_s,
+                      rebalance=TRAJ.rebalance)
         sim = Simulator(Cluster.uniform(a.hosts, 1), cal, wl, a.policy, opt)
         runs[n] = sim.run()
+        if sim.step < n:
+            raise SystemExit(f"the simulator trained {sim.step} of {n} steps in {limit:.0f} virtual s (the live run "
+                             f"took {m.get('wall_s', math.nan):.1f} s): its inputs stop it; {cal}, control {control}, "
+                             f"latency {latency} + {after} s")
     r0, r1 = runs[a.warmup], runs[a.steps]
     tok = r1.trained_tokens_per_s * r1.wall_s - (r0.trained_tokens_per_s * r0.wall_s if a.warmup else 0)
     ht = r1.host_time - (r0.host_time if a.warmup else 0)
     window = r1.wall_s - (r0.wall_s if a.warmup else 0)
     return {"wall_s": r1.wall_s, "window_s": window, "trained_tokens_per_s": tok / window,
             "control": {"s_per_turn": control[0], "cores": control[1], "wait_s": r1.control_wait_s},
-            "turn_latency_s": latency, "turn_latency_after_s": after,
+            "turn_latency_s": latency, "turn_latency_after_s": after, "turn_latency_cv": cv,
             "idle": float(ht[:, ACTS.index("idle")].sum() / ht.sum()),
             "idle_hosts": {f"host-{i}": float(x) for i, x in enumerate(ht[:, ACTS.index("idle")] / ht.sum(axis=1))},
             "fractions": {k: float(ht[:, i].sum() / ht.sum()) for i, k in enumerate(ACTS)},
@@ -427,7 +453,29 @@ def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0), latency: fl
                          "groups_per_step": wl.groups_per_step, "max_staleness": wl.max_staleness}}
 
 
-def parse_args() -> argparse.Namespace:
+def measured_inputs(cal, m: dict, control: tuple[float, float], latency: float, after: float) -> None:
+    """Refuse figures the simulator cannot run on (a NaN publish, no cores for the control plane):
+    with them it never trains a step, and once looped without end."""
+    bad = {k: v for k, v in [*((k, getattr(cal, k)) for k in ("decode_a_s", "decode_b_s", "prefill_s_per_token",
+                                                               "train_s_per_token", "weight_sync_s", "lend_s",
+                                                               "reclaim_s")),
+                             ("prompt_tokens", m["prompt_tokens"]), ("gen_tokens", m["gen_tokens"]),
+                             ("control_s_per_turn", control[0]), ("latency_s", latency), ("after_s", after)]
+           if not (math.isfinite(v) and v >= 0)}
+    if control[0] > 0 and not control[1] > 0:
+        bad["control_cores"] = control[1]
+    if bad:
+        raise SystemExit(f"measured figures the simulator cannot run on: {bad}")
+
+
+def sim_time_limit(m: dict) -> float:
+    """Virtual seconds the simulator may take for the live run's steps: 20x the live run's wall time (the
+    simulator has been within 2x of it), at least 10 min; without a live time, an hour."""
+    wall = m.get("wall_s")
+    return max(600.0, 20 * wall) if wall and math.isfinite(wall) else 3600.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hosts", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
@@ -458,8 +506,16 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--split-latency-ms", default=None, metavar="BEFORE,AFTER",
                     help="sim + split latency: wall ms per turn outside the engine before and after it "
                          "(default: measured in this live run)")
+    ap.add_argument("--pin", action="store_true",
+                    help="each host its own CPU set for its worker and trainer rank, the control plane the rest "
+                         "(seamlessflow up --pin)")
+    ap.add_argument("--latency-cv", type=float, default=None,
+                    help="sim + spread: the latency's coefficient of variation from turn to turn (default: measured)")
     ap.add_argument("--out", type=Path, default=Path("var/bench/pipeline_live.json"))
-    return ap.parse_args()
+    a = ap.parse_args(argv)
+    if not 0 <= a.warmup < a.steps:  # else no step is compared: found only after the live run, minutes later
+        ap.error(f"--warmup {a.warmup} must be at least 0 and below --steps {a.steps} (default --warmup 4)")
+    return a
 
 
 def main() -> None:
@@ -479,13 +535,15 @@ def main() -> None:
     if not (math.isfinite(before) and math.isfinite(after)):
         raise SystemExit(f"no agent turn paired with an engine request ({sp}); see {tmp}")
     st = simulated(a, m, latency=before, after=after)
+    cv = a.latency_cv if a.latency_cv is not None else sp["cv"]
+    sv = simulated(a, m, latency=before, after=after, cv=cv)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     # sim idle over live idle, against both live figures (heartbeat timeline, engine logs)
     ratios = {name: {"idle_heartbeats": x["idle"] / m["idle"] if m["idle"] else float("nan"),
                      "idle_engine": x["idle"] / m["idle_engine"] if m["idle_engine"] else float("nan")}
-              for name, x in (("sim", s), ("sim_control", c), ("sim_latency", lt), ("sim_split", st))}
+              for name, x in (("sim", s), ("sim_control", c), ("sim_latency", lt), ("sim_split", st), ("sim_spread", sv))}
     a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "live": m, "sim": s,
-                                 "sim_control": c, "sim_latency": lt, "sim_split": st,
+                                 "sim_control": c, "sim_latency": lt, "sim_split": st, "sim_spread": sv,
                                  "idle_ratios": ratios}, indent=1))
     print(f"\nSIMULATED engines and trainer, {a.hosts} hosts, {a.policy}, steps {a.warmup + 1}-{a.steps} "
           f"(engine {a.step_ms} ms + {a.per_seq_ms} ms/request, capacity {a.capacity}); measured live: "
@@ -523,6 +581,11 @@ def main() -> None:
           + ", ".join(f"{k} {m['idle_hosts'][k]:.1%} / {v:.1%} / {s['idle_hosts'].get(k, float('nan')):.1%} / "
                       f"{lt['idle_hosts'].get(k, float('nan')):.1%} / {st['idle_hosts'].get(k, float('nan')):.1%}"
                       for k, v in sorted(m["idle_engine_hosts"].items())))
+    print(f"sim + split latency + spread (each turn's latency drawn, cv {cv:.2f}; measured {sp['cv']:.2f}): trained "
+          f"tok/s {sv['trained_tokens_per_s']:.0f} ({sv['trained_tokens_per_s'] / m['trained_tokens_per_s']:.3f} of live), "
+          f"idle {sv['idle']:.1%} ({ratios['sim_spread']['idle_engine']:.3f} of the engine logs' idle, "
+          f"{ratios['sim_spread']['idle_heartbeats']:.3f} of the heartbeats'), lends / reclaims {sv['lends']} / "
+          f"{sv['reclaims']}; idle per host " + ", ".join(f"{k} {v:.1%}" for k, v in sorted(sv["idle_hosts"].items())))
     busy = sorted(m["cpu_core_share"].items(), key=lambda kv: -kv[1])
     print("\nlive CPU (share of one core; host-N with its worker) over the run: "
           + ", ".join(f"{k} {v:.2f}" for k, v in busy)

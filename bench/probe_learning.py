@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from seamlessflow.demo.tasks import reverse_prompt, reverse_reward
+from seamlessflow.demo.tasks import REVERSE_SHAPINGS, reverse_prompt, reverse_reward
 from seamlessflow.demo.warmstart import _prompt_ids
 from services.trainer.algorithms import AlgoConfig, merge_metrics, policy_loss
 from services.trainer.batching import build_global_batch, micro_batches
@@ -142,6 +142,10 @@ DEFAULTS = {
     # AlgoConfig knobs
     "advantage": "grpo", "std_normalize": True, "group_baseline": False, "clip_low": 0.2, "clip_high": 0.2,
     "decoupled": True, "tis": True, "tis_cap": 2.0, "entropy_coef": 0.0, "aggregation": "token-mean",
+    "drop_uniform_groups": False, "kl_coef": 0.0,
+    # the reward the trainer sees: "answer" (tasks.answer_reward, what the demo reports) or another
+    # shaping of tasks.REVERSE_SHAPINGS; batch_reward, loop_gain and the evals always use answer_reward
+    "reward": "answer",
     # probe
     "name": "", "quiet": False, "save": "",  # save: write the final model here ("" = no)
 }
@@ -155,7 +159,9 @@ def rollout(model, tok, rng: random.Random, o: dict, step: int, pad_id: int) -> 
     answers = generate(model, tok, prompts)
     texts = tok.batch_decode(answers, skip_special_tokens=True)
     targets = [tgt for _, tgt in tasks for _ in range(o["group_size"])]
-    rewards = [reverse_reward(a, t) for a, t in zip(texts, targets)]
+    rewards = [reverse_reward(a, t) for a, t in zip(texts, targets)]  # what the demo reports
+    shaped = REVERSE_SHAPINGS[o["reward"]]
+    train_rewards = [shaped(a, t) for a, t in zip(texts, targets)]
     seqs = [p + a for p, a in zip(prompts, answers)]
     behav = seq_logprobs(model, seqs, [len(p) for p in prompts], pad_id)
     groups = []
@@ -165,12 +171,13 @@ def rollout(model, tok, rng: random.Random, o: dict, step: int, pad_id: int) -> 
             i = g * o["group_size"] + k
             p, n = len(prompts[i]), len(answers[i])
             s = Sample(seqs[i], [0] * p + [1] * n, behav[i], [-1] * p + [step] * n)
-            grp.append(TrajectoryCompleted(f"s{step}-{i}", f"g{step}-{g}", rewards[i], [s]))
+            grp.append(TrajectoryCompleted(f"s{step}-{i}", f"g{step}-{g}", train_rewards[i], [s]))
         groups.append(grp)
     return groups, rewards, answers
 
 
-def train_step(model, optim: tuple, gb, algo: AlgoConfig, o: dict, pad_id: int) -> tuple[list[dict], torch.Tensor]:
+def train_step(model, optim: tuple, gb, algo: AlgoConfig, o: dict, pad_id: int,  # noqa: PLR0913  the engine's inputs
+               ref=None) -> tuple[list[dict], torch.Tensor]:
     """TrainEngine.train_step at world size 1, without DeepSpeed: (each micro-batch's metrics, the grad norm).
     `optim`: (optimizer, lr scheduler)."""
     opt, sched = optim
@@ -189,8 +196,13 @@ def train_step(model, optim: tuple, gb, algo: AlgoConfig, o: dict, pad_id: int) 
                 prox[i] = logp.detach()
             if algo.entropy_coef == 0.0:
                 entropy = entropy.detach()
+            ref_logp = None
+            if ref is not None:
+                with torch.no_grad():
+                    ref_logp = token_logprobs(ref(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits,
+                                              mb.targets, False)[0]
             loss, m = policy_loss(logp, prox[i], mb.behav_logprobs, mb.advantages, mb.loss_mask, algo,
-                                  entropy=entropy, num_tokens=norm_tokens, num_seqs=norm_seqs)
+                                  ref_logp=ref_logp, entropy=entropy, num_tokens=norm_tokens, num_seqs=norm_seqs)
             loss.backward()
             parts.append(m)
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), o["grad_clip"] if o["grad_clip"] > 0 else 1e30)
@@ -206,19 +218,21 @@ def run(opts: dict) -> dict:
     algo = AlgoConfig(advantage=o["advantage"], std_normalize=o["std_normalize"],
                       group_baseline=o["group_baseline"], clip_low=o["clip_low"], clip_high=o["clip_high"],
                       decoupled=o["decoupled"], tis=o["tis"], tis_cap=o["tis_cap"],
-                      entropy_coef=o["entropy_coef"], aggregation=o["aggregation"])
+                      entropy_coef=o["entropy_coef"], aggregation=o["aggregation"],
+                      drop_uniform_groups=o["drop_uniform_groups"], kl_coef=o["kl_coef"])
     torch.manual_seed(o["seed"])
     rng = random.Random(o["task_seed"] * 1000 + o["seed"])
     tok = AutoTokenizer.from_pretrained(o["model"])
     model = AutoModelForCausalLM.from_pretrained(o["model"], dtype=torch.float32)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    ref = AutoModelForCausalLM.from_pretrained(o["model"], dtype=torch.float32).eval() if o["kl_coef"] else None
     opt = torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=(o["beta1"], o["beta2"]), eps=o["adam_eps"],
                             weight_decay=o["weight_decay"])
     warmup = max(o["lr_warmup_steps"], 0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
     evaluate = Evaluator(tok, o["eval_n"])
     log = (lambda *a: None) if o["quiet"] else (lambda *a: print(*a, flush=True))
-    evals, batch_rewards, step_metrics = {}, [], []
+    evals, batch_rewards, batch_exact, step_metrics = {}, [], [], []
     t_steps = 0.0
     for step in range(o["steps"] + 1):
         if o["eval_every"] and step % o["eval_every"] == 0:
@@ -232,13 +246,14 @@ def run(opts: dict) -> dict:
         groups, rewards, answers = rollout(model, tok, rng, o, step, pad_id)
         # 2. the trainer's step (TrainEngine.train_step, world size 1, no DeepSpeed)
         gb = build_global_batch(groups, algo)
-        parts, gn = train_step(model, (opt, sched), gb, algo, o, pad_id)
+        parts, gn = train_step(model, (opt, sched), gb, algo, o, pad_id, ref)
         dt = time.perf_counter() - t0
         t_steps += dt
         m = merge_metrics(parts)
         m.update(gb.metrics, grad_norm=float(gn), lr=opt.param_groups[0]["lr"])
         step_metrics.append({k: round(v, 4) for k, v in m.items()})
         batch_rewards.append(sum(rewards) / len(rewards))
+        batch_exact.append(sum(r == 1.0 for r in rewards) / len(rewards))
         eos = sum(tok.eos_token_id in a for a in answers) / len(answers)
         log(f"step {step:3d} reward {batch_rewards[-1]:.3f} adv_std {m['adv_std']:.2f} "
             f"ent {m.get('entropy', 0):.3f} clip {m['clip_frac']:.3f} gnorm {float(gn):.2f} eos {eos:.2f} {dt:.2f}s")
@@ -249,6 +264,14 @@ def run(opts: dict) -> dict:
         "name": o["name"], "opts": {k: v for k, v in o.items() if k in opts},
         "eval": {str(k): {kk: round(vv, 4) for kk, vv in v.items()} for k, v in evals.items()},
         "batch_reward": [round(r, 3) for r in batch_rewards],
+        "batch_exact": [round(r, 3) for r in batch_exact],
+        # the demo's figure: in-loop mean reward, first 8 steps -> last 8 steps, and the lowest
+        # 8-step rolling mean below the first 8 (the "dip")
+        "loop_gain": round(_mean(batch_rewards[-8:]) - _mean(batch_rewards[:8]), 3),
+        "loop_dip": round(_mean(batch_rewards[:8]) - min(_mean(batch_rewards[max(0, i - 7):i + 1])
+                                                         for i in range(7, len(batch_rewards))), 3)
+        if len(batch_rewards) >= 8 else 0.0,
+        "groups_dropped": sum(m.get("groups_dropped", 0) for m in step_metrics),
         "sec_per_step": round(t_steps / max(o["steps"], 1), 3),
         "final_entropy": step_metrics[-1].get("entropy") if step_metrics else None,
         "entropy": [m.get("entropy") for m in step_metrics],
@@ -278,6 +301,10 @@ def prepare(dirpath: Path, targets: list[float], warm_steps: list[int]) -> None:
             for extra in ("generation_config.json",):
                 if (tiny / extra).exists() and not (out / extra).exists():
                     shutil.copy(tiny / extra, out / extra)
+
+
+def _mean(xs) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
 
 
 def _bool(s: str) -> bool:
@@ -312,7 +339,7 @@ def main(argv=None) -> int:
             res = run({"quiet": True, **opts})
             res["wall_s"] = round(time.perf_counter() - t0, 1)
             ev = res["eval"]
-            print(f"# {res['name'] or opts}: " + " ".join(f"{k}:{v['sampled']:.3f}/{v['greedy']:.3f}"
+            print(f"# {res['name'] or opts}: gain {res['loop_gain']:+.3f} dip {res['loop_dip']:.3f} " + " ".join(f"{k}:{v['sampled']:.3f}/{v['greedy']:.3f}"
                                                          for k, v in ev.items()), file=sys.stderr, flush=True)
             out.write(json.dumps(res) + "\n")
             out.flush()

@@ -16,7 +16,8 @@ latency p50/max measured by the host agents (lend = offload + wake + load + resu
 = vacate until the last request has migrated + sleep + reload), trained samples/s (sessions the
 trainer trained in the window, per second), lend/reclaim cycles per minute, turns whose tokens
 came from more than one worker (moved by a reclaim), failed agent requests, and the scheduler's
-rates at the end (sessions/s, groups/s, predicted wait, lent hosts that generate nothing).
+rates at the end (sessions/s, groups/s, predicted wait, lent hosts that generate nothing), and the
+host-seconds train hosts spent lent and idle in the window (the defect a lend must not have).
 With --pin each host runs on a CPU set of its own (seamlessflow/stack/pinning.py).
 """
 
@@ -27,6 +28,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -94,7 +96,7 @@ def measure(stack: Stack, conn, policy: str, a: argparse.Namespace, seed: int) -
     sw = switches(stack, t0, t1)
     reclaims = after.counts.get("reclaims", 0) - before.counts.get("reclaims", 0)
     return {
-        "policy": policy, "seconds": round(t1 - t0, 1), "steps": len(window), "trained_sessions": len(trained),
+        "workload": getattr(a, "workload_name", ""), "policy": policy, "seconds": round(t1 - t0, 1), "steps": len(window), "trained_sessions": len(trained),
         "trained_samples_per_s": round(len(trained) / (t1 - t0), 3),
         "trained_tokens_per_s": round(tokens / (t1 - t0), 1), "agent_turns": agents.ok,
         "failures": len(agents.failures), "host0": {k: round(v, 3) for k, v in frac.items()},
@@ -102,6 +104,9 @@ def measure(stack: Stack, conn, policy: str, a: argparse.Namespace, seed: int) -
         "cycles_per_min": round(reclaims / (t1 - t0) * 60, 2), "moved_turns": moved_turns(agents),
         "lend_s": _p(sw["lend"]), "reclaim_s": _p(sw["reclaim"]),
         "rates": {k: round(v, 3) for k, v in after.rates.items()},
+        # train hosts lent to rollout that served nothing (registry.lent_idle_s): the defect a lend must not have
+        "lent_idle_host_s": round(after.rates.get("lent_idle_host_s", 0.0) - before.rates.get("lent_idle_host_s", 0.0),
+                                  1),
     }
 
 
@@ -121,6 +126,7 @@ def main() -> None:
     ap.add_argument("--policies", default="disaggregated,seamless")
     ap.add_argument("--model", type=Path, help="default: the tiny model, built in a temp dir")
     ap.add_argument("--out", type=Path, default=Path("var/bench/scheduler_ab.json"))
+    ap.add_argument("--runs", type=int, default=1, help="each policy this many times, alternating, on one stack")
     ap.add_argument("--pin", action="store_true", help="each host on a CPU set of its own (up --pin)")
     ap.add_argument("--lanes", type=int, default=4, help="groups in flight (agents = lanes x group size)")
     ap.add_argument("--group-size", type=int, default=4, help="sessions per group (SF_TRAINER_GROUP_SIZE too)")
@@ -129,6 +135,10 @@ def main() -> None:
     ap.add_argument("--think-s", type=float, default=0.0, help="between an agent's turns: uniform in [0, 2x]")
     ap.add_argument("--min-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--workload", action="append", default=[], metavar="NAME:KEY=V,...",
+                    help="another workload on the same stack after the first, e.g. 'short:lanes=6,turns=1,"
+                         "think_s=0,min_tokens=4,max_tokens=8' (keys: lanes turns think_s min_tokens max_tokens "
+                         "seconds); repeatable")
     ap.add_argument("--worker-cmd", default="", help="e.g. 'python -m services.rollout.simulated' (SIMULATED)")
     a = ap.parse_args()
     cache = Path(__file__).resolve().parents[1] / ".cache" / "tests"  # the test suite's JIT and vLLM caches
@@ -143,33 +153,73 @@ def main() -> None:
                         trainer_settings=TRAINER | {"group_size": a.group_size, "groups_per_step": a.groups_per_step},
                         ready_timeout=900, pin=a.pin, worker_cmd=a.worker_cmd)
     stack = Stack(opts)
+    # a SIGTERM (kill, a CI timeout) stops the stack too: Python's default would skip the `finally`
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(f"starting the stack in {tmp} ...", file=sys.stderr)
     stack.start()
     conn = connections({"SF_NATS_URL": stack.nats_url, "SF_REDIS_URL": stack.redis_url})
     results = []
     try:
-        for i, policy in enumerate(a.policies.split(",")):
-            r = measure(stack, conn, policy, a, seed=i)
-            print(json.dumps(r), flush=True)
-            results.append(r)
+        for w in workloads(a):
+            for run in range(a.runs):  # run k of every policy draws the same workload (seed k)
+                for i, policy in enumerate(a.policies.split(",")):
+                    r = measure(stack, conn, policy, w, seed=i if a.runs == 1 else run)
+                    print(json.dumps(r), flush=True)
+                    results.append(r)
     finally:
         stack.stop()
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(results, indent=1))
     print(table(results))
+    print(summary(results))
+
+
+def workloads(a: argparse.Namespace) -> list[argparse.Namespace]:
+    """The command line's workload ("main"), then each --workload: the same settings with its overrides."""
+    out = [argparse.Namespace(**vars(a), workload_name="main")]
+    kinds = {"lanes": int, "turns": int, "think_s": float, "min_tokens": int, "max_tokens": int, "seconds": float}
+    for spec in a.workload:
+        name, _, pairs = spec.partition(":")
+        over = {k: kinds[k](v) for k, v in (p.split("=", 1) for p in pairs.split(",") if p)}
+        out.append(argparse.Namespace(**(vars(a) | over), workload_name=name))
+    return out
+
+
+def summary(results: list[dict]) -> str:
+    """Per workload and policy, the mean over its runs; trained samples/s against the workload's first policy."""
+    lines = []
+    for name in dict.fromkeys(r.get("workload", "") for r in results):
+        lines.append(_summary([r for r in results if r.get("workload", "") == name], name))
+    return "\n".join(lines)
+
+
+def _summary(results: list[dict], name: str) -> str:
+    by: dict[str, list[dict]] = {}
+    for r in results:
+        by.setdefault(r["policy"], []).append(r)
+    base = statistics.mean(r["trained_samples_per_s"] for r in next(iter(by.values())))
+    lines = [f"workload {name}:"]
+    for policy, rs in by.items():
+        sps = statistics.mean(r["trained_samples_per_s"] for r in rs)
+        lines.append(f"{policy}: {len(rs)} run(s), trained samples/s {sps:.3f} ({sps / base if base else 0:.2f}x), "
+                     f"host-0 idle {statistics.mean(r['host0']['idle'] for r in rs):.0%}, "
+                     f"cycles/min {statistics.mean(r['cycles_per_min'] for r in rs):.1f}, "
+                     f"moved turns {sum(r['moved_turns'] for r in rs)}, failures {sum(r['failures'] for r in rs)}, "
+                     f"lent-idle host-s {sum(r.get('lent_idle_host_s', 0) for r in rs):.1f}")
+    return "\n".join(lines)
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| policy | trained samples/s | trained tok/s | steps | host-0 idle | host-0 train | host-0 rollout "
+    rows = ["| workload | policy | trained samples/s | trained tok/s | steps | host-0 idle | host-0 train | host-0 rollout "
             "| host-0 switch | lends | reclaims | cycles/min | moved turns | lend p50/max s | reclaim p50/max s "
-            "| failed turns |", "|---" * 15 + "|"]
+            "| failed turns | lent-idle host-s |", "|---" * 17 + "|"]
     for r in results:
         h = r["host0"]
-        rows.append(f"| {r['policy']} | {r['trained_samples_per_s']} | {r['trained_tokens_per_s']} | {r['steps']} "
+        rows.append(f"| {r.get('workload', '')} | {r['policy']} | {r['trained_samples_per_s']} | {r['trained_tokens_per_s']} | {r['steps']} "
                     f"| {h['idle']:.0%} | {h['train']:.0%} | {h['rollout']:.0%} | {h['switch']:.0%} | {r['lends']} "
                     f"| {r['reclaims']} | {r['cycles_per_min']} | {r['moved_turns']} "
                     f"| {r['lend_s'].get('p50', '-')}/{r['lend_s'].get('max', '-')} "
-                    f"| {r['reclaim_s'].get('p50', '-')}/{r['reclaim_s'].get('max', '-')} | {r['failures']} |")
+                    f"| {r['reclaim_s'].get('p50', '-')}/{r['reclaim_s'].get('max', '-')} | {r['failures']} | {r.get('lent_idle_host_s', '-')} |")
     return "\n".join(rows)
 
 

@@ -9,7 +9,11 @@ round so that machine drift hits all of them alike:
   plain  AutoModelForCausalLM + torch.optim.AdamW, loss from algorithms.policy_loss,
          gradient accumulation over the micro-batches, clip_grad_norm_, one optimizer step;
   zero0  services.trainer.engine.TrainEngine, ZeRO stage 0;
-  zero2  TrainEngine, ZeRO stage 2.
+  zero2  TrainEngine, ZeRO stage 2;
+  zero0-lora  TrainEngine, ZeRO stage 0, LoRA of rank --lora-rank on every projection
+         (only with --lora-rank > 0; its loss differs from plain's by design).
+Each row also gives the trained parameters and the optimizer state held per rank (Adam's
+moments, MB): LoRA against full.
 All paths load the same HF weights, use lr 1e-4, grad clip 1.0, fp32, and train on the same
 micro-batches (built once: synthetic TrajectoryCompleted groups -> build_global_batch ->
 micro_batches). The plain loop does the same work as TrainEngine.train_step besides
@@ -112,6 +116,17 @@ class PlainTrainer:
         return metrics
 
 
+def state_size(path) -> dict:
+    """Trained parameters and the optimizer state this rank holds (all of it at ZeRO 0)."""
+    module = path.model if hasattr(path, "model") else path.module
+    opt = path.opt if hasattr(path, "opt") else path.engine.optimizer
+    inner = getattr(opt, "optimizer", opt)  # a ZeRO optimizer wraps the client one
+    state = sum(t.numel() * t.element_size() for st in inner.state.values() for t in st.values()
+                if torch.is_tensor(t) and t.dim() > 0)
+    return {"trained_params": sum(p.numel() for p in module.parameters() if p.requires_grad),
+            "optimizer_mb": state / 1e6}
+
+
 def bench_model(size: str, work: Path, args) -> list[dict]:
     model_dir = init_model(work / size, size=size)
     cfgs = {
@@ -119,9 +134,12 @@ def bench_model(size: str, work: Path, args) -> list[dict]:
         "zero0": TrainerConfig(model_dir=str(model_dir), zero_stage=0, lr=LR),
         "zero2": TrainerConfig(model_dir=str(model_dir), zero_stage=2, lr=LR),
     }
+    if args.lora_rank:
+        cfgs["zero0-lora"] = TrainerConfig(model_dir=str(model_dir), zero_stage=0, lr=LR, lora_rank=args.lora_rank)
     paths = {"plain": PlainTrainer(cfgs["plain"])}
-    for name in ("zero0", "zero2"):
-        paths[name] = TrainEngine(cfgs[name])
+    for name in cfgs:
+        if name != "plain":
+            paths[name] = TrainEngine(cfgs[name])
     model = paths["plain"].model
     params = sum(p.numel() for p in model.parameters())
     vocab = model.config.vocab_size
@@ -159,6 +177,7 @@ def bench_model(size: str, work: Path, args) -> list[dict]:
             "step_s_min": min(times[n]),
             "tokens_per_s": tps, "overhead_pct": (plain_tps / tps - 1.0) * 100.0,
             "max_loss_diff_vs_plain": max(abs(a - b) for a, b in zip(losses[n], losses["plain"])),
+            **state_size(paths[n]),
         })
     del paths
     return rows
@@ -177,6 +196,7 @@ def main() -> None:
     ap.add_argument("--micro-batch-tokens", type=int, default=1024,
                     help="padded positions per micro-batch (1024: 4 micro-batches of 8 x 127)")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--lora-rank", type=int, default=0, help="also a ZeRO-0 LoRA path of this rank (0 = none)")
     args = ap.parse_args()
 
     rows = []
@@ -190,13 +210,15 @@ def main() -> None:
           f"per step in {first['micro_batches']} micro-batches; warm-up {args.warmup}, timed steps "
           f"{args.steps} (tiny) / {args.medium_steps} (others); torch threads {torch.get_num_threads()}; "
           f"total {time.perf_counter() - t0:.0f} s\n")
-    print("| model | params | path | step s (median / mean / min) | tokens/s | overhead vs plain | max loss diff vs plain |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | params | path | step s (median / mean / min) | tokens/s | overhead vs plain | max loss diff vs plain "
+          "| trained params | optimizer state MB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         over = "-" if r["path"] == "plain" else f"{r['overhead_pct']:+.1f}%"
         diff = "-" if r["path"] == "plain" else f"{r['max_loss_diff_vs_plain']:.2e}"
         print(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['path']} | {r['step_s_median']:.3f} / {r['step_s_mean']:.3f} / "
-              f"{r['step_s_min']:.3f} | {r['tokens_per_s']:.0f} | {over} | {diff} |")
+              f"{r['step_s_min']:.3f} | {r['tokens_per_s']:.0f} | {over} | {diff} | {r['trained_params']:,} | "
+              f"{r['optimizer_mb']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -9,6 +9,15 @@ by side in one run:
   keep      a new weight version every 3 s; each worker pauses (keep), reloads in place, resumes;
   abort     every 3 s one worker is vacated (abort: in-flight requests come back with their
             partial tokens and are re-dispatched to the other worker), then resumed.
+With --lora (the default) a second stack follows in the same run, its worker started with
+SF_ROLLOUT_LORA=1, and two more phases:
+  lora-baseline  no disturbance, on the LoRA-enabled engine;
+  lora      a new adapter version every 3 s (PEFT dir, MBs); the worker adds it beside the
+            one in flight (no pause); requests in flight keep theirs, new ones take it.
+For lora, "spanning" requests are those in flight when a version was published (an adapter
+request never changes version mid-stream), and "aborted" counts requests that came back in
+more than one segment (a migration; 0 expected below max_staleness). The size of a version
+and the time to publish it (copy into the weight store + announce) are printed for both.
 Per phase: request latency p50/p99; for requests that spanned an update (several policy
 versions) or a move (several workers), their latency minus the p50 of requests with the same
 number of generated tokens that spanned nothing, in the same phase (the agent-visible stall;
@@ -76,7 +85,8 @@ async def agents(stack: Stack, n: int, seconds: float, max_tokens: int) -> list[
                 r = await client.chat.completions.create(
                     model="seamlessflow-tiny", messages=[{"role": "user", "content": f"agent {i} {len(done)}"}],
                     max_tokens=max_tokens, temperature=1.0)
-                done.append({"session": s["id"], "latency": time.perf_counter() - t0,
+                done.append({"session": s["id"], "latency": time.perf_counter() - t0, "t0": t0,
+                             "t1": time.perf_counter(),
                              "tokens": r.usage.completion_tokens, "turn": r.model_extra["seamlessflow"]["turn_id"]})
             await client.close()
 
@@ -99,35 +109,42 @@ def worker_tokens(stack: Stack) -> int:
     return sum(w["generated_tokens"] for w in r.json()["workers"])
 
 
-async def disturb(stack: Stack, mode: str, seconds: float, every: float, tmp: Path) -> int:
+async def disturb(stack: Stack, mode: str, seconds: float, every: float, tmp: Path) -> list[float]:
+    """Disturb every `every` s; returns the perf_counter time of each (lora/keep: when announced)."""
     nc = await bus.connect(Connections(nats_url=stack.nats_url), name="bench")
     headers = {"Authorization": f"Bearer {stack.admin_key}"}
     n = 0
+    times: list[float] = []
     t_end = time.monotonic() + seconds - every / 2
     async with httpx.AsyncClient(base_url=stack.admin_url, headers=headers, timeout=60) as admin:
         while time.monotonic() < t_end:
             await asyncio.sleep(every)
-            if mode == "keep":  # the copies were made before the phase: making one blocks this loop
-                await weightstore.publish_dir(nc.jetstream(), stack.weights_dir, tmp / f"v{n}")
+            if mode in ("keep", "lora"):  # the copies were made before the phase: making one blocks this loop
+                t0 = time.perf_counter()
+                await weightstore.publish_dir(nc.jetstream(), stack.weights_dir, tmp / f"{mode}{n}")
+                PUBLISH_S.setdefault(mode, []).append(time.perf_counter() - t0)
+                times.append(time.perf_counter())
             else:
                 w = f"rollout-{n % stack.o.workers}"
                 (await admin.post(f"/admin/workers/{w}/vacate")).raise_for_status()
                 await asyncio.sleep(0.05)
                 (await admin.post(f"/admin/workers/{w}/resume")).raise_for_status()
+                times.append(time.perf_counter())
             n += 1
     await bus.wait_closed(nc)
-    return n
+    return times
 
 
 async def phase(stack, mode, args, tmp) -> dict:
     before = worker_tokens(stack)
     jobs = [agents(stack, args.agents, args.seconds, args.max_tokens)]
-    if mode != "baseline":
+    if not mode.endswith("baseline"):
         jobs.append(disturb(stack, mode, args.seconds, args.every, tmp))
     res = await asyncio.gather(*jobs)
     await asyncio.sleep(1.5)  # heartbeats catch up
     done = res[0]
-    return {"done": done, "sampled": worker_tokens(stack) - before, "events": res[1] if len(res) > 1 else 0}
+    times = res[1] if len(res) > 1 else []
+    return {"done": done, "sampled": worker_tokens(stack) - before, "events": len(times), "times": times}
 
 
 def by_tokens(done: list[dict]) -> dict[int, float]:
@@ -143,6 +160,9 @@ def summarize(name: str, ph: dict, base_by_tokens: dict[int, float]) -> dict:
     load on the machine), else those of the baseline phase."""
     done = ph["done"]
     span = [d for d in done if d["segments"] > 1]  # an update, a move, or a re-dispatch
+    aborted = len(span)
+    if name == "lora":  # an adapter request keeps its version: spanning = in flight at a publish
+        span = [d for d in done if any(d["t0"] < t < d["t1"] for t in ph["times"])]
     calm = by_tokens([d for d in done if d not in span])
     fallback = statistics.median(base_by_tokens.values())
     stalls = [1000 * (d["latency"] - calm.get(d["tokens"], base_by_tokens.get(d["tokens"], fallback)))
@@ -152,42 +172,89 @@ def summarize(name: str, ph: dict, base_by_tokens: dict[int, float]) -> dict:
         "phase": name, "requests": len(done), "events": ph["events"],
         "p50_ms": round(1000 * statistics.median(d["latency"] for d in done), 1),
         "p99_ms": round(1000 * pct([d["latency"] for d in done], 0.99), 1),
-        "spanning": len(span),
+        "spanning": len(span), "multi_segment": aborted,
         "stall_p50_ms": round(statistics.median(stalls), 1) if stalls else None,
         "stall_p99_ms": round(pct(stalls, 0.99), 1) if stalls else None,
         "tokens_sampled": ph["sampled"], "tokens_recorded": recorded, "tokens_lost": ph["sampled"] - recorded,
     }
 
 
-async def run(args) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="sf-stall-"))
+PUBLISH_S: dict[str, list[float]] = {}  # seconds per publish (copy into the store + announce), by phase
+
+
+def make_adapter(model: Path, dst: Path, seed: int, rank: int) -> Path:
+    """A PEFT LoRA adapter on every projection, lora_B small and random (a trained adapter's scale)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    m = get_peft_model(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
+                       LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.01)
+    m.save_pretrained(dst)
+    return dst
+
+
+def dir_bytes(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+
+
+async def stack_phases(args, tmp: Path, modes: tuple[str, ...], lora: bool) -> dict:
     model = init_model(tmp / "model")
+    extra = {"SF_ROLLOUT_LORA": "1", "SF_ROLLOUT_MAX_LORA_RANK": str(args.lora_rank)} if lora else {}
     stack = Stack(StackOptions(model=model, data_dir=tmp, workers=args.workers, gateway_port=servers.free_port(),
                                admin_port=servers.free_port(), nats_port=servers.free_port(),
-                               redis_port=servers.free_port(), max_model_len=512, max_num_seqs=16))
+                               redis_port=servers.free_port(), max_model_len=512, max_num_seqs=16, extra_env=extra,
+                               ready_timeout=600.0))  # a loaded shared box can take minutes
+    for n in range(int(args.seconds // args.every) + 1):  # before the phases: making one blocks the loop
+        if lora:
+            make_adapter(model, tmp / f"lora{n}", n, args.lora_rank)
+        else:
+            noisy_copy(model, tmp / f"keep{n}", n)
     stack.start()
     try:
-        for n in range(int(args.seconds // args.every) + 1):
-            noisy_copy(stack.o.model, tmp / f"v{n}", n)
         await agents(stack, 4, 3, args.max_tokens)  # warm up
         await asyncio.sleep(1.5)  # heartbeats catch up: the warm-up is not counted in the baseline
-        phases = {m: await phase(stack, m, args, tmp) for m in ("baseline", "keep", "abort")}
+        return {m: await phase(stack, m, args, tmp) for m in modes}
     finally:
         stack.stop()
-    base_by_tokens = by_tokens(phases["baseline"]["done"])
-    rows = [summarize(m, ph, base_by_tokens) for m, ph in phases.items()]
-    timings = []
+
+
+def worker_timings(tmp: Path) -> tuple[list[tuple[float, ...]], list[float]]:
+    full, adapter = [], []
     for log in (tmp / "logs").glob("rollout-*.log"):
-        for m in re.finditer(r"weight update v(\d+): pause ([\d.]+) ms, load ([\d.]+) ms, resume ([\d.]+) ms",
-                             log.read_text(errors="replace")):
-            timings.append(tuple(float(x) for x in m.groups()[1:]))
+        text = log.read_text(errors="replace")
+        for m in re.finditer(r"weight update v(\d+): pause ([\d.]+) ms, load ([\d.]+) ms, resume ([\d.]+) ms", text):
+            full.append(tuple(float(x) for x in m.groups()[1:]))
+        adapter += [float(m.group(1)) for m in re.finditer(r"adapter v\d+ added in ([\d.]+) ms", text)]
+    return full, adapter
+
+
+async def run(args) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="sf-stall-"))
+    phases = await stack_phases(args, tmp / "full", ("baseline", "keep", "abort"), lora=False)
+    if args.lora:
+        phases |= await stack_phases(args, tmp / "lora", ("lora-baseline", "lora"), lora=True)
+    rows = []
+    for m, ph in phases.items():
+        base = phases["lora-baseline" if m.startswith("lora") else "baseline"]
+        rows.append(summarize(m, ph, by_tokens(base["done"])))
     for r in rows:
         print(json.dumps(r))
-    print("\n| phase | requests | disturbances | p50 / p99 ms | spanning requests | stall p50 / p99 ms | tokens lost |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| phase | requests | disturbances | p50 / p99 ms | spanning requests | stall p50 / p99 ms | "
+          "multi-segment (aborted) | tokens lost |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['phase']} | {r['requests']} | {r['events']} | {r['p50_ms']} / {r['p99_ms']} | {r['spanning']} | "
-              f"{r['stall_p50_ms']} / {r['stall_p99_ms']} | {r['tokens_lost']} of {r['tokens_sampled']} |")
+              f"{r['stall_p50_ms']} / {r['stall_p99_ms']} | {r['multi_segment']} | "
+              f"{r['tokens_lost']} of {r['tokens_sampled']} |")
+    timings, adapter_ms = worker_timings(tmp / "full")
+    if args.lora:
+        adapter_ms = worker_timings(tmp / "lora")[1]
     if timings:
         med = [statistics.median(t[i] for t in timings) for i in range(3)]
         mx = [max(t[i] for t in timings) for i in range(3)]
@@ -197,6 +264,17 @@ async def run(args) -> None:
         if keep["stall_p50_ms"] is not None:
             print(f"keep: agent-visible stall p50 {keep['stall_p50_ms']:.1f} ms = load p50 {med[1]:.1f} ms "
                   f"{keep['stall_p50_ms'] - med[1]:+.1f} ms (goal: at most +100 ms)")
+    if adapter_ms:
+        print(f"adapter versions added on the workers ({len(adapter_ms)}): {statistics.median(adapter_ms):.1f} ms "
+              f"median, {max(adapter_ms):.1f} ms max, no pause")
+    for mode, d in (("keep", tmp / "full" / "keep0"), ("lora", tmp / "lora" / "lora0")):
+        if mode in PUBLISH_S:
+            print(f"{mode}: a version is {dir_bytes(d) / 1e6:.2f} MB; publish (copy + announce) "
+                  f"{1000 * statistics.median(PUBLISH_S[mode]):.1f} ms median")
+    lora_row = next((r for r in rows if r["phase"] == "lora"), None)
+    if lora_row is not None:
+        print(f"lora: agent-visible stall p50 {lora_row['stall_p50_ms']} ms (goal <= 5), tokens lost "
+              f"{lora_row['tokens_lost']} (goal 0), aborted {lora_row['multi_segment']} (goal 0 below max_staleness)")
 
 
 def main() -> None:
@@ -207,6 +285,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30.0, help="length of each phase")
     ap.add_argument("--every", type=float, default=3.0, help="seconds between disturbances")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--lora", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the LoRA stack: adapter versions beside the full-weight ones")
+    ap.add_argument("--lora-rank", type=int, default=8)
     asyncio.run(run(ap.parse_args()))
 
 

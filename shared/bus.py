@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 import weakref
+from dataclasses import replace
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -21,12 +22,13 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
-from nats.js.errors import NotFoundError, ServiceUnavailableError
+from nats.js.errors import NoStreamResponseError, NotFoundError, ServiceUnavailableError
 
 from shared.backpressure import backoff, is_stream_full
 from shared.codec import encode
 from shared.config import Connections
 from shared.logonce import OncePerCause
+from shared.tls import client_context
 
 log = logging.getLogger(__name__)
 _warn = OncePerCause(log)
@@ -49,9 +51,10 @@ class ReplyTimeout(TimeoutError):
 
 
 async def connect(conn: Connections, name: str, connect_timeout: float = 5.0) -> NATS:
-    """Connect with unbounded reconnects (a broker restart must not need a service restart)."""
+    """Connect with unbounded reconnects (a broker restart must not need a service restart); over TLS
+    when SF_NATS_TLS_CA is set (and a server that does not ask for TLS is then refused)."""
     opts: dict[str, Any] = dict(
-        servers=[conn.nats_url],
+        servers=conn.nats_servers,
         name=name,
         connect_timeout=connect_timeout,
         allow_reconnect=True,
@@ -66,25 +69,82 @@ async def connect(conn: Connections, name: str, connect_timeout: float = 5.0) ->
         opts["token"] = conn.nats_token
     if conn.nats_creds:
         opts["user_credentials"] = conn.nats_creds
+    if conn.nats_tls is not None:
+        opts["tls"] = client_context(conn.nats_tls)
 
     async def _error(e: Exception) -> None:
         log.warning("nats: %s", e)
 
     opts["error_cb"] = _error
     try:
-        return await nats.connect(**opts)
+        nc = await nats.connect(**opts)
     except Exception as e:  # nats raises several unrelated types here
         raise BusUnavailable(f"cannot reach NATS at {conn.redacted()['nats_url']}: {e}") from e
+    # nats-py upgrades to TLS only when the server's INFO asks for it, and would otherwise go on in
+    # plain text; with TLS configured that is a misconfigured (or impersonated) server, not a fallback
+    if "tls" in opts and not nc._server_info.get("tls_required"):
+        await nc.close()
+        raise BusUnavailable(f"NATS at {conn.redacted()['nats_url']} does not use TLS, but SF_NATS_TLS_CA is set")
+    return nc
+
+
+# the limits of a stream, and the `nats stream edit` flag that sets each; for all but max_age, -1 is
+# "no limit" (max_age: 0); a larger value is the more generous one
+STREAM_LIMITS = {"max_bytes": "--max-bytes", "max_msgs": "--max-msgs", "max_age": "--max-age",
+                 "max_msgs_per_subject": "--max-msgs-per-subject", "max_msg_size": "--max-msg-size",
+                 "max_consumers": "--max-consumers"}
+
+
+def _unlimited(field: str, value: Any) -> bool:
+    return value is None or value == (0 if field == "max_age" else -1) or (field != "max_age" and value < 0)
+
+
+def _generous(field: str, a: Any, b: Any) -> Any:
+    """The more generous of two settings of one limit (no limit beats any)."""
+    if _unlimited(field, a):
+        return a
+    if _unlimited(field, b):
+        return b
+    return max(a, b)
+
+
+def reconcile(existing: StreamConfig, wanted: StreamConfig) -> tuple[StreamConfig | None, list[str]]:
+    """What start-up may do to a stream that exists: (the config to update it to, or None for no
+    update; the differences it leaves for an operator). It raises a limit the configuration raises,
+    but never lowers a limit nor changes the replica count: an operator may have set them (`nats
+    stream edit`), and a service started with an older or smaller configuration must not undo that."""
+    kept: dict[str, Any] = {"num_replicas": existing.num_replicas}
+    left: list[str] = []
+    if (wanted.num_replicas or 1) != (existing.num_replicas or 1):
+        left.append(f"--replicas {wanted.num_replicas or 1}")
+    for field, flag in STREAM_LIMITS.items():
+        have, want = getattr(existing, field), getattr(wanted, field)
+        kept[field] = _generous(field, have, want)
+        if kept[field] != want and not (_unlimited(field, kept[field]) and _unlimited(field, want)):
+            left.append(f"{flag} {int(want) if field != 'max_age' else f'{int(want or 0)}s'}")
+    merged = replace(wanted, **kept)
+    same = all(getattr(merged, f) == getattr(existing, f) for f in ("subjects", "retention", "storage", "discard",
+                                                                    "duplicate_window", *STREAM_LIMITS))
+    return (None if same else merged), left
 
 
 async def ensure_streams(js: JetStreamContext, streams: Iterable[StreamConfig]) -> None:
-    """Create each stream, or update it in place if it exists. Idempotent."""
+    """Create each stream as configured; a stream that exists keeps its replicas and is never made
+    smaller (see reconcile): a difference is logged with the command that applies it. Idempotent."""
     for cfg in streams:
         try:
-            await js.stream_info(cfg.name)
-            await js.update_stream(cfg)
+            info = await js.stream_info(cfg.name)
         except NotFoundError:
             await js.add_stream(cfg)
+            continue
+        update, left = reconcile(info.config, cfg)
+        if left:
+            _warn(f"stream:{cfg.name}:{' '.join(left)}",
+                  "stream %s differs from this configuration and is left as it is (start-up never lowers "
+                  "a stream's replicas or limits); to apply it: nats stream edit %s %s",
+                  cfg.name, cfg.name, " ".join(left))
+        if update is not None:
+            await js.update_stream(update)
 
 
 class StreamFull(RuntimeError):
@@ -92,8 +152,9 @@ class StreamFull(RuntimeError):
 
 
 # what a publish meets while NATS restarts or JetStream recovers its streams: worth another try
+# (NoStreamResponseError: the stream has no leader for a moment, as while a cluster elects a new one)
 TRANSIENT = (NatsTimeout, nats.errors.NoRespondersError, nats.errors.ConnectionReconnectingError,
-             nats.errors.OutboundBufferLimitError, ServiceUnavailableError)
+             nats.errors.OutboundBufferLimitError, ServiceUnavailableError, NoStreamResponseError)
 RETRY_FIRST_S, RETRY_MAX_S = 0.2, 2.0  # back-off between tries: doubles from the first to the cap
 
 

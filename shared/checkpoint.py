@@ -1,6 +1,9 @@
 """What a weight directory holds, read without loading it: tensor specs from the
 safetensors headers.
 
+A PEFT LoRA adapter directory (adapter_config.json) is checked as an adapter instead:
+its rank and tensors, not the base model's names.
+
 A failed in-place reload leaves vLLM dead (docs/environment.md), so a directory is checked
 here first: config.json parses, every *.safetensors file is whole and readable, and
 its tensors have the names and shapes of the checkpoint the engine started from.
@@ -83,6 +86,10 @@ def check_checkpoint(model_dir: str | Path, reference: TensorSpecs | None = None
     d = Path(model_dir)
     if not d.is_dir():
         raise CheckpointError(f"{d}: not a directory")
+    if is_adapter(d):
+        return check_adapter(d)
+    if roles := role_adapters(d):  # multi-LoRA: one adapter per role, each checked as an adapter
+        return {f"{role}/{name}": spec for role, sub in roles.items() for name, spec in check_adapter(sub).items()}
     try:
         config = json.loads((d / "config.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -97,4 +104,52 @@ def check_checkpoint(model_dir: str | Path, reference: TensorSpecs | None = None
         for name, (_, shape) in reference.items():
             if specs[name][1] != shape:
                 raise CheckpointError(f"{d}: {name} has shape {list(specs[name][1])}, expected {list(shape)}")
+    return specs
+
+
+ADAPTER_CONFIG = "adapter_config.json"  # a PEFT LoRA adapter directory (a LoRA trainer's version)
+
+
+def is_adapter(model_dir: str | Path) -> bool:
+    return (Path(model_dir) / ADAPTER_CONFIG).is_file()
+
+
+def role_adapters(model_dir: str | Path, files_ok: bool = False) -> dict[str, Path]:
+    """A multi-LoRA version (one adapter per agent role): role -> its adapter dir, sorted by role;
+    {} for anything else. Such a version dir holds no files of its own, only `<role>/` adapter dirs
+    (`files_ok`: a trainer checkpoint's tag dir, whose files are DeepSpeed's, beside the roles' configs).
+    A checkpoint root (a `latest` file beside tag dirs) is not one."""
+    d = Path(model_dir)
+    if not d.is_dir() or is_adapter(d):
+        return {}
+    entries = list(d.iterdir())
+    if not files_ok and any(not p.is_dir() for p in entries):
+        return {}
+    subs = sorted(p for p in entries if p.is_dir())
+    return {p.name: p for p in subs} if subs and all(is_adapter(p) for p in subs) else {}
+
+
+def is_adapter_version(model_dir: str | Path) -> bool:
+    """A LoRA trainer's version: one adapter dir, or one per role."""
+    return is_adapter(model_dir) or bool(role_adapters(model_dir))
+
+
+def check_adapter(adapter_dir: str | Path) -> TensorSpecs:
+    """Raise CheckpointError unless `adapter_dir` is a whole PEFT LoRA adapter: its config names
+    a rank and target modules, and its safetensors hold lora_A/lora_B pairs of that rank."""
+    d = Path(adapter_dir)
+    try:
+        config = json.loads((d / ADAPTER_CONFIG).read_text())
+        rank = int(config["r"])
+        targets = config["target_modules"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{d}/{ADAPTER_CONFIG}: {type(e).__name__}: {e}") from None
+    if rank < 1 or not targets:
+        raise CheckpointError(f"{d}/{ADAPTER_CONFIG}: rank {rank}, target modules {targets!r}")
+    specs = tensor_specs(d)
+    for name, (_, shape) in specs.items():
+        if ".lora_A." in name and shape[0] != rank or ".lora_B." in name and shape[-1] != rank:
+            raise CheckpointError(f"{d}: {name} has shape {list(shape)}, not of rank {rank}")
+    if not any(".lora_A." in n for n in specs):
+        raise CheckpointError(f"{d}: no lora_A tensors")
     return specs

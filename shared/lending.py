@@ -40,6 +40,9 @@ DEFAULT_RULE: Rule = "migrate"
 # a re-prefilled token against a token decoded at full batch, where the live router has no measure of
 # its own: prefill is compute-bound and several times faster per token (one-gpu: 0.17; decode-heavy: 0.22)
 REPREFILL_RATIO = 0.25
+# a sticky worker yields to one at least this much less loaded (running / capacity): 2 of 8 slots; and a
+# worker that begins serving takes from those more loaded than it by this much (`rebalanced`)
+REBALANCE = 0.25
 QUANTILE = 0.9  # LengthHistory's: the requests a reclaim catches are the long ones
 
 
@@ -102,6 +105,19 @@ class DecodeSpeed:
         return cls(0.0, 1.0 / tokens_per_s) if tokens_per_s > 0 else None
 
 
+def busy_rate(old: float | None, prev_ts: float, prev_tokens: int, ts: float, tokens: int,
+              ewma: float = 0.3) -> float | None:
+    """A worker's decode throughput (tokens/s), a running mean over the heartbeat intervals in which it
+    generated (`prev_*` and `ts`/`tokens`: two heartbeats' time and generated-token count). An interval
+    with no new token leaves it as it was: a worker that slept or idled is not slow, and a lent worker
+    judged by its sleep would be given nothing. None: nothing measured yet. The live router
+    (services/trajectory/routing.py) and the scheduler's offer (services/scheduler/registry.py) both read it."""
+    if ts <= prev_ts or tokens <= prev_tokens:
+        return old
+    rate = (tokens - prev_tokens) / (ts - prev_ts)
+    return rate if old is None else ewma * rate + (1 - ewma) * old
+
+
 def takes_turn(now: float, lent_until: float, expected_tokens: float | None, step_s: float | None,
                context_tokens: float = 0.0, reprefill_ratio: float | None = None) -> bool:
     """Does a lent worker take a turn of `expected_tokens`, decoded at `step_s` seconds a token
@@ -125,12 +141,28 @@ def takes_turn(now: float, lent_until: float, expected_tokens: float | None, ste
     return reprefill_ratio * (context_tokens + decoded) < decoded
 
 
+def rebalanced(busy: float, busy_slots: float, got: float, new_slots: float, threshold: float) -> int:
+    """How many of a worker's `busy` running sequences (of `busy_slots`) a worker that has just begun
+    serving (`got` running of `new_slots`: a lend) takes from it: those that even the two out by load
+    (running / slots), when the busy one is more than `threshold` more loaded; 0 otherwise. The live
+    router (services/trajectory/routing.py `WorkerTable.moves`) and the simulator (Options.rebalance)
+    move them with their partial tokens."""
+    bs, ns = max(busy_slots, 1.0), max(new_slots, 1.0)
+    if busy <= 0 or busy / bs - got / ns <= threshold:
+        return 0
+    level = (busy + got) / (bs + ns)  # the load both end at
+    return max(0, min(math.floor(busy - level * bs), math.floor(ns - got)))
+
+
 @dataclass(frozen=True, slots=True)
 class Offer:
     """The work lent hosts would be given: `turns` waiting for a slot (beyond what the hosts that
     stay serving take), shared by `hosts` lent hosts of `slots` sequences decoding at `speed`,
     each turn predicted `expected_tokens` long and carrying `context_tokens` (prompt, earlier
-    turns). `reprefill_ratio` None: rule "fit"; a number: rule "migrate" (takes_turn)."""
+    turns). `reprefill_ratio` None: rule "fit"; a number: rule "migrate" (takes_turn).
+    `refill`: a slot whose turn ends takes the next of the turns waiting (as a worker does), so
+    more turns than slots keep a lent host busy for the whole window; False: each slot serves one
+    turn, then nothing (the reading before `refill` existed)."""
 
     turns: int
     hosts: int
@@ -139,6 +171,7 @@ class Offer:
     slots: int
     context_tokens: float = 0.0
     reprefill_ratio: float | None = None
+    refill: bool = False
 
 
 def lent_offer(o: Offer, now: float, lent_until: float, running: int, free: int) -> int:
@@ -174,6 +207,23 @@ def offer_worth(o: Offer, window_s: float) -> float:
         return 0.0
     step = o.speed.step_s(taken)
     length = o.expected_tokens or math.inf
+    if o.refill and math.isfinite(length):
+        return taken * _slot_tokens_refilled(o, taken, length, window_s / step) * o.speed.step_s(o.slots) / o.slots
     decoded = min(length, window_s / step)  # per turn: until it ends, or until the reclaim moves it
     moved = 0.0 if length * step <= window_s else (o.reprefill_ratio or 0.0) * (o.context_tokens + decoded)
     return taken * (decoded - moved) * o.speed.step_s(o.slots) / o.slots
+
+
+def _slot_tokens_refilled(o: Offer, taken: int, length: float, capacity: float) -> float:
+    """Tokens one of `taken` slots adds before the reclaim, `capacity` tokens of decode time, when a
+    slot whose turn ends takes the next waiting turn: its share of the turns (`o.turns / o.hosts /
+    taken`), each `length` long, until the window is full. Rule "fit" takes only turns that still
+    end before the reclaim (whole turns); "migrate" runs the last one into the reclaim, which moves
+    it: the re-prefill of its context is taken off."""
+    turns = max(1.0, o.turns / o.hosts / taken)  # this slot's share of the work waiting (one turn at least)
+    if not math.isfinite(capacity) or turns * length <= capacity:
+        return turns * length  # all of its share ends before the reclaim
+    if o.reprefill_ratio is None:
+        return min(turns, math.floor(capacity / length)) * length
+    cut = capacity % length if capacity >= length else capacity  # the partial turn the reclaim moves
+    return capacity - min(cut, o.reprefill_ratio * (o.context_tokens + cut))  # it adds nothing, at worst

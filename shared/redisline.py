@@ -20,8 +20,9 @@ found closed first): one that was written may have run. A script Redis does not 
 Redis) is loaded and run again. The connection is made on first use and again after a loss, one
 attempt at a time, each bounded by `connect_timeout`.
 
-`from_url` returns None for what this does not speak (TLS, or hiredis missing): callers then use
-redis-py, which does.
+`from_url` returns None for what this does not speak (a `rediss://` URL without SF_REDIS_TLS_* files,
+or hiredis missing): callers then use redis-py, which does. Given `tls` (Connections.redis_tls), the
+line is TLS, verified as redis-py's connections are (shared/tls.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import asyncio
 import collections
 import hashlib
 import socket
+import ssl
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +40,10 @@ from redis.asyncio.connection import parse_url
 from redis.exceptions import AuthenticationError, NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from shared import redissentinel
+from shared.config import TlsFiles
+from shared.tls import client_context
 
 try:
     import hiredis
@@ -119,14 +125,23 @@ class LineScript:
 
 
 class RedisLine:
-    def __init__(self, url: str, timeout: float = 5.0, connect_timeout: float = 3.0) -> None:
+    def __init__(self, url: str, timeout: float = 5.0, connect_timeout: float = 3.0,
+                 tls: TlsFiles | None = None) -> None:
         """A line to the Redis `url` names (redis:// or unix://; `from_url` says which it speaks)."""
         if hiredis is None:
             raise RuntimeError("RedisLine needs hiredis")
-        opts = parse_url(url)
-        self.host, self.port = opts.get("host", "localhost"), int(opts.get("port", 6379))
-        self.path, self.db = opts.get("path", ""), int(opts.get("db", 0))
-        self.username, self.password = opts.get("username"), opts.get("password")
+        self._ssl: ssl.SSLContext | None = client_context(tls) if tls is not None else None
+        self._resolve = None  # with Sentinel: asks the sentinels for the primary at each connect
+        if redissentinel.is_sentinel(url):
+            target = redissentinel.parse(url)
+            self._resolve = redissentinel.master_resolver(url, connect_timeout, tls)
+            self.host, self.port, self.path, self.db = "", 0, "", target.db
+            self.username, self.password = target.username, target.password
+        else:
+            opts = parse_url(url)
+            self.host, self.port = opts.get("host", "localhost"), int(opts.get("port", 6379))
+            self.path, self.db = opts.get("path", ""), int(opts.get("db", 0))
+            self.username, self.password = opts.get("username"), opts.get("password")
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self._wire: _Wire | None = None
         self._connecting: asyncio.Lock | None = None
@@ -134,11 +149,14 @@ class RedisLine:
         self._closed = False
 
     @classmethod
-    def from_url(cls, url: str, timeout: float = 5.0, connect_timeout: float = 3.0) -> "RedisLine | None":
-        """A line to the Redis `url` names (redis:// or unix://), or None where redis-py must serve it."""
-        if hiredis is None or not url.startswith(("redis://", "unix://")):
+    def from_url(cls, url: str, timeout: float = 5.0, connect_timeout: float = 3.0,
+                 tls: TlsFiles | None = None) -> "RedisLine | None":
+        """A line to the Redis `url` names (redis://, unix:// or redis+sentinel://; rediss:// with `tls`),
+        or None where redis-py must serve it."""
+        schemes = ("redis://", "unix://", redissentinel.SCHEME) + (("rediss://",) if tls is not None else ())
+        if hiredis is None or not url.startswith(schemes):
             return None
-        return cls(url, timeout, connect_timeout)
+        return cls(url, timeout, connect_timeout, tls)
 
     def script(self, body: str) -> LineScript:
         return LineScript(self, body)
@@ -156,6 +174,9 @@ class RedisLine:
                 self._watch = asyncio.create_task(self._watch_replies())
             reply = await future
             if isinstance(reply, hiredis.ReplyError):
+                if str(reply).startswith("READONLY"):  # a former primary, now a replica: find the new one
+                    wire.fail(RedisConnectionError("the Redis primary became a replica (failover)"))
+                    raise RedisConnectionError(f"the Redis primary at {self._where()} became a replica: {reply}")
                 raise _error(str(reply))
             return reply
         raise AssertionError("unreachable")
@@ -178,10 +199,12 @@ class RedisLine:
             loop = asyncio.get_running_loop()
             try:
                 async with asyncio.timeout(self.connect_timeout):
+                    if self._resolve is not None:
+                        self.host, self.port = await self._resolve()
                     if self.path:
                         _, wire = await loop.create_unix_connection(_Wire, self.path)
                     else:
-                        _, wire = await loop.create_connection(_Wire, self.host, self.port)
+                        _, wire = await loop.create_connection(_Wire, self.host, self.port, ssl=self._ssl)
                     await self._hello(wire)
             except TimeoutError:
                 raise RedisConnectionError(f"Timeout connecting to Redis at {self._where()} "

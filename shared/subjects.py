@@ -10,18 +10,22 @@ Core NATS (request/reply, low latency, no persistence):
     sf.sched.changed             host agents -> scheduler: HostModeChanged (an assignment applied)
     sf.sched.ctl                 operators -> scheduler: SchedulerControl -> SchedulerReply
     sf.sched.gate                trainer -> scheduler: TrainGate -> TrainGateReply (reclaim my hosts)
+    sf.sched.leader              the leading scheduler -> host agents: SchedulerLeader (its term, every second)
     sf.trainer.status            trainer rank 0 -> everyone: TrainerStatus heartbeats
     sf.trainer.ctl               host agents -> trainer rank 0: TrainerControl (offload/reload)
 
 JetStream (durable, explicit ack):
     sf.traj.completed            TRAJECTORIES stream: one TrajectoryCompleted per finished session
     sf.weights.published         WEIGHTS stream, last value per subject: WeightsPublished
+    sf.weights.fetch             request/reply (core NATS): WeightsWanted -> WeightsPublished
     sf.sched.assign.<host>       HOSTS stream, last value per subject: HostAssignment
     sf.dead.<service>.<subject>  DEAD stream: copies of stored messages a service could not read
                                  (shared/deadletter.py; `seamlessflow dead list`)
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from nats.js.api import (
     AckPolicy,
@@ -34,6 +38,7 @@ from nats.js.api import (
 )
 
 from shared.backpressure import TrajectoryLimits, limits_from_env
+from shared.config import jetstream_replicas
 from shared.deadletter import DEAD_STREAM, dead_stream  # noqa: F401 (DEAD_STREAM: the name, with the others)
 
 CHAT = "sf.chat"
@@ -57,6 +62,7 @@ ROLLOUT_STATUS = "sf.rollout.status"
 
 TRAJ_COMPLETED = "sf.traj.completed"
 WEIGHTS_PUBLISHED = "sf.weights.published"
+WEIGHTS_FETCH = "sf.weights.fetch"  # request/reply: WeightsWanted -> WeightsPublished (a catch-up round)
 
 TRAJECTORIES_STREAM = "TRAJECTORIES"  # sf.traj.completed
 # seconds within which a stream drops a second message with the same Nats-Msg-Id: a publisher's
@@ -88,6 +94,7 @@ SCHED_HOST = "sf.sched.host"
 SCHED_CHANGED = "sf.sched.changed"
 SCHED_CTL = "sf.sched.ctl"
 SCHED_GATE = "sf.sched.gate"
+SCHED_LEADER = "sf.sched.leader"  # the leading scheduler -> host agents: SchedulerLeader (its term)
 TRAINER_STATUS = "sf.trainer.status"
 TRAINER_CTL = "sf.trainer.ctl"
 SCHED_ASSIGN_PREFIX = "sf.sched.assign"
@@ -97,10 +104,12 @@ def sched_assign(host: str) -> str:
     return f"{SCHED_ASSIGN_PREFIX}.{host}"
 
 
-def streams(limits: TrajectoryLimits | None = None) -> tuple[StreamConfig, ...]:
-    """Every stream, with TRAJECTORIES' limits from `limits` (default: SF_TRAJECTORIES_* now)."""
+def streams(limits: TrajectoryLimits | None = None, replicas: int | None = None) -> tuple[StreamConfig, ...]:
+    """Every stream, with TRAJECTORIES' limits from `limits` (default: SF_TRAJECTORIES_* now) and each
+    kept on `replicas` servers (default: SF_JETSTREAM_REPLICAS now, 1 unless set)."""
     limits = limits or limits_from_env()
-    return (
+    replicas = replicas or jetstream_replicas()
+    return tuple(replace(s, num_replicas=replicas) for s in (
         StreamConfig(
             name=TRAJECTORIES_STREAM,
             subjects=[TRAJ_COMPLETED],
@@ -131,7 +140,7 @@ def streams(limits: TrajectoryLimits | None = None) -> tuple[StreamConfig, ...]:
             duplicate_window=DUPLICATE_WINDOW_S,
         ),
         dead_stream(),
-    )
+    ))
 
 
 def __getattr__(name: str):

@@ -2,6 +2,10 @@
 
     <root>/v000001/{config.json, model.safetensors, ...}
 
+This is the shared-disk path (SF_TRAINER_WEIGHTS_TRANSPORT=disk). Over the network
+(`network`) no version dir is written: the announcement carries a transfer round instead
+(shared/weightxfer.py), and checkpoints stay files for resume and export only.
+
 `root` is a local dir on one machine or a shared filesystem (NFS, Lustre, a mounted bucket)
 across machines: every rollout host must read the same path. A version is written to a
 temporary dir and renamed into place, so a reader never sees half a snapshot; only then is
@@ -25,6 +29,7 @@ from shared.codec import decode
 from shared.checkpoint import CheckpointError, check_checkpoint
 from shared.logonce import OncePerCause
 from shared.messages import WeightsPublished
+from shared.messages.weights import WeightTransfer
 
 log = logging.getLogger(__name__)
 _warn = OncePerCause(log)
@@ -81,10 +86,12 @@ async def current(js: JetStreamContext) -> WeightsPublished | None:
         return None
 
 
-async def announce(js: JetStreamContext, version: int, path: Path, step: int = 0,
-                   retry_for: float = 0.0) -> WeightsPublished:
-    """Publish `version` on the WEIGHTS stream; `retry_for` seconds of retries while NATS is away."""
-    event = WeightsPublished(version=version, path=str(Path(path).resolve()), published_at=time.time(), step=step)
+async def announce(js: JetStreamContext, version: int, path: Path | None, step: int = 0,
+                   retry_for: float = 0.0, transfer: WeightTransfer | None = None) -> WeightsPublished:
+    """Publish `version` on the WEIGHTS stream; `retry_for` seconds of retries while NATS is away.
+    Over the network `path` is None and `transfer` names the round (shared/weightxfer.py)."""
+    event = WeightsPublished(version=version, path=str(Path(path).resolve()) if path is not None else "",
+                             published_at=time.time(), step=step, transfer=transfer)
     await bus.publish_durable(js, subjects.WEIGHTS_PUBLISHED, event, msg_id=f"weights-v{version}",
                               retry_for=retry_for)
     return event

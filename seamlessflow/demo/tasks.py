@@ -4,7 +4,8 @@ reverse: "reverse 4821" -> "1284", one turn.
 calc:    "what is 37*48?" -> the agent calls the `calculator` tool through an OpenAI tool
          call, reads the result in a second turn and answers "1776".
 
-Both score the final answer the same way: 0.5 * (fraction of positions right) + 0.5 * exact.
+Both score the final answer with answer_reward: 0.5 * (fraction of positions right) + 0.5 * exact;
+calc adds credit for a well-formed tool call and for copying the tool's actual result (calc_reward).
 The agents that run these tasks through the gateway live in seamlessflow/demo/rl.py; the warm
 start that teaches their format lives in seamlessflow/demo/warmstart.py.
 """
@@ -36,6 +37,34 @@ def reverse_prompt(rng: random.Random, min_len: int = 3, max_len: int = 5) -> tu
 
 def reverse_reward(answer: str, target: str) -> float:
     return answer_reward(answer, target)
+
+
+def position_reward(answer: str, target: str) -> float:
+    """Only the dense part: the fraction of positions right (an over-long answer scaled down)."""
+    answer = answer.strip()
+    right = sum(a == b for a, b in zip(answer, target)) / len(target)
+    return right * min(1.0, len(target) / len(answer)) if answer else 0.0
+
+
+def edit_reward(answer: str, target: str) -> float:
+    """1 - Levenshtein distance / the longer length: partial credit that survives a shifted digit."""
+    answer = answer.strip()
+    prev = list(range(len(target) + 1))
+    for i, a in enumerate(answer, 1):
+        cur = [i]
+        for j, b in enumerate(target, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a != b)))
+        prev = cur
+    return 1.0 - prev[-1] / max(len(answer), len(target))
+
+
+def exact_reward(answer: str, target: str) -> float:
+    return float(answer.strip() == target)
+
+
+# reward shapings of the reverse task that the probe (bench/probe_learning.py) compares
+REVERSE_SHAPINGS = {"answer": answer_reward, "position": position_reward, "edit": edit_reward,
+                    "exact": exact_reward}
 
 
 # -- calc -------------------------------------------------------------------------------------------
@@ -95,6 +124,28 @@ def calculator_call(arguments: str) -> str:
         return "error"
     expression = args.get("expression") if isinstance(args, dict) else None
     return calculate(expression) if isinstance(expression, str) else "error"
+
+
+# calc's reward, shaped (docs/guide: "The calc reward"): correctness dominates, and two smaller terms
+# give GRPO groups something to compare before any answer is right (the warm start leaves most
+# answers wrong, and an all-zero group teaches nothing):
+CALC_CALL_WELL_FORMED = 0.2  # the call parsed and the tool ran (its result is not "error")
+CALC_CALL_MALFORMED = 0.1  # a call was made but the tool could not run it: below a well-formed one
+CALC_COPY = 0.2  # the answer repeats what the tool actually returned (a well-formed call only)
+CALC_CORRECT = 0.6  # the answer checked against the true result (answer_reward's partial credit)
+
+
+def calc_reward(answer: str, target: str, tool_results: list[str]) -> float:
+    """The calc session's reward from its final answer, the true result and what the tool actually
+    returned in this session (empty: no call). A malformed call scores below a well-formed one with
+    the same answer; a right call whose result is copied scores 1.0."""
+    correct = CALC_CORRECT * answer_reward(answer, target)
+    if not tool_results:
+        return correct
+    result = tool_results[-1]
+    if result == "error":
+        return CALC_CALL_MALFORMED + correct
+    return CALC_CALL_WELL_FORMED + CALC_COPY * answer_reward(answer, result) + correct
 
 
 def calc_tool_call_text(expression: str) -> str:

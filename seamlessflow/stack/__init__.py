@@ -2,6 +2,7 @@
 
     processes.py  Stack: spawn, wait for ready lines, respawn, stop in tiers; StackOptions, client_env
     servers.py    the embedded nats-server and redis-server
+    tls.py        `up --tls`: a private CA and the servers' and services' certificates (openssl)
     supervisor.py restart back-off, crash loops, shutdown order, scale plans (pure: time passed in)
     keeper.py     the running `seamlessflow up`: applies supervisor.py to processes.py
     control.py    its control channel (a Unix socket) for `seamlessflow status` and `scale`

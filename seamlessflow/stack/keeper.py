@@ -162,8 +162,7 @@ class Keeper:
         # this connection only follows heartbeats and sends vacates (whose failures are raised):
         # its reconnect chatter while NATS restarts, or on a starved CPU, is not for up's console
         logging.getLogger(bus.__name__).setLevel(logging.ERROR)
-        conn = connections(dict(os.environ) | {"SF_NATS_URL": self.stack.nats_url,
-                                               "SF_REDIS_URL": self.stack.redis_url})
+        conn = connections(dict(os.environ) | self.stack.client_settings())
         while self.nc is None and not quit.is_set():
             try:
                 self.nc = await bus.connect(conn, name="sf-up")

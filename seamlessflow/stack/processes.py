@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from seamlessflow.stack import servers
+from seamlessflow.stack import tls as stack_tls
 from seamlessflow.stack.pinning import PinPlan, cpu_list, pin_plan
 from seamlessflow.stack.supervisor import shutdown_tiers
 
@@ -33,6 +34,11 @@ ENGINE_ENV = {  # not VLLM_CPU_KVCACHE_SPACE: the rollout worker sets it from SF
     "TOKENIZERS_PARALLELISM": "false",
     "DS_ACCELERATOR": "cpu",
 }
+
+
+# torch.distributed's rendezvous variables: a stack's services never inherit them (Stack.env)
+DIST_ENV = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                      "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"})
 
 
 class StackError(RuntimeError):
@@ -53,13 +59,14 @@ class StackOptions:
     max_model_len: int = 2048
     max_num_seqs: int = 16
     ready_timeout: float = 240.0
-    external_nats: str = ""  # use this NATS instead of starting one (tests share one server)
+    external_nats: str = ""  # use this NATS (or cluster: seed URLs, comma-separated) instead of starting one
     external_redis: str = ""
     extra_env: dict[str, str] = field(default_factory=dict)
     # tag scheduling: with a policy, host agents (each with a resident worker) replace `workers`
     policy: str = ""  # "" | colocated | disaggregated | seamless
     hosts: list[str] = field(default_factory=list)  # tag sets, one per host: "train+rollout", "rollout"
-    train: bool = False  # also run the DeepSpeed trainer, on the first train host, gated by the scheduler
+    train: bool = False  # also run the DeepSpeed trainer: with a policy on the first train host, gated by the
+    # scheduler; without one, as a process of its own beside the rollout workers
     trainer_settings: dict[str, str] = field(default_factory=dict)  # SF_TRAINER_<NAME> for --train
     # another command line for every rollout worker instead of `python -m services.rollout`
     # (e.g. `python -m services.rollout.simulated`, SIMULATED, for tests of supervision and benchmarks);
@@ -68,6 +75,9 @@ class StackOptions:
     # with a policy: each host's agent, worker and trainer rank on a CPU set of its own, the control
     # plane on the rest (pinning.py says how fewer cores than hosts + 1 are shared)
     pin: bool = False
+    # the NATS and Redis it starts speak only TLS and verify clients, with certificates from DATA_DIR/tls
+    # (tls.py); every service gets SF_NATS_TLS_* / SF_REDIS_TLS_* (a server you give with external_* is yours)
+    tls: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,8 +144,9 @@ def strip_login(url: str) -> str:
 
 
 def client_env(data_dir: Path) -> dict[str, str]:
-    """SF_NATS_URL and SF_REDIS_URL, with the credentials, of the stack `seamlessflow up` runs from
-    `data_dir` (stack.json has the URLs, credentials.json the logins); {} if none runs there."""
+    """SF_NATS_URL and SF_REDIS_URL, with the credentials (and with --tls the SF_*_TLS_* files), of the
+    stack `seamlessflow up` runs from `data_dir` (stack.json has the URLs, credentials.json the logins);
+    {} if none runs there."""
     try:
         stack = json.loads((data_dir / "stack.json").read_text())
     except (OSError, ValueError):
@@ -149,7 +160,13 @@ def client_env(data_dir: Path) -> dict[str, str]:
         nats_url = nats_url.replace("://", f"://{creds['nats_user']}:{creds['nats_password']}@", 1)
     if stack.get("redis_login") and creds.get("redis_password"):
         redis_url = redis_url.replace("://", f"://:{creds['redis_password']}@", 1)
-    return {"SF_NATS_URL": nats_url, "SF_REDIS_URL": redis_url} if nats_url else {}
+    if not nats_url:
+        return {}
+    env = {"SF_NATS_URL": nats_url, "SF_REDIS_URL": redis_url}
+    if stack.get("tls_dir"):  # up --tls: the files' paths (the keys stay in their 0600 files)
+        env |= stack_tls.TlsFiles(Path(stack["tls_dir"])).settings(bool(stack.get("nats_tls")),
+                                                                   bool(stack.get("redis_tls")))
+    return env
 
 
 class Stack:
@@ -171,6 +188,7 @@ class Stack:
         self.metrics_urls: dict[str, str] = {}  # process name -> its Prometheus /metrics (stack.json "metrics")
         self.pins: dict[str, tuple[int, ...]] = {}  # process name -> its CPU set (--pin); others: the control set
         self.control_cpus: tuple[int, ...] = ()  # () = not pinned
+        self.tls: stack_tls.TlsFiles | None = None  # with --tls: made (or found) by start()
 
     # -- public -----------------------------------------------------------------------------------
 
@@ -187,19 +205,29 @@ class Stack:
         """With the credentials in it: what this process and the services it starts connect with
         (never logged or written: stack.json and messages show `public_urls()`)."""
         login = f"{self.nats_user}:{self.nats_password}@" if self.nats_password else ""
-        return self.o.external_nats or f"nats://{login}127.0.0.1:{self.o.nats_port}"
+        return self.o.external_nats or f"{'tls' if self.o.tls else 'nats'}://{login}127.0.0.1:{self.o.nats_port}"
 
     @property
     def redis_url(self) -> str:
         login = f":{self.redis_password}@" if self.redis_password else ""
-        return self.o.external_redis or f"redis://{login}127.0.0.1:{self.o.redis_port}/0"
+        return self.o.external_redis or f"{'rediss' if self.o.tls else 'redis'}://{login}127.0.0.1:{self.o.redis_port}/0"
 
     def public_urls(self) -> dict[str, str | bool]:
-        """The NATS and Redis URLs without credentials, and whether they need the stack's logins
-        (stack.json; `client_env` adds the logins back from credentials.json)."""
+        """The NATS and Redis URLs without credentials, whether they need the stack's logins and its TLS
+        files (stack.json; `client_env` adds the logins back from credentials.json, the files from tls_dir)."""
         return {"nats_url": strip_login(self.nats_url), "redis_url": strip_login(self.redis_url),
                 "nats_login": not self.o.external_nats and bool(self.nats_password),
-                "redis_login": not self.o.external_redis and bool(self.redis_password)}
+                "redis_login": not self.o.external_redis and bool(self.redis_password),
+                "nats_tls": self.o.tls and not self.o.external_nats, "redis_tls": self.o.tls and not self.o.external_redis,
+                "tls_dir": str(self.data / "tls") if self.o.tls else ""}
+
+    def client_settings(self) -> dict[str, str]:
+        """What a client of this stack's NATS and Redis needs: the URLs with the logins, and with --tls
+        the SF_*_TLS_* files (paths) for the servers it starts."""
+        out = {"SF_NATS_URL": self.nats_url, "SF_REDIS_URL": self.redis_url}
+        if self.tls is not None:
+            out |= self.tls.settings(nats=not self.o.external_nats, redis=not self.o.external_redis)
+        return out
 
     def running_elsewhere(self) -> str | None:
         """A message if another stack already holds this data dir or these ports."""
@@ -229,6 +257,7 @@ class Stack:
         self.logs.mkdir(parents=True, exist_ok=True)
         (self.data / "stack.pid").write_text(str(os.getpid()))
         self._credentials()
+        self._certificates()
         self.trainer_metrics_port = servers.free_port()
         specs = host_specs(self.o.hosts, list(os.sched_getaffinity(0))) if self.o.policy else []
         if self.o.pin and specs:
@@ -254,6 +283,8 @@ class Stack:
             else:
                 for i in range(self.o.workers):
                     self.spawn_rollout(f"rollout-{i}")
+                if self.o.train:  # no scheduler: the trainer trains whenever a batch is ready
+                    self.spawn_trainer(**self.o.trainer_settings)
             self._spawn_gateway()
             (self.data / "stack.json").write_text(json.dumps({**state, "metrics": self.metrics_urls}))
             for p in self.procs if wait else ():
@@ -278,14 +309,18 @@ class Stack:
         (self.data / "stack.json").unlink(missing_ok=True)
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ)
+        # a service is its own process group: a rank this process holds (torchrun, or an in-process
+        # trainer in a test) must not leak into it (extra_env may still set one)
+        env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
         for k, v in ENGINE_ENV.items():
             env.setdefault(k, v)
         env.setdefault("VLLM_CACHE_ROOT", str(self.data / "cache" / "vllm"))
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.data / "cache" / "inductor"))
         env.setdefault("TORCH_EXTENSIONS_DIR", str(self.data / "cache" / "torch_extensions"))
-        env.update(SF_NATS_URL=self.nats_url, SF_REDIS_URL=self.redis_url, SF_WEIGHTS_DIR=str(self.weights_dir))
+        env.update(self.client_settings(), SF_WEIGHTS_DIR=str(self.weights_dir))
         env.update(self.o.extra_env)
+        if env.get("SF_TRAINER_LORA_RANK", "0").strip() not in ("", "0"):  # a LoRA trainer publishes adapters:
+            env.setdefault("SF_ROLLOUT_LORA", "1")  # its stack's workers serve them (docs/architecture.md)
         return env
 
     def spawn_trajectory(self, name: str) -> Proc:
@@ -428,20 +463,34 @@ class Stack:
         self.nats_user, self.nats_password = creds["nats_user"], creds["nats_password"]
         self.redis_password = creds["redis_password"]
 
+    def _certificates(self) -> None:
+        """With --tls: the CA and certificates in DATA_DIR/tls, made on the first run, reused after."""
+        if not self.o.tls:
+            return
+        if self.o.external_nats and self.o.external_redis:
+            raise StackError("--tls secures the NATS and Redis the stack starts, and it starts neither: for "
+                             "servers you run, give the services SF_NATS_TLS_* and SF_REDIS_TLS_* (docs/security.md)")
+        try:
+            self.tls = stack_tls.ensure(self.data / "tls")
+        except stack_tls.TlsError as e:
+            raise StackError(str(e)) from None
+
     def _spawn_infra(self) -> None:
         infra = []
         if not self.o.external_nats:
-            argv = servers.nats_argv(self.o.nats_port, self.data / "nats", self.nats_user, self.nats_password)
+            argv = servers.nats_argv(self.o.nats_port, self.data / "nats", self.nats_user, self.nats_password,
+                                     tls=self.tls)
             infra.append(self._spawn("nats", argv, None, ready="", port=self.o.nats_port))
         if not self.o.external_redis:
             argv = servers.redis_argv(self.o.redis_port, self.data / "redis", durable=True, password=self.redis_password,
-                                      log_file=self.logs / "redis.log")
+                                      log_file=self.logs / "redis.log", tls=self.tls)
             infra.append(self._spawn("redis", argv, None, ready="", port=self.o.redis_port))
         for p in infra:
             try:
                 servers.wait_port(p.port, p.popen, p.name)
             except servers.ServerError as e:
-                raise StackError(f"{e}; log {p.log}:\n{_tail(p.log.read_text(errors='replace'))}") from None
+                hint = servers.REDIS_TLS_HINT if self.tls is not None and p.name == "redis" else ""
+                raise StackError(f"{e}{hint}; log {p.log}:\n{_tail(p.log.read_text(errors='replace'))}") from None
 
     def _spawn_gateway(self) -> None:
         env = self.env() | {

@@ -32,7 +32,7 @@ from services.gateway import limits
 from services.gateway import openai_format as fmt
 from services.gateway import translate
 from services.gateway.edge import JSON, ClientGone, authenticate, read_body, unless_disconnected
-from services.gateway.errors import ApiError, StoreUnavailable, from_exception
+from services.gateway.errors import RETRY_SOON, ApiError, StoreUnavailable, from_exception
 from services.gateway.limits import Permit
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, decode
 from services.gateway.service import Gateway
@@ -62,7 +62,8 @@ class EventFormat(Protocol):
 
 def failed(reply: ChatFailed) -> ApiError:
     status = reply.status if 400 <= reply.status <= 599 else 502  # never answer a failure with 2xx
-    return ApiError(status, reply.message, reply.code or None)
+    # every 503 (redis_unavailable, overloaded, no worker serving) is retryable: say when
+    return ApiError(status, reply.message, reply.code or None, headers=RETRY_SOON if status == 503 else None)
 
 
 class Turn:

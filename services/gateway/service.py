@@ -100,7 +100,8 @@ class Gateway:
 
     def _start(self) -> None:
         self.store = KeyStore(self.conn.redis_url, self.cfg.static_keys(), self.cfg.redis_timeout,
-                              self.cfg.session_key_ttl, self.cfg.key_cache_seconds, self.cfg.redis_pool_wait)
+                              self.cfg.session_key_ttl, self.cfg.key_cache_seconds, self.cfg.redis_pool_wait,
+                              tls=self.conn.redis_tls)
         self._connecting = asyncio.get_running_loop().create_task(self._connect(), name="gateway-nats-connect")
 
     async def _connect(self) -> None:

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from services.gateway.edge import JSON, authenticate, read_body
-from services.gateway.errors import ApiError
+from services.gateway.errors import RETRY_SOON, ApiError
 from services.gateway.schemas import FinishBody, RewardBody, SessionCreate, decode
 from services.gateway.service import Gateway
 from services.gateway.store import KeyRecord
@@ -35,6 +35,8 @@ def _check(reply: SessionReply, session_id: str = "") -> SessionReply:
         headers = {"retry-after": str(math.ceil(reply.retry_after))}
     elif reply.status == 429:
         headers = {"retry-after": ADMISSION_RETRY_AFTER}
+    elif reply.status == 503:  # Redis or NATS unreachable behind the trajectory manager: retryable
+        headers = RETRY_SOON
     raise ApiError(reply.status, reply.message or default,
                    reply.code or _CODES.get(reply.status, "trajectory_error"), headers=headers)
 
@@ -63,6 +65,9 @@ async def create(request: Request) -> Response:
     if key.kind != "user":
         raise ApiError(403, "creating a session needs a user API key, not a session key", "user_key_required")
     body = decode(await read_body(request, gw.cfg.max_body_bytes), SessionCreate)
+    if body.group_id and not await gw.keys.claim_group(body.group_id, key.owner):
+        # another tenant's group: as if it did not exist (a 403 would confirm that it does)
+        raise ApiError(404, f"group {body.group_id} not found", "group_not_found", "group_id")
     reply = _check(await gw.session(SessionRequest(
         op="create", group_id=body.group_id or "", metadata=body.metadata or {})))
     if not reply.session_id:

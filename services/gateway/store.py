@@ -8,6 +8,8 @@ secret compared as such, goes through hmac.compare_digest: edge.same_secret).
 Static user keys from the config are hashed in memory and need no Redis.
 `sf:owner:<session id>` -> the tenant (hash of the user key) that created the session: only that
 tenant's keys may use the session (sessions.py, responses.py).
+`sf:group:<group id>` -> the tenant whose session first named that GRPO group; another tenant's
+session in it is refused with 404 (sessions.py).
 A stored Responses-API response is `sf:resp:<response id>` -> msgpack `StoredResponse`,
 expiring with session keys (responses.py).
 Logs name a key by `key_id` (a short hash prefix), never by the key itself.
@@ -35,11 +37,14 @@ from redis.exceptions import RedisError
 
 from services.gateway.errors import StoreBusy, StoreUnavailable
 from services.gateway.limits import TenantLimits
-from shared.redispool import FairPool, PoolExhausted
+from shared.redispool import PoolExhausted
+from shared.config import TlsFiles
+from shared.redissentinel import pool_from_url
 
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "sf:key:"
+GROUP_PREFIX = "sf:group:"  # sf:group:<group id> -> the tenant whose session first named it (issue 30)
 OWNER_PREFIX = "sf:owner:"  # sf:owner:<session id> -> the tenant (hash of the user key) that created it
 SESSION_KEY_PREFIX = "sk-sf-"
 POOL_SIZE = 64  # Redis connections per gateway process
@@ -80,7 +85,7 @@ KEY_CACHE_MAX = 100_000  # remembered keys per gateway process
 
 class KeyStore:
     def __init__(self, redis_url: str, static_keys: list[str], timeout: float, session_ttl: int,
-                 cache_seconds: float = 0.0, pool_wait: float | None = None) -> None:
+                 cache_seconds: float = 0.0, pool_wait: float | None = None, tls: TlsFiles | None = None) -> None:
         self.timeout = timeout
         self.pool_wait = timeout if pool_wait is None else pool_wait  # in line for a connection, under load
         self.session_ttl = session_ttl
@@ -92,8 +97,9 @@ class KeyStore:
         # a blocking pool: a call waits (up to `pool_wait`) for one of POOL_SIZE connections; redis-py's
         # default pool failed the 101st concurrent call at once (bench/load.py, 500 agents: 463 503s);
         # waiters are served in order (shared/redispool.py), so no wait outlasts a short line
-        self.redis = aioredis.Redis.from_pool(FairPool.from_url(
+        self.redis = aioredis.Redis.from_pool(pool_from_url(
             redis_url,
+            tls=tls,  # SF_REDIS_TLS_*
             max_connections=POOL_SIZE,
             timeout=self.pool_wait,
             socket_timeout=timeout,
@@ -159,6 +165,23 @@ class KeyStore:
     async def claim_session(self, session_id: str, owner: str) -> None:
         """Record the tenant of a session a user key's turn created (a one-off session)."""
         await self._call("session owner", self.redis.set(OWNER_PREFIX + session_id, owner, ex=self.session_ttl or None))
+
+    async def claim_group(self, group_id: str, owner: str) -> bool:
+        """Whether `owner` may open a session in GRPO group `group_id`: the first tenant to name a group
+        owns it (for the session TTL, renewed by each of its sessions); another tenant's is refused, so
+        its rewards are never grouped with the owner's in training."""
+        ttl = self.session_ttl or None
+        key = GROUP_PREFIX + group_id
+        if await self._call("group owner", self.redis.set(key, owner, nx=True, ex=ttl)):
+            return True
+        raw = await self._call("group owner", self.redis.get(key))
+        if raw is None:  # expired between the two calls: claim it again
+            return bool(await self._call("group owner", self.redis.set(key, owner, nx=True, ex=ttl)))
+        if raw.decode() != owner:
+            return False
+        if ttl:
+            await self._call("group owner", self.redis.expire(key, ttl))
+        return True
 
     async def session_owner(self, session_id: str) -> str | None:
         """The tenant that created `session_id` through this gateway, or None (unknown, or expired)."""

@@ -2,8 +2,13 @@
 
     sf.rollout.gen.<worker_id>   Generate -> TokenDelta* then exactly one GenerateDone, to msg.reply
     sf.rollout.ctl.<worker_id>   RolloutControl -> WorkerStatus (after the op is done)
-    sf.rollout.status            WorkerStatus heartbeat every `status_interval` seconds
-    sf.weights.published         polled (last value): newer versions are loaded in place
+    sf.rollout.status            WorkerStatus heartbeat every `status_interval` seconds, and at once after a
+                                 control and when the worker turns busy (first request) or idle (last one ends)
+    sf.weights.published         polled (last value): newer versions are loaded in place, from the
+                                 announced transfer round (network) or store path (disk)
+    sf.weights.fetch             WeightsWanted request to the trainer when a round was missed, or a
+                                 level-2 wake discarded network-received weights (refill.py): the
+                                 reply names a round of its own
 
 A message the worker cannot read is counted, logged once and (a stored weights event) dead-lettered
 (shared/deadletter.py); a Generate gets a GenerateDone error with code bad_request.
@@ -14,7 +19,9 @@ worker holds no session state; everything it needs is in each Generate.
 Under the tag scheduler (services/scheduler/host.py) a worker starts vacated
 (`start_vacated`) and its host agent moves it with vacate (scheduled), sleep (keep for a
 colocated train phase), wake, load and resume. The weight follower never loads into a
-sleeping engine: the scheduler's lend sequence loads explicitly (wake, load, resume).
+sleeping engine: the scheduler's lend sequence loads explicitly (wake, load, resume). A wake
+(or resume) that finds the weights discarded with no path to reload them (network transport)
+receives them again before it serves; if it cannot, the worker reports `paused` and serves nothing.
 """
 
 from __future__ import annotations
@@ -31,9 +38,10 @@ from nats.aio.msg import Msg
 
 from shared.checkpoint import CheckpointError
 from services.rollout.config import RolloutConfig, served_name
-from services.rollout.engine import Engine, EngineAsleep, EngineDead, EngineError
+from services.rollout import refill
+from services.rollout.engine import Engine, EngineAsleep, EngineDead, EngineError, TransferMissed, WeightsGone
 from shared import bus, subjects
-from shared.codec import encode
+from shared.codec import decode, encode
 from shared.config import Connections
 from shared.deadletter import Malformed
 from shared.deltas import Held, with_tail
@@ -48,12 +56,13 @@ from shared.messages.rollout import (
     WorkerState,
     WorkerStatus,
 )
-from shared.messages.weights import WeightsPublished
+from shared.messages.weights import WeightsPublished, WeightsWanted
 
 log = logging.getLogger(__name__)
 
 CONTROL_WAIT = 10.0  # seconds a control reply waits for the requests it ended to send their GenerateDone
 SHUTDOWN_WAIT = 15.0  # seconds shutdown waits for in-flight requests to end "preempted"
+CATCH_UP_WAIT = 120.0  # seconds a catch-up request waits: the trainer answers between steps
 EXIT_ENGINE_DEAD = 3  # process exit code when the engine died (a supervisor restarts the worker)
 
 
@@ -83,6 +92,7 @@ class RolloutService:
         self.closing = False
         self._ctl_tasks: set[asyncio.Task] = set()
         self._aborted: set[str] = set()  # aborted before their task started
+        self._moved: set[str] = set()  # aborted with `scheduled` (a router's rebalance): their preemption says so
         self._quit = asyncio.Event()
         self._admit = asyncio.Event()  # cleared while a drain-policy update holds new requests
         self._admit.set()
@@ -90,6 +100,7 @@ class RolloutService:
         self.lent_until = 0.0  # wall clock: when the scheduler expects to reclaim this worker (0 = not lent)
         self._scheduled_vacate = False  # the vacate in force is the scheduler's: its preemptions say so
         self.malformed = Malformed("rollout")
+        self._refilling = asyncio.Lock()  # one refill at a time (a wake's and a resume's would ask twice)
 
     async def run(self, quit: asyncio.Event) -> int:
         """Serve until `quit` is set or the engine dies; returns the process exit code."""
@@ -142,6 +153,8 @@ class RolloutService:
             return "paused"
         if e.updating:
             return "updating"
+        if e.needs_refill and not e.sleeping:  # awake without weights: takes no work until they are back
+            return "paused"
         if e.sleeping:
             return "sleeping"
         return "vacated" if e.vacated else "serving"
@@ -188,7 +201,23 @@ class RolloutService:
             return
         task = asyncio.create_task(self._generate(req, msg.reply))
         self.tasks[req.request_id] = task
-        task.add_done_callback(lambda t, rid=req.request_id: self.tasks.pop(rid) if self.tasks.get(rid) is t else None)
+        task.add_done_callback(lambda t, rid=req.request_id: self._ended(rid, t))
+        if len(self.tasks) == 1:  # idle -> busy: said now, not at the next beat (_ended)
+            self._status_now()
+
+    def _ended(self, rid: str, task: asyncio.Task) -> None:
+        if self.tasks.get(rid) is task:
+            self.tasks.pop(rid)
+            if not self.tasks and not self.closing:
+                self._status_now()  # busy -> idle
+
+    def _status_now(self) -> None:
+        """Publish the status at once: the scheduler's timeline (rollout or idle) follows `running`, and
+        a lent worker's work often starts and ends between two beats (1 s apart), so a timeline that
+        waited for the beats would call a busy lend idle (live: 35% against 0% by the engine's logs)."""
+        task = asyncio.create_task(self._publish_status())
+        self._ctl_tasks.add(task)
+        task.add_done_callback(self._ctl_tasks.discard)
 
     async def _generate(self, req: Generate, reply: str) -> None:
         rid, n = req.request_id, len(req.prompt_ids)
@@ -199,7 +228,7 @@ class RolloutService:
             run.error = f"worker engine dead: {self.engine.dead}"
         elif rid in self._aborted:
             self._aborted.discard(rid)
-        elif not (self.closing or self.engine.vacated):
+        elif not (self.closing or self.engine.vacated or self.engine.needs_refill):
             try:
                 await self._relay(req, reply, held, run)
             except TimeoutError:
@@ -219,7 +248,11 @@ class RolloutService:
         if run.finish == "error" and not run.code:
             run.code = "internal"  # a timeout, an unexpected exception, a dead engine: not the caller's fault
         # preempted by the scheduler's vacate: the caller re-dispatches without counting a failure
-        scheduled = run.finish == "preempted" and not run.error and self._scheduled_vacate and self.engine.vacated
+        # (or moved by a router's rebalance: an abort with `scheduled`)
+        moved = rid in self._moved
+        self._moved.discard(rid)
+        scheduled = run.finish == "preempted" and not run.error and (
+            moved or (self._scheduled_vacate and self.engine.vacated))
         await self._end(reply, held, self._done(rid, run.finish, n, run.version, run.error, run.code, scheduled))
 
     async def _relay(self, req: Generate, reply: str, held: Held, run: _Run) -> None:
@@ -227,7 +260,7 @@ class RolloutService:
         rid = req.request_id
         async with asyncio.timeout(self.cfg.max_request_seconds):
             await self._admit.wait()  # a drain-policy update holds new requests here
-            async with aclosing(self.engine.generate(rid, req.prompt_ids, req.sampling)) as deltas:
+            async with aclosing(self.engine.generate(rid, req.prompt_ids, req.sampling, req.adapter)) as deltas:
                 async for d in deltas:
                     if d.token_ids:
                         for out in held.add(TokenDelta(rid, d.token_ids, d.logprobs, d.version), time.monotonic()):
@@ -274,6 +307,8 @@ class RolloutService:
                 self._quit.set()
             except EngineAsleep as e:
                 log.warning("control %s refused: %s", ctl.op, e)
+            except WeightsGone as e:
+                log.error("worker %s cannot serve after %s: %s", self.cfg.worker_id, ctl.op, e)
             except Exception:
                 log.exception("control %s failed", ctl.op)
         if msg.reply:
@@ -283,14 +318,13 @@ class RolloutService:
     async def _apply(self, ctl: RolloutControl) -> None:
         match ctl.op:
             case "abort":
-                task = self.tasks.get(ctl.request_id)
-                if not await self.engine.abort(ctl.request_id) and task is not None:
-                    self._aborted.add(ctl.request_id)  # its task has not reached the engine yet
-                if task is not None:
-                    await asyncio.wait([task], timeout=CONTROL_WAIT)
+                await self._abort(ctl.request_id, ctl.scheduled)
             case "vacate":
                 await self._vacate(ctl.scheduled)
             case "resume":
+                if self.engine.sleeping:
+                    await self.engine.wake()
+                await self._refill()
                 await self.engine.resume()
                 self._scheduled_vacate = False
                 self.lent_until = ctl.lent_until
@@ -302,13 +336,27 @@ class RolloutService:
             case "wake":
                 await self.engine.wake()
                 self.lent_until = ctl.lent_until
+                await self._refill()
             case "load":
-                if ctl.version == self.engine.version:
+                if ctl.version == self.engine.version and not self.engine.needs_refill:
                     log.info("version %d is already loaded", ctl.version)
+                    return
+                if not ctl.path:  # the weights travel over the network: a round of our own
+                    await (self._refill() if self.engine.needs_refill else self._catch_up(ctl.version))
                     return
                 t0 = time.monotonic()
                 await self.engine.load_weights(ctl.path, ctl.version)
                 log.info("loaded version %d from %s in %.2fs", ctl.version, ctl.path, time.monotonic() - t0)
+
+    async def _abort(self, rid: str, scheduled: bool) -> None:
+        """End one request "preempted"; `scheduled` (a router's rebalance moves it) says so in its GenerateDone."""
+        task = self.tasks.get(rid)
+        if scheduled and task is not None:
+            self._moved.add(rid)
+        if not await self.engine.abort(rid) and task is not None:
+            self._aborted.add(rid)  # its task has not reached the engine yet
+        if task is not None:
+            await asyncio.wait([task], timeout=CONTROL_WAIT)
 
     async def _vacate(self, scheduled: bool) -> None:
         # 1. take no new work, and say so before anything waits: routers stop sending at once
@@ -338,7 +386,10 @@ class RolloutService:
             if self.tasks:
                 await asyncio.wait(list(self.tasks.values()), timeout=self.cfg.drain_timeout)
         try:
-            await self._apply(RolloutControl(op="load", version=ev.version, path=ev.path))
+            if ev.transfer is not None:
+                await self._receive(ev)
+            else:
+                await self._apply(RolloutControl(op="load", version=ev.version, path=ev.path))
         except CheckpointError as e:
             self._rejected.add(ev.version)
             log.error("rejected published version %d: %s (still serving %d)", ev.version, e, self.engine.version)
@@ -350,6 +401,48 @@ class RolloutService:
         finally:
             self._admit.set()
             await self._publish_status()
+
+    async def _receive(self, ev: WeightsPublished) -> None:
+        """The announced round; missed (joined late, or the sender is gone): a round of our own."""
+        try:
+            await self.engine.receive_weights(ev.transfer, ev.version)
+        except TransferMissed as e:
+            log.info("missed the round of version %d (%s); asking the trainer for one", ev.version, e)
+            await self._catch_up(ev.version)
+
+    async def _catch_up(self, version: int) -> None:
+        """Ask the trainer (sf.weights.fetch) for a round of the newest version and receive it. The
+        trainer holds the weights in checkpoint format; a peer worker holds vLLM's kernel layout
+        (fused, repacked), which no load_weights takes back. Not now: the next announcement brings it."""
+        try:
+            offer = await self._ask_trainer(version, CATCH_UP_WAIT)
+        except Exception as e:  # no trainer, a timeout, a reply we cannot read: the next poll asks again
+            log.warning("catch-up of version %d: %s: %s", version, type(e).__name__, e)
+            return
+        if why := refill.refusal(offer, self.engine.version, refill=False):
+            log.info("catch-up: %s; waiting for the next", why)
+            return
+        try:
+            await self.engine.receive_weights(offer.transfer, offer.version)
+        except TransferMissed as e:
+            log.warning("catch-up round of version %d missed: %s", offer.version, e)
+
+    async def _ask_trainer(self, version: int, timeout: float) -> WeightsPublished:
+        """sf.weights.fetch: the trainer's offer (a round of our own, or "not now": no transfer)."""
+        msg = await self.nc.request(subjects.WEIGHTS_FETCH, encode(WeightsWanted(self.cfg.worker_id, version)),
+                                    timeout=timeout)
+        return decode(msg.data, WeightsPublished)
+
+    async def _refill(self) -> None:
+        """After a level-2 wake of network-received weights: receive them again (refill.py, bounded).
+        Raises WeightsGone when they could not be had; the status then says `paused`."""
+        if not self.engine.needs_refill or self.engine.sleeping:
+            return
+        async with self._refilling:
+            try:
+                await refill.refill(self.engine, self._ask_trainer)
+            finally:
+                await self._publish_status()
 
     async def _end_inflight(self) -> None:
         # Let a running load finish: cancelled halfway it would leave the engine dead.

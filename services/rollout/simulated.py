@@ -64,6 +64,7 @@ class SimulatedEngine:
         self.vacated = False
         self.sleeping = False  # asleep: no step runs (keep mode freezes requests in place)
         self.updating = False
+        self.needs_refill = False  # its "weights" are a version number: never discarded by a sleep
         self.last_update: dict[str, float] = {}
         self._running: dict[str, asyncio.Queue] = {}  # request id -> its deltas
         self._budget: dict[str, int] = {}  # request id -> max_tokens
@@ -84,7 +85,8 @@ class SimulatedEngine:
     def running(self) -> int:
         return len(self._running)
 
-    async def generate(self, request_id: str, prompt_ids: list[int], sampling: Sampling) -> AsyncIterator[Delta]:
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling: Sampling,
+                       adapter: str = "") -> AsyncIterator[Delta]:
         if self.dead:
             raise EngineDead(self.dead)
         if request_id in self._running:
@@ -193,6 +195,9 @@ class SimulatedEngine:
         if self.sleeping:
             raise EngineAsleep(f"not loading version {version} into a sleeping engine; wake it first")
         self.version = version
+
+    async def receive_weights(self, transfer, version: int) -> None:  # a network round: joins none, a version bump
+        await self.load_weights(None, version)
 
 
 def main() -> int:

@@ -31,6 +31,15 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     drain_margin_s: float = 0.0  # a lent host stops taking turns this long before its predicted reclaim
     reclaim_grace_s: float = 0.0  # batch ready: a lent host finishes its running turns for up to this long
     lend_settle_s: float = 30.0  # with a grace: lend only once the trainer has waited this long for data
+    renew_s: float = 2.0  # while the trainer waits, a lent host stays open to turns at least this far ahead (0 = off)
+    # lend only for work (registry.Registry.offer, as the simulator): off by default until a live A/B measures it.
+    # On, a workload whose serving workers never queue beyond their slots lends nothing (the trainer waits on
+    # the agents' pace, not on rollout capacity): tests/integration/test_scheduler_live.py's 4 sessions on 8 slots
+    live_offer: bool = False
+    # leader election (issue 30, leader.py): the lease a leading instance renews; a standby leads within
+    # about this + 0.5 s of the leader's death
+    lease_s: float = 3.0
+    instance: str = ""  # this instance's name in the lease (default: host name and pid)
     lend_s: float = 1.0  # initial switch-cost estimates; measured switches replace them (running mean)
     reclaim_s: float = 1.0
     metrics_port: int = 0  # Prometheus /metrics (sf_bus_malformed_total); 0 = off

@@ -5,7 +5,8 @@
 
 What it does:
 - keeps the host's rollout worker **resident** (`python -m services.rollout`, started
-  vacated; a benchmark may run another command line, `SF_HOST_WORKER_CMD`): switching
+  vacated, and asleep on a `train` host, where the trainer's ranks hold the device until a
+  lend; a benchmark may run another command line, `SF_HOST_WORKER_CMD`): switching
   modes is vacate/sleep and wake/load/resume, never a restart, since a vLLM engine
   takes many seconds to start. A worker that exits is restarted with a doubling back-off
   (0.5 s up to `restart_backoff_max`); the restart is logged and counted in the heartbeat,
@@ -14,8 +15,9 @@ What it does:
   of `policy.transition_steps` (a lend loads the current version before it resumes; a
   reclaim vacates before the trainer rank reloads), and answers `HostModeChanged` with the
   time the switch took;
-- on a `train` host (`SF_HOST_TRAINER`), asks the trainer rank to offload or reload around
-  lends (sf.trainer.ctl; a trainer that is not running is skipped);
+- on a `train` host (`SF_HOST_TRAINER`), asks the trainer to offload or reload around lends
+  (sf.trainer.ctl, `TrainerControl.host` = this host: the trainer acts on the ranks on this
+  host only; a trainer that is not running is skipped);
 - sends `HostHeartbeat` every `heartbeat` seconds.
 
 The host's last assignment is the last value of its subject on the HOSTS stream, so a
@@ -39,6 +41,7 @@ from pathlib import Path
 import msgspec
 from nats.aio.msg import Msg
 
+from services.scheduler import leader
 from services.scheduler.config import HostConfig, load_host, parse_cpu_list
 from services.scheduler.policy import Step, transition_steps
 from shared import bus, subjects
@@ -52,6 +55,7 @@ from shared.messages.scheduler import (
     HostHeartbeat,
     HostMode,
     HostModeChanged,
+    SchedulerLeader,
     TrainerControl,
 )
 
@@ -77,6 +81,7 @@ class HostAgent:
                                            "--worker-id", cfg.worker_id]
         self.mode: HostMode = "idle"
         self.epoch = 0
+        self.term = 0  # the newest scheduler term seen (leader.py): older terms' assignments are ignored
         self.switching = False
         self.restarts = 0
         self.worker: WorkerStatus | None = None  # its latest heartbeat
@@ -97,6 +102,7 @@ class HostAgent:
             self.malformed.enter(stack, self.nc, streams, self.cfg.metrics_port, self.cfg.metrics_host)
             await self.nc.subscribe(subjects.ROLLOUT_STATUS, cb=self._on_worker)
             await self.nc.subscribe(subjects.sched_assign(self.cfg.id), cb=self._on_assignment)
+            await self.nc.subscribe(subjects.SCHED_LEADER, cb=self._on_leader)
             subject = subjects.sched_assign(self.cfg.id)
             last = await bus.last_value(js, subjects.HOSTS_STREAM, subject)
             if last is not None:  # a restarted agent keeps its last assignment (one it can read)
@@ -146,6 +152,12 @@ class HostAgent:
 
     # -- assignments -----------------------------------------------------------------------------
 
+    async def _on_leader(self, msg: Msg) -> None:
+        ev = self.malformed.decode(msg, SchedulerLeader, subjects.SCHED_LEADER)
+        if ev is not None and ev.term > self.term:
+            log.info("scheduler term %d leads (%s)", ev.term, ev.instance)
+            self.term = ev.term
+
     async def _on_assignment(self, msg: Msg) -> None:
         self._on_assignment_data(msg)
 
@@ -168,6 +180,10 @@ class HostAgent:
                 continue
             a = max(self._assignments, key=lambda x: x.epoch)  # only the newest matters
             self._assignments.clear()
+            if leader.term_of(a.epoch) < self.term:  # a deposed leader's late assignment (leader.py)
+                log.warning("ignoring assignment epoch %d (%s): term %d, but term %d leads", a.epoch, a.mode,
+                            leader.term_of(a.epoch), self.term)
+                continue
             if a.epoch <= self.epoch:
                 log.info("ignoring assignment epoch %d (%s): epoch %d already applied", a.epoch, a.mode, self.epoch)
                 continue
@@ -177,12 +193,15 @@ class HostAgent:
         t0 = time.time()
         self.switching = True
         ok, error, migrated = True, "", 0
+        took: dict[str, float] = {}  # per step, for the log: what a switch's time goes to
         steps = transition_steps(a.mode, a.hold, self.has_worker, self.cfg.trainer, self.mode)
         try:
             if self.has_worker:
                 await self._worker_up()
             for step in steps:
+                ts = time.time()
                 migrated += await self._step(step, a)
+                took[step] = time.time() - ts
         except (SwitchFailed, bus.ReplyTimeout, bus.BusUnavailable) as e:
             ok, error = False, f"{type(e).__name__}: {e}"
         finally:
@@ -190,9 +209,11 @@ class HostAgent:
         if ok:
             self.mode = a.mode
         self.epoch = a.epoch
+        self.term = max(self.term, leader.term_of(a.epoch))
         t1 = time.time()
-        log.info("epoch %d: %s -> %s in %.0f ms via %s%s", a.epoch, "ok" if ok else "FAILED", a.mode,
-                 (t1 - t0) * 1000, "/".join(steps) or "nothing", f" ({error})" if error else "")
+        log.info("epoch %d: %s -> %s in %.0f ms via %s (ms)%s", a.epoch, "ok" if ok else "FAILED", a.mode,
+                 (t1 - t0) * 1000, "/".join(f"{s} {took[s] * 1000:.0f}" if s in took else s for s in steps) or "nothing",
+                 f" ({error})" if error else "")
         await self._publish(subjects.SCHED_CHANGED, HostModeChanged(self.cfg.id, a.mode, a.epoch, t0, t1, ok, error,
                                                                     migrated))
 
@@ -209,7 +230,9 @@ class HostAgent:
                     if st.version < a.version:
                         raise SwitchFailed(f"worker still serves version {st.version} after loading {a.version}")
             case "resume":
-                await self._control(RolloutControl(op="resume", lent_until=a.lent_until))
+                st = await self._control(RolloutControl(op="resume", lent_until=a.lent_until))
+                if st.state == "paused":  # dead, stopping, or woken without weights it could not get back
+                    raise SwitchFailed(f"worker {self.cfg.worker_id} is paused after resume, not serving (see its log)")
             case "vacate":
                 running = self.worker.running if self.worker else 0
                 await self._control(RolloutControl(op="vacate", scheduled=True))
@@ -247,6 +270,8 @@ class HostAgent:
     async def _supervise(self, quit: asyncio.Event) -> None:
         backoff = RESTART_BACKOFF
         env = dict(os.environ) | {"SF_ROLLOUT_START_VACATED": "true", "SF_ROLLOUT_HOST": self.cfg.id}
+        if self.cfg.trainer:  # the trainer's ranks own the device until a lend: the worker sleeps from the start
+            env["SF_ROLLOUT_START_ASLEEP"] = "true"
         cores = self.cfg.cores or ",".join(map(str, sorted(parse_cpu_list(self.cfg.cpus))))
         if cores:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cores

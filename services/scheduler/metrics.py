@@ -1,12 +1,13 @@
 """The scheduler's Prometheus gauges, beside the bus counters on the same registry (pure of NATS).
 
     sf_scheduler_rate{what="sessions_per_s"|"groups_per_s"|"samples_needed"|"predicted_wait_s"|
-                      "lend_s"|"reclaim_s"|"lent_idle_hosts"}   Registry.rates(), every tick
+                      "lend_s"|"reclaim_s"|"lent_idle_hosts"|"lent_idle_host_s"}   Registry.rates()
     sf_scheduler_switches{what="lends"|"reclaims"|"failed_switches"|...}   Registry.counts
     sf_scheduler_host_activity{host, activity}   1 for what each host does now (train/rollout/switch/idle)
 
 `lent_idle_hosts` is the defect a lend must not have: a train host lent to rollout whose
-worker generated nothing since its previous heartbeat. It knows nothing about how the
+worker generated nothing since its previous heartbeat; `lent_idle_host_s` adds up the
+host-seconds of it since the scheduler started. It knows nothing about how the
 figures are made: registry.py computes them, service.py calls `update` every tick.
 """
 

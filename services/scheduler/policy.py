@@ -41,6 +41,13 @@ Tags decide what a host *may* do (`train`, `rollout`); the policy decides what i
     the trainer became ready (`Trainer.wants_since`). The trainer's gate waits meanwhile.
   Both default to 0 (reclaim at once); `seamlessflow plan` sweeps them.
 
+  `renew_s` (0 = off; the live scheduler's default is 2 s): the predicted reclaim is a
+  prediction. While the trainer still waits, a lent host whose `lent_until` comes within
+  `renew_s / 2` of now (or has passed) is given `lent_until` = max(predicted reclaim,
+  now + `renew_s`): a host that stays lent also stays open to turns. Without it, a wait
+  longer than predicted leaves the lent host closed and idle until the batch is ready
+  (live, 2 hosts on one core each: 3 s of an 8.5 s lend).
+
   With a grace, a lend the prediction got wrong costs the trainer up to the grace, so the
   lend verdict is stricter (docs/capacity-planning.md, "Lending with a grace", has the runs):
   - the grace counts as part of the switch: lend only if the predicted wait >
@@ -141,6 +148,8 @@ class Snapshot:
     # the work a lent host would be given (shared/lending.py), where the caller knows it: a lend must buy
     # more rollout than margin x the switch costs. None: not known (lend on the predicted wait alone)
     offer: Offer | None = None
+    # while the trainer waits, a lent host's lent_until is kept at least renew_s/2 ahead (0: never renewed)
+    renew_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +244,12 @@ def _earlier(s: Snapshot, h: Host, reclaim_at: float) -> bool:
     return h.lent_until <= 0 or reclaim_at < h.lent_until - max(1.0, s.drain_margin_s / 10)
 
 
+def _renew(s: Snapshot, h: Host) -> bool:
+    """With renew_s: is a lent host's lent_until (a prediction the wait outlasted) about to close it
+    while the trainer still waits?"""
+    return s.renew_s > 0 and h.lent_until > 0 and h.lent_until - s.now < s.renew_s / 2
+
+
 def _wanted(s: Snapshot, h: Host, pool: frozenset[str], lend: tuple[bool, str]) -> tuple[HostMode, str, bool]:
     """(mode, reason, hold) the policy wants for one healthy host."""
     if h.cordoned:
@@ -274,8 +289,9 @@ def decide(s: Snapshot) -> list[Decision]:
     lend = lend_verdict(s, others_roll_out) if s.policy == "seamless" else (False, "")
     wait = predicted_wait(s.trainer, s.completion_rate)
     reclaim_at = s.now + max(0.0, wait - s.costs.reclaim_s - s.drain_margin_s)
-    if not others_roll_out:
-        reclaim_at = math.inf  # the pool is the only rollout there is: a lent host takes every turn
+    if not others_roll_out or s.trainer.state in ("absent", "stopped"):
+        # the pool is the only rollout there is, or no trainer will reclaim it: a lent host takes every turn
+        reclaim_at = math.inf
     out: list[Decision] = []
     # _wanted reads a host only through this key, so hosts that share it share the answer
     # (the simulator decides for thousands of hosts; this keeps it to a few distinct calls)
@@ -301,6 +317,8 @@ def decide(s: Snapshot) -> list[Decision]:
                 reason = f"drain: trainer {s.trainer.state}, {h.running} running"
             elif lent and not drain and _earlier(s, h, reclaim_at):
                 reason = f"drain margin {s.drain_margin_s:g}s: reclaim now predicted at {reclaim_at:.1f}"
+            elif lent and not drain and math.isfinite(reclaim_at) and _renew(s, h):
+                reason = f"renew: the trainer still waits, lent until {max(reclaim_at, s.now + s.renew_s):.1f}"
             else:
                 continue
         lent_until = 0.0
@@ -308,6 +326,8 @@ def decide(s: Snapshot) -> list[Decision]:
             lent_until = max(s.now, 1e-9)  # > 0: a lent_until of 0 means "not lent", open to every turn
         elif mode == "rollout" and in_pool:
             lent_until = reclaim_at if math.isfinite(reclaim_at) else 0.0
+            if lent_until and s.renew_s > 0:
+                lent_until = max(lent_until, s.now + s.renew_s)  # kept open at least renew_s (_renew)
         out.append(Decision(h.id, mode, h.epoch + 1, reason, hold, lent_until))
     return out
 

@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from services.scheduler import policy
+from shared import lending
 from shared.heartbeats import Heartbeats
 from shared.timeouts import HEARTBEAT_STALE_AFTER
 from shared.messages.scheduler import (
@@ -101,7 +102,18 @@ class Registry:
     # fraction of a second starts and ends between two beats: `running` alone would never see it
     served: dict[str, bool] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)  # worker id -> generated_tokens at its last beat
+    # what the routers see of each worker (the live offer, `offer`): its slots, whether it serves, its
+    # lent_until, its decode rate over intervals where it generated (shared/lending.busy_rate, as the router)
+    capacity: dict[str, int] = field(default_factory=dict)
+    serving_workers: dict[str, bool] = field(default_factory=dict)
+    worker_lent_until: dict[str, float] = field(default_factory=dict)
+    worker_rates: dict[str, float] = field(default_factory=dict)
+    beat_at: dict[str, float] = field(default_factory=dict)
+    generated: deque[tuple[float, int]] = field(default_factory=deque)  # (time, tokens) generated, RATE_WINDOW
     costs: policy.Costs = policy.Costs()
+    lent_idle_s: float = 0.0  # host-seconds train hosts spent lent to rollout and idle (record_activity)
+    activity_at: float = 0.0  # when record_activity last ran
+    reclaims_measured: int = 0  # switches into train measured (reclaims, and idle -> train)
     counts: dict[str, int] = field(default_factory=lambda: {"lends": 0, "reclaims": 0, "failed_switches": 0,
                                                             "gates_granted": 0, "gates_timed_out": 0})
 
@@ -138,9 +150,21 @@ class Registry:
         rec.epoch = max(rec.epoch, hb.epoch)
         rec.healthy = True
 
-    def on_worker(self, worker_id: str, running: int, now: float, generated_tokens: int = 0) -> None:
+    def on_worker(self, worker_id: str, running: int, now: float, generated_tokens: int = 0, capacity: int = 0,
+                  serving: bool = True, lent_until: float = 0.0) -> None:
         prev = self.tokens.get(worker_id)
         self.tokens[worker_id] = generated_tokens
+        if capacity > 0:
+            self.capacity[worker_id] = capacity
+        self.serving_workers[worker_id], self.worker_lent_until[worker_id] = serving, lent_until
+        if prev is not None:
+            rate = lending.busy_rate(self.worker_rates.get(worker_id), self.beat_at.get(worker_id, now), prev, now,
+                                     generated_tokens, EWMA)
+            if rate is not None:
+                self.worker_rates[worker_id] = rate
+            if generated_tokens > prev:
+                self.generated.append((now, generated_tokens - prev))
+        self.beat_at[worker_id] = now
         # a restarted worker counts from 0 again: fewer tokens than before is not generation
         self.served[worker_id] = running > 0 or (prev is not None and generated_tokens > prev)
         self.workers.beat(worker_id, running, now)
@@ -163,10 +187,14 @@ class Registry:
             lend = _ewma(self.costs.lend_s, took) if self.counts["lends"] else took
             self.costs = policy.Costs(lend, self.costs.reclaim_s)
             self.counts["lends"] += 1
-        elif ev.mode == "train" and was == "rollout":
-            reclaim = _ewma(self.costs.reclaim_s, took) if self.counts["reclaims"] else took
+        elif ev.mode == "train" and was in ("rollout", "idle"):
+            # idle -> train runs a reclaim's steps (vacate, sleep, reload the trainer rank; nothing to migrate):
+            # a measure of it too. Without it a host that trained from the start (the policy was disaggregated,
+            # then seamless) kept the 1 s priors, and a 2 s predicted wait never beat 1.5 x 2 s: no lend, ever
+            reclaim = _ewma(self.costs.reclaim_s, took) if self.reclaims_measured else took
             self.costs = policy.Costs(self.costs.lend_s, reclaim)
-            self.counts["reclaims"] += 1
+            self.reclaims_measured += 1
+            self.counts["reclaims"] += was == "rollout"  # a reclaim proper: the end of a lend/reclaim cycle
         return (f"host {ev.host}: {was} -> {ev.mode} (epoch {ev.epoch}) in {took * 1000:.0f} ms"
                 + (f", {ev.migrated} request(s) migrated" if ev.migrated else ""))
 
@@ -260,7 +288,8 @@ class Registry:
         return {"sessions_per_s": self.completion_rate(now), "groups_per_s": self.group_rate(now),
                 "samples_needed": float(trainer.samples_needed),
                 "predicted_wait_s": policy.predicted_wait(trainer, rate), "lend_s": self.costs.lend_s,
-                "reclaim_s": self.costs.reclaim_s, "lent_idle_hosts": float(len(self.lent_idle()))}
+                "reclaim_s": self.costs.reclaim_s, "lent_idle_hosts": float(len(self.lent_idle())),
+                "lent_idle_host_s": self.lent_idle_s}
 
     def lent_idle(self) -> list[str]:
         """Train hosts lent to rollout whose worker generated nothing since its previous heartbeat: a
@@ -282,14 +311,57 @@ class Registry:
             self.waiting_since = now
         trainer = replace(trainer, wants_since=self.wants_since, waiting_since=self.waiting_since)
         hosts = tuple(r.view(self.workers.get(r.worker_id) or 0) for r in self.hosts.values())
-        return policy.Snapshot(policy_name, now, hosts, trainer, self.whole_group_rate(now), self.costs, lend_margin,
+        snap = policy.Snapshot(policy_name, now, hosts, trainer, self.whole_group_rate(now), self.costs, lend_margin,
                                train_hosts, drain_margin_s, reclaim_grace_s, lend_settle_s)
+        return replace(snap, offer=self.offer(snap)) if policy_name == "seamless" else snap
+
+    def offer(self, snap: policy.Snapshot) -> lending.Offer | None:
+        """The work a lent pool host would be given now (policy.Snapshot.offer), as the simulator builds it
+        (sim/simulator.py `_offer`) from what the routers see: the turns the serving workers hold beyond
+        their slots (a router sends a turn to the least-loaded serving worker even when all are full, and it
+        waits in that worker's queue: `running` counts it), less the free slots of serving workers that are
+        not lent, shared by the pool hosts not rolling out yet, each with its worker's slots and measured
+        speed (else the serving workers' mean), a turn predicted at the mean tokens a finished session
+        generated over the last RATE_WINDOW seconds. None where nothing is measured yet (no serving worker's
+        capacity or speed): the predicted wait alone decides, as before."""
+        now = snap.now
+        live = [w for w in self.serving_workers if self.serving_workers[w] and self.workers.get(w) is not None
+                and (self.workers.age(w, now) or 0.0) <= self.stale_after and w in self.capacity]
+        if not live:
+            return None
+        run = {w: self.workers.get(w) or 0 for w in live}
+        waiting = sum(max(0, run[w] - self.capacity[w]) for w in live)
+        free = sum(max(0, self.capacity[w] - run[w]) for w in live if self.worker_lent_until.get(w, 0.0) <= 0)
+        pool = policy.train_pool(snap)
+        by_id = {r.host: r for r in self.hosts.values()}
+        lendable = [by_id[h.id] for h in snap.hosts if h.id in pool and h.can_rollout and h.healthy
+                    and not h.cordoned and not (h.mode == h.target == "rollout")]
+        rates = [self.worker_rates[w] for w in live if w in self.worker_rates]
+        own = [self.worker_rates[r.worker_id] for r in lendable if r.worker_id in self.worker_rates]
+        rate = (sum(own) / len(own)) if own else (sum(rates) / len(rates) if rates else 0.0)
+        speed = lending.DecodeSpeed.measured(rate)
+        if speed is None:
+            return None
+        caps = [self.capacity[r.worker_id] for r in lendable if r.worker_id in self.capacity]
+        slots = round(sum(caps) / len(caps)) if caps else round(sum(self.capacity[w] for w in live) / len(live))
+        while self.generated and now - self.generated[0][0] > RATE_WINDOW:
+            self.generated.popleft()
+        self.completion_rate(now)  # cuts `finished` to the window
+        sessions = len(self.finished)
+        expected = sum(t for _, t in self.generated) / sessions if sessions and self.generated else None
+        ratio = lending.REPREFILL_RATIO if lending.DEFAULT_RULE == "migrate" else None
+        return lending.Offer(max(0, waiting - free), len(lendable), expected, speed, slots, 0.0, ratio, refill=True)
 
     def record_activity(self, now: float) -> list[tuple[str, Interval]]:
-        """Close the interval of every host whose activity changed; returns the closed ones."""
+        """Close the interval of every host whose activity changed; returns the closed ones. Adds the time
+        since the previous call to `lent_idle_s` for each train host that was lent and idle."""
         closed = []
         trainer_state = self.trainer_view(now).state
+        since, self.activity_at = self.activity_at, now
         for rec in self.hosts.values():
+            if since and rec.activity == "idle" and rec.healthy and "train" in rec.tags and \
+                    rec.mode == rec.target == "rollout":
+                self.lent_idle_s += max(0.0, now - since)
             running = self.workers.get(rec.worker_id) or 0
             if self.served.get(rec.worker_id) and rec.mode == rec.target == "rollout":
                 running = max(running, 1)  # it generated since its previous heartbeat: it serves

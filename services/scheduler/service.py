@@ -25,14 +25,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
+from dataclasses import replace
 from contextlib import AsyncExitStack
 from typing import get_args
 
 import msgspec
 from nats.aio.msg import Msg
 
-from services.scheduler import policy
+from services.scheduler import leader, policy
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.registry import Registry
@@ -48,6 +51,7 @@ from shared.messages.scheduler import (
     HostModeChanged,
     PolicyName,
     SchedulerControl,
+    SchedulerLeader,
     SchedulerReply,
     TrainerStatus,
     TrainGate,
@@ -68,6 +72,10 @@ class Finished(msgspec.Struct, tag="TrajectoryCompleted"):
     group_id: str = ""
 
 
+class LeadershipLost(RuntimeError):
+    """Another instance holds the lease: this one must not decide again (it exits; a restart is a standby)."""
+
+
 class _Gate:
     def __init__(self, msg: Msg, req: TrainGate, now: float):
         self.msg, self.req, self.t0 = msg, req, now
@@ -83,6 +91,7 @@ class SchedulerService:
         self.gates: list[_Gate] = []
         self.weights: WeightsPublished | None = None
         self.malformed = Malformed("scheduler")
+        self.epoch_floor = 0  # leader.first_epoch(term) once leading
         self.metrics = SchedulerMetrics(self.malformed.registry)
 
     async def run(self, quit: asyncio.Event, ready: asyncio.Event | None = None) -> None:
@@ -94,9 +103,16 @@ class SchedulerService:
             streams = subjects.STREAMS
             await bus.ensure_streams(self.js, streams)
             metrics = self.malformed.enter(stack, self.nc, streams, self.cfg.metrics_port, self.cfg.metrics_host)
-            self.store = Store.connect(self.conn.redis_url)
+            self.store = Store.connect(self.conn.redis_url, tls=self.conn.redis_tls)
             stack.push_async_callback(self.store.close)
+            # one leader among the instances (leader.py): a standby waits here, then rebuilds as a restart does
+            self.lease = leader.Lease(self.store.r, self.cfg.instance or f"{socket.gethostname()}-{os.getpid()}",
+                                      self.cfg.lease_s)
+            if not await self._lead(quit):
+                return
+            stack.push_async_callback(self._step_down)
             await self._restore()
+            self._fence()
             try:
                 self.weights = await weightstore.current(self.js)
             except Exception as e:
@@ -117,24 +133,87 @@ class SchedulerService:
             if ready:
                 ready.set()
 
-            # 3. decide every tick
-            last_persist = 0.0
-            while not quit.is_set():
-                now = time.time()
-                try:
+            # 3. decide every tick, while leading
+            await self._decide_loop(quit)
+            for g in self.gates:  # do not leave the trainer waiting on a scheduler that left
+                await self._answer(g, False, "scheduler stopping", time.time())
+
+    async def _decide_loop(self, quit: asyncio.Event) -> None:
+        last_persist = last_announce = 0.0
+        while not quit.is_set():
+            now = time.time()
+            try:
+                if await self._still_leading():
+                    if now - last_announce >= 1.0:
+                        await self._announce(now)
+                        last_announce = now
                     await self._tick(now)
                     if now - last_persist >= PERSIST_EVERY:
                         for rec in self.reg.hosts.values():
                             await self.store.save_host(rec)
                         last_persist = now
-                except Exception:  # Redis or NATS hiccup: the next tick tries again
-                    log.exception("scheduler tick failed")
-                try:
-                    await asyncio.wait_for(quit.wait(), self.cfg.tick)
-                except TimeoutError:
-                    pass
-            for g in self.gates:  # do not leave the trainer waiting on a scheduler that left
-                await self._answer(g, False, "scheduler stopping", time.time())
+            except LeadershipLost:
+                raise
+            except Exception:  # Redis or NATS hiccup: the next tick tries again
+                log.exception("scheduler tick failed")
+            try:
+                await asyncio.wait_for(quit.wait(), self.cfg.tick)
+            except TimeoutError:
+                pass
+
+    async def _lead(self, quit: asyncio.Event) -> bool:
+        """Wait until this instance holds the lease (True), or is told to stop (False)."""
+        waited = False
+        while not quit.is_set():
+            try:
+                if await self.lease.try_acquire():
+                    log.info("leading as %s, term %d%s", self.lease.instance, self.lease.term,
+                             " (took over)" if waited else "")
+                    return True
+            except Exception as e:  # Redis away: a standby keeps trying
+                log.warning("leader lease: %s", e)
+            if not waited:
+                log.info("standby: %s leads; taking over when its lease runs out", await self._holder())
+                waited = True
+            try:
+                await asyncio.wait_for(quit.wait(), leader.POLL_S)
+            except TimeoutError:
+                pass
+        return False
+
+    async def _holder(self) -> str:
+        try:
+            return await self.lease.holder() or "nobody"
+        except Exception:
+            return "an unknown instance"
+
+    def _fence(self) -> None:
+        """This term's epochs start above every earlier term's (leader.first_epoch)."""
+        base = leader.first_epoch(self.lease.term)
+        for rec in self.reg.hosts.values():
+            rec.epoch = max(rec.epoch, base)
+        self.epoch_floor = base
+
+    async def _still_leading(self) -> bool:
+        """Renew when due. Stops deciding once the lease ran out by our clock; quits once another leads."""
+        if self.lease.due():
+            try:
+                if not await self.lease.renew():
+                    raise LeadershipLost(f"another scheduler leads now ({await self._holder()}); this one stops")
+            except LeadershipLost:
+                raise
+            except Exception as e:
+                log.warning("renewing the leader lease: %s", e)
+        return self.lease.leading
+
+    async def _announce(self, now: float) -> None:
+        await self.nc.publish(subjects.SCHED_LEADER, encode(SchedulerLeader(self.lease.term, self.lease.instance, now)))
+
+    async def _step_down(self) -> None:
+        try:
+            await self.lease.release()  # a standby leads at its next try, not after the lease runs out
+        except Exception as e:
+            log.warning("releasing the leader lease: %s", e)
 
     async def _restore(self) -> None:
         saved = await self.store.policy()
@@ -176,8 +255,9 @@ class SchedulerService:
 
     def _snapshot(self, now: float) -> policy.Snapshot:
         c = self.cfg
-        return self.reg.snapshot(self.policy, now, c.lend_margin, c.train_hosts, c.drain_margin_s, c.reclaim_grace_s,
+        snap = self.reg.snapshot(self.policy, now, c.lend_margin, c.train_hosts, c.drain_margin_s, c.reclaim_grace_s,
                                  c.lend_settle_s)
+        return replace(snap, renew_s=c.renew_s, offer=snap.offer if c.live_offer else None)
 
     async def _assign(self, d: policy.Decision, now: float) -> None:
         w = self.weights
@@ -219,6 +299,9 @@ class SchedulerService:
         if hb is not None:
             for note in self.reg.on_heartbeat(hb, time.time()):
                 log.info("%s", note)
+            rec = self.reg.hosts.get(hb.host)
+            if rec is not None and rec.epoch < self.epoch_floor:  # a host new to this term: its epochs too
+                rec.epoch = self.epoch_floor
 
     async def _on_changed(self, msg: Msg) -> None:
         ev = self.malformed.decode(msg, HostModeChanged, subjects.SCHED_CHANGED)
@@ -228,7 +311,8 @@ class SchedulerService:
     async def _on_worker(self, msg: Msg) -> None:
         st = self.malformed.decode(msg, WorkerStatus, subjects.ROLLOUT_STATUS)
         if st is not None:
-            self.reg.on_worker(st.worker_id, st.running, time.time(), st.generated_tokens)
+            self.reg.on_worker(st.worker_id, st.running, time.time(), st.generated_tokens, st.capacity,
+                               st.state == "serving", st.lent_until)
 
     async def _on_trainer(self, msg: Msg) -> None:
         st = self.malformed.decode(msg, TrainerStatus, subjects.TRAINER_STATUS)

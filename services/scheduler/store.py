@@ -19,6 +19,8 @@ import redis.asyncio as aioredis
 from services.scheduler.registry import TIMELINE_KEEP, HostRecord
 from shared.codec import decode, encode
 from shared.messages.scheduler import Interval
+from shared.config import TlsFiles
+from shared.redissentinel import client_from_url
 
 HOSTS = "sf:hosts"
 POLICY = "sf:sched:policy"
@@ -37,8 +39,8 @@ class Store:
         self.r = r
 
     @classmethod
-    def connect(cls, url: str) -> Store:
-        return cls(aioredis.from_url(url, socket_timeout=5, socket_connect_timeout=5))
+    def connect(cls, url: str, tls: TlsFiles | None = None) -> Store:
+        return cls(client_from_url(url, tls, socket_timeout=5, socket_connect_timeout=5))
 
     async def close(self) -> None:
         await self.r.aclose()

@@ -48,6 +48,9 @@ class AlgoConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kl_coef: float = 0.0  # k3 KL to the reference model; 0 = no reference model
     entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss)
     aggregation: str = "token-mean"
+    # dynamic sampling (DAPO, Yu et al. 2025): leave groups whose rewards are all equal out of the
+    # batch (their advantages are 0, so they only dilute the token-mean); kept if all are equal
+    drop_uniform_groups: bool = False
 
     def __post_init__(self):
         if self.advantage not in ADVANTAGES:

@@ -9,7 +9,8 @@ Owns:
   rank;
 - micro-batches under a token budget: right-padded `input_ids`/`attention_mask`
   with targets, loss mask, behaviour logprobs and versions shifted for
-  next-token prediction.
+  next-token prediction; with multi-LoRA (`role_micro_batches`) each micro-batch holds
+  one role's rows and names that role's adapter.
 
 Shift convention: a sample of L tokens becomes L-1 positions. Position t feeds
 token t and predicts token t+1, so `targets[t] = token_ids[t+1]` and the loss
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from services.trainer.algorithms import AlgoConfig, advantage_metrics, compute_advantages
+from shared.adapters import role_of
 from shared.messages.trajectory import Sample, TrajectoryCompleted
 
 Group = list[TrajectoryCompleted]
@@ -87,6 +89,7 @@ class Row:
     sample: Sample
     advantage: float
     traj: int  # index of the trajectory in the global batch
+    role: str = ""  # the agent role its session named (multi-LoRA: which adapter it trains)
 
     @property
     def length(self) -> int:
@@ -101,19 +104,28 @@ class GlobalBatch:
 
 
 def build_global_batch(groups: list[Group], cfg: AlgoConfig) -> GlobalBatch:
-    """Advantages over the whole global batch (REINFORCE++ whitens across all of it)."""
+    """Advantages over the whole global batch (REINFORCE++ whitens across all of it). With
+    `cfg.drop_uniform_groups` (dynamic sampling), groups whose rewards are all equal leave the
+    batch (unless every group is uniform); their trajectory ids stay in `trajectory_ids` (they
+    were consumed) and their count is the `groups_dropped` metric."""
+    consumed = [trajectory_id(t) for g in groups for t in g]
+    total = len(groups)
+    if cfg.drop_uniform_groups:
+        groups = [g for g in groups if len({t.reward for t in g}) > 1] or groups
     trajs = [t for g in groups for t in g]
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
     group_index = torch.tensor([gi for gi, g in enumerate(groups) for _ in g], dtype=torch.long)
     adv = compute_advantages(rewards, group_index, cfg)
     rows = []
     for i, (traj, a) in enumerate(zip(trajs, adv.tolist())):
+        role = role_of(traj.metadata)
         for s in traj.samples:
             validate_sample(s)
-            rows.append(Row(s, a, i))
+            rows.append(Row(s, a, i, role))
     metrics = advantage_metrics(rewards, adv)
-    metrics.update(groups=float(len(groups)), trajectories=float(len(trajs)), samples=float(len(rows)))
-    return GlobalBatch(rows, [trajectory_id(t) for t in trajs], metrics)
+    metrics.update(groups=float(len(groups)), trajectories=float(len(trajs)), samples=float(len(rows)),
+                   groups_dropped=float(total - len(groups)))
+    return GlobalBatch(rows, consumed, metrics)
 
 
 def validate_sample(s: Sample) -> None:
@@ -149,6 +161,7 @@ class MicroBatch:
     behav_logprobs: torch.Tensor  # [B, T] float
     versions: torch.Tensor  # [B, T] long, -1 where not generated
     advantages: torch.Tensor  # [B] float
+    adapter: str = ""  # multi-LoRA: the role whose adapter these rows train ("" = the one adapter)
 
     @property
     def num_tokens(self) -> int:
@@ -159,10 +172,10 @@ class MicroBatch:
         return int((self.loss_mask.sum(-1) > 0).sum())
 
     def to(self, device) -> "MicroBatch":
-        return MicroBatch(**{k: v.to(device) for k, v in vars(self).items()})
+        return MicroBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()})
 
 
-def collate(rows: list[Row], pad_id: int) -> MicroBatch:
+def collate(rows: list[Row], pad_id: int, adapter: str = "") -> MicroBatch:
     T = max(r.length for r in rows)
     B = len(rows)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
@@ -181,10 +194,10 @@ def collate(rows: list[Row], pad_id: int) -> MicroBatch:
         versions[b, :n] = torch.tensor(s.versions[1:])
     behav = behav * loss_mask  # the contract says 0.0 off-mask; make it so even if it was not
     adv = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
-    return MicroBatch(input_ids, attention_mask, targets, loss_mask, behav, versions, adv)
+    return MicroBatch(input_ids, attention_mask, targets, loss_mask, behav, versions, adv, adapter)
 
 
-def micro_batches(rows: list[Row], max_tokens: int, pad_id: int) -> list[MicroBatch]:
+def micro_batches(rows: list[Row], max_tokens: int, pad_id: int, adapter: str = "") -> list[MicroBatch]:
     """Pack rows into right-padded micro-batches of at most `max_tokens` padded positions.
 
     Rows are taken longest first, so each batch's padding is small; a row longer
@@ -202,11 +215,30 @@ def micro_batches(rows: list[Row], max_tokens: int, pad_id: int) -> list[MicroBa
         cur.append(row)
     if cur:
         out.append(cur)
-    return [collate(b, pad_id) for b in out]
+    return [collate(b, pad_id, adapter) for b in out]
+
+
+def role_micro_batches(rows: list[Row], max_tokens: int, pad_id: int,
+                       roles: tuple[str, ...]) -> list[MicroBatch]:
+    """Multi-LoRA: each role's rows in micro-batches of their own, named for its adapter, roles in
+    `roles` order. A row whose role is not in `roles` is a ValueError (the intake keeps them out)."""
+    if stray := sorted({r.role for r in rows} - set(roles)):
+        raise ValueError(f"rows of roles {stray} have no adapter (roles: {', '.join(roles)})")
+    return [mb for role in roles for mb in micro_batches([r for r in rows if r.role == role], max_tokens,
+                                                         pad_id, role)]
+
+
+def role_counts(rows: list[Row]) -> dict[str, float]:
+    """Samples and loss tokens per role in the global batch, as step metrics (`role_tokens_<role>`)."""
+    out: dict[str, float] = {}
+    for r in rows:
+        if r.role:
+            out[f"role_samples_{r.role}"] = out.get(f"role_samples_{r.role}", 0.0) + 1
+            out[f"role_tokens_{r.role}"] = out.get(f"role_tokens_{r.role}", 0.0) + sum(r.sample.loss_mask[1:])
+    return out
 
 
 def empty_micro_batch(pad_id: int) -> MicroBatch:
     """A one-position batch with nothing in the loss: lets a rank with less data keep collectives in step."""
     row = Row(Sample([pad_id, pad_id], [0, 0], [0.0, 0.0], [-1, -1]), 0.0, -1)
     return collate([row], pad_id)
-

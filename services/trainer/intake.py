@@ -22,6 +22,7 @@ from typing import Any
 
 from services.trainer.batching import Group, GroupCollector, trajectory_id, validate_sample
 from services.trainer.ledger import Ledger, Verdict
+from shared.adapters import role_of
 from shared.messages.trajectory import TrajectoryCompleted
 
 Msg = Any  # a delivery handle (nats Msg in the service, anything in tests)
@@ -33,10 +34,14 @@ class Action(enum.Enum):
     ACK = "ack"  # already covered by a checkpoint: ack now, do not train
 
 
-def check_trajectory(traj: TrajectoryCompleted, vocab_size: int) -> None:
-    """Raise ValueError if a step could not train `traj` (the message is then terminated)."""
+def check_trajectory(traj: TrajectoryCompleted, vocab_size: int, roles: tuple[str, ...] = ()) -> None:
+    """Raise ValueError if a step could not train `traj` (the message is then terminated).
+    With multi-LoRA `roles`, its session must have named one of them (metadata "role")."""
     if not traj.session_id or not traj.group_id:
         raise ValueError("empty session_id or group_id")
+    if roles and role_of(traj.metadata) not in roles:
+        raise ValueError(f"session role {role_of(traj.metadata)!r} has no adapter (SF_TRAINER_LORA_ROLES="
+                         f"{','.join(roles)}; a session names its role in its metadata, key \"role\")")
     if not traj.samples:
         raise ValueError("no samples")
     if traj.reward != traj.reward or traj.reward in (float("inf"), float("-inf")):

@@ -50,12 +50,16 @@ def format_line(step: int, version: int, m: dict[str, float], hist: dict[int, in
         return format(m.get(k, float("nan")), fmt)
 
     stale = ",".join(f"{k}:{c}" for k, c in sorted(hist.items())) or "-"
+    # multi-LoRA: loss tokens per role's adapter
+    roles = ",".join(f"{k.removeprefix('role_tokens_')}:{int(v)}" for k, v in sorted(m.items())
+                     if k.startswith("role_tokens_"))
     return (f"step {step} v{version} loss={g('loss')} reward={g('reward_mean', '.3f')}±{g('reward_std', '.3f')} "
             f"adv={g('adv_mean', '.3f')}±{g('adv_std', '.3f')} clip={g('clip_frac', '.3f')} "
             f"isw={g('is_weight_mean', '.3f')}/max {g('is_weight_max', '.3g')} trunc={g('is_truncated_frac', '.3f')} "
-            f"stale={stale} trajs={int(m.get('trajectories', 0))} tokens={int(m.get('tokens', 0))} "
+            f"stale={stale} trajs={int(m.get('trajectories', 0))} dropped_groups={int(m.get('groups_dropped', 0))} "
+            f"tokens={int(m.get('tokens', 0))} "
             f"tok/s={g('train_tokens_per_s', '.0f')} wait={g('wait_s', '.2f')}s compute={g('compute_s', '.2f')}s "
-            f"publish={g('publish_s', '.2f')}s ckpt={g('checkpoint_s', '.2f')}s")
+            f"publish={g('publish_s', '.2f')}s ckpt={g('checkpoint_s', '.2f')}s" + (f" roles={roles}" if roles else ""))
 
 
 class Metrics:

@@ -1,11 +1,13 @@
 """The trainer's NATS wiring, on rank 0: the only trainer module that touches NATS.
 
     sf.traj.completed     durable pull consumer `cfg.durable` ("trainer"), explicit ack: TrajectoryCompleted in
-    sf.weights.published  WeightsPublished out (via shared.weightstore.announce), after each `publish_every` steps
+    sf.weights.published  WeightsPublished out (via shared.weightstore.announce), after each `publish_every` steps:
+                          a store path (weights_transport=disk) or a transfer round (network, runner `send`)
+    sf.weights.fetch      WeightsWanted in (network): a worker that missed a round gets one of its own
     sf.rollout.status     WorkerStatus heartbeats in: versions still served are kept by weight GC
     sf.trainer.status     TrainerStatus out: every STATUS_INTERVAL seconds and at each state change
     sf.sched.gate         TrainGate request out (with `scheduler_gate`): reclaim our hosts before a step
-    sf.trainer.ctl        TrainerControl in (offload / reload, broadcast to every rank) -> TrainerStatus
+    sf.trainer.ctl        TrainerControl in (offload / reload of the ranks on `host`) -> TrainerStatus
     sf.dead.trainer.*     a delivery that does not decode or fails the checks: copied to the DEAD stream, then
                           terminated (shared/deadletter.py); counted in sf_bus_malformed_total
 
@@ -22,6 +24,10 @@ States reported in TrainerStatus: waiting (for data) -> ready (at the gate, only
 `scheduler_gate`) -> computing -> publishing (announce, GC, checkpoint) -> waiting;
 stopped at the end. Runner commands run one at a time (`_device`): an offload or reload
 waits for the step in progress, never cuts it.
+A gate that is not granted (refused, timed out, no scheduler) is logged; then the step
+computes anyway, or, with `gate_fallback` "wait" (the default on CUDA, where a lent host's
+vLLM holds the device), the trainer asks again and again, logging each time, and never
+computes until granted; a quit while it waits gives the batch back untrained.
 Meanwhile a keepalive task sends in_progress() for every held delivery, so none is
 redelivered while it waits for its group, its step or its checkpoint.
 
@@ -49,13 +55,15 @@ from services.trainer.config import TrainerConfig
 from services.trainer.intake import Action, Intake, check_trajectory
 from services.trainer.ledger import Ledger
 from services.trainer.metrics import Metrics
-from services.trainer.runner import Command, Runner, encode_groups
+from services.trainer.runner import Command, Runner, control_scope, encode_groups
 from shared import bus, subjects, weightstore
+from shared.adapters import parse_roles
 from shared.codec import decode, encode
 from shared.config import Connections
 from shared.deadletter import Malformed
 from shared.heartbeats import Heartbeats
 from shared.messages.rollout import WorkerStatus
+from shared.messages.weights import WeightsPublished, WeightsWanted, WeightTransfer
 from shared.messages.scheduler import TrainerControl, TrainerState, TrainerStatus, TrainGate, TrainGateReply
 from shared.messages.trajectory import TrajectoryCompleted
 
@@ -68,6 +76,11 @@ RANK_KEEPALIVE = 60.0  # seconds idle before ranks > 0 get a no-op (their broadc
 ACK_CHUNK = 64  # concurrent ack_sync calls
 STATUS_INTERVAL = 1.0  # seconds between TrainerStatus heartbeats
 GATE_GRACE = 5.0  # seconds the gate request waits beyond the gate_timeout it gives the scheduler
+GATE_RETRY = 1.0  # seconds between gate requests while a "wait" fallback waits for a grant
+
+
+class GateAbandoned(Exception):
+    """The trainer was told to quit while it waited for a gate it must not compute without."""
 
 
 class TrainerService:
@@ -77,6 +90,7 @@ class TrainerService:
         self.conn = conn
         self.runner = runner
         self.vocab_size = vocab_size
+        self.roles = parse_roles(cfg.lora_roles) if cfg.lora_rank else ()  # multi-LoRA: the roles with an adapter
         resume = resume or {}
         self.step = int(resume.get("step", 0))
         self.checkpointed_step = self.step
@@ -89,6 +103,10 @@ class TrainerService:
         # worker id -> the version it serves, aged by receive time (monotonic): the trainer's clock,
         # not the worker's, decides whether a pin still holds
         self.served: Heartbeats[int] = Heartbeats(cfg.worker_stale_after)
+        self.worker_states: Heartbeats[str] = Heartbeats(cfg.worker_stale_after)  # network rounds wait for the awake ones
+        self.network = cfg.weights_transport == "network"
+        self._weights_are = self.version  # the version the weights equal now (None: trained past it, unannounced)
+        self._rounds = 0  # network rounds sent, for unique group names
         self._wake = asyncio.Event()
         self._stop_fetch = asyncio.Event()
         self._resumed = bool(resume)
@@ -97,10 +115,15 @@ class TrainerService:
         self.nc = None
         self.state: TrainerState = "waiting"
         self.last_wait_s = self.last_compute_s = 0.0
+        self._catch_ups: set[asyncio.Task] = set()
         self._device = asyncio.Lock()  # one runner command at a time: steps, checkpoints, offload/reload
+        # every rank's host (TrainerStatus.hosts, TrainGate.hosts); SF_TRAINER_HOST where the ranks report none
+        self.hosts: list[str] = list(getattr(runner, "hosts", None) or ([cfg.host] if cfg.host else []))
+        self._quit = asyncio.Event()
 
     async def run(self, quit: asyncio.Event) -> int:
         cfg = self.cfg
+        self._quit = quit
         async with AsyncExitStack() as stack:
             # 1. connect, declare streams, learn where versions stand
             nc = await bus.connect(self.conn, name="trainer")
@@ -113,8 +136,7 @@ class TrainerService:
             stack.push_async_callback(self.malformed.drain)  # dead letters under way, before the close
             await self._init_version()
             self.audit.resume(self.step)
-            await nc.subscribe(subjects.ROLLOUT_STATUS, cb=self._on_status)
-            await nc.subscribe(subjects.TRAINER_CTL, cb=self._on_control)
+            await self._subscribe(nc)
             heartbeat = asyncio.create_task(self._status_loop(), name="status")
             self._listening_since = time.monotonic()
 
@@ -150,6 +172,13 @@ class TrainerService:
                 await self._set_state("stopped")
                 self.metrics.close()
         return 0
+
+    async def _subscribe(self, nc) -> None:
+        """Workers' status, the scheduler's control, and (network weights) catch-up requests."""
+        await nc.subscribe(subjects.ROLLOUT_STATUS, cb=self._on_status)
+        await nc.subscribe(subjects.TRAINER_CTL, cb=self._on_control)
+        if self.network:
+            await nc.subscribe(subjects.WEIGHTS_FETCH, cb=self._on_fetch)
 
     async def _drain(self, fetcher: asyncio.Task, sub, clean: bool) -> None:
         """Stop fetching; checkpoint what was trained if the steps ended without a failure (`clean`)."""
@@ -210,7 +239,7 @@ class TrainerService:
         # one it cannot read is logged once per cause, copied to DEAD, then terminated: in a task, the
         # fetch goes on
         traj = self.malformed.decode(msg, TrajectoryCompleted, subjects.TRAJ_COMPLETED,
-                                     check=lambda t: check_trajectory(t, self.vocab_size))
+                                     check=lambda t: check_trajectory(t, self.vocab_size, self.roles))
         if traj is None:
             self.metrics.count("bad")
             return
@@ -260,7 +289,12 @@ class TrainerService:
     async def _step(self, groups, wait_s: float) -> None:
         """The gate (outside `_device`: while the trainer waits there, the scheduler's reclaim sends
         it a reload), then the step, which no offload or reload can cut."""
-        gate = await self._gate(self.step + 1) if self.cfg.scheduler_gate else {}
+        try:
+            gate = await self._gate(self.step + 1) if self.cfg.scheduler_gate else {}
+        except GateAbandoned:
+            log.warning("step %d not computed: told to quit while waiting for the gate; its %d deliveries "
+                        "come back after ack_wait", self.step + 1, sum(len(g) for g in groups))
+            return
         async with self._device:
             await self._train(groups, wait_s, gate)
 
@@ -274,7 +308,7 @@ class TrainerService:
         step = self.step + 1
         publish = step % cfg.publish_every == 0
         version = self.next_version() if publish else self.version
-        dest = weightstore.version_dir(self.store, version) if publish else None
+        dest = weightstore.version_dir(self.store, version) if publish and not self.network else None
 
         # 1. every rank trains (and, if publishing, snapshots the weights into the store)
         cmd = Command("train", step=step, batch=encode_groups(groups), version=self.version,
@@ -285,21 +319,19 @@ class TrainerService:
         self.intake.trained(ids, step)
         self.step = step
         self.metrics.count("trained", len(ids))
+        self._weights_are = None
         await self._set_state("publishing")
         m = dict(out["metrics"])
+        if publish and self.network:
+            t0 = time.perf_counter()
+            m.update(await self._send_round(version, step, self._awake_workers()))
+            out["save_s"] = time.perf_counter() - t0  # reported as publish_s, like the disk snapshot
+            self.version = version
 
         # 2. announce the new version, then drop versions nobody needs
         t0 = time.perf_counter()
         if dest is not None:
-            await asyncio.to_thread(weightstore.check_checkpoint, dest)
-            await weightstore.announce(self.js, version, dest, step=step, retry_for=cfg.publish_retry_s)
-            self.version = version
-            in_use = self.in_use()
-            if in_use is not None:  # else: too soon after start to know; a later publish collects
-                removed = await asyncio.to_thread(weightstore.collect_garbage, self.store, in_use,
-                                                  cfg.keep_versions)
-                if removed:
-                    log.info("weight store: removed versions %s", removed)
+            await self._announce_dir(version, dest, step)
         self.audit.step(step, self.version, ids)
 
         # 3. checkpoint, then ack what it covers
@@ -319,6 +351,66 @@ class TrainerService:
             m[f"intake_{k}"] = float(v)
         log.info("%s", self.metrics.step(step, self.version, m, out["staleness"]))
         await self._set_state("waiting")
+
+    async def _announce_dir(self, version: int, dest: Path, step: int) -> None:
+        """The shared-disk path: check the snapshot, announce its path, collect old versions."""
+        cfg = self.cfg
+        await asyncio.to_thread(weightstore.check_checkpoint, dest)
+        await weightstore.announce(self.js, version, dest, step=step, retry_for=cfg.publish_retry_s)
+        self.version = self._weights_are = version
+        in_use = self.in_use()
+        if in_use is not None:  # else: too soon after start to know; a later publish collects
+            removed = await asyncio.to_thread(weightstore.collect_garbage, self.store, in_use, cfg.keep_versions)
+            if removed:
+                log.info("weight store: removed versions %s", removed)
+
+    # -- weights over the network -------------------------------------------------------------
+
+    def _awake_workers(self) -> int:
+        """Workers a round waits for: alive and not asleep (a sleeping engine loads nothing)."""
+        return sum(state not in ("sleeping", "paused") for state in self.worker_states.alive(time.monotonic()).values())
+
+    def _transfer(self, version: int) -> WeightTransfer:
+        self._rounds += 1
+        return WeightTransfer(self.cfg.weights_bind, self.runner.sender.port, f"v{version}-r{self._rounds}")
+
+    async def _send_round(self, version: int, step: int, receivers: int, announce: bool = True,
+                          reply: str = "") -> dict[str, float]:
+        """One round of the weights as they are, labelled `version`: the runner opens it and sends
+        (every rank: ZeRO-3 gathers) while this announces it (or answers `reply`). Holds `_device`."""
+        transfer = self._transfer(version)
+        sending = asyncio.create_task(self._run(Command("send", step=step, version=version, group=transfer.group,
+                                                        receivers=receivers)))
+        event = WeightsPublished(version, "", time.time(), step, transfer)
+        if announce:
+            await weightstore.announce(self.js, version, None, step=step, retry_for=self.cfg.publish_retry_s,
+                                       transfer=transfer)
+        elif reply:
+            await self.nc.publish(reply, encode(event))
+        out = await sending
+        self._weights_are = version
+        log.info("version %d over the network (%s): %d receiver(s), %.1f MB, join %.2fs, send %.2fs", version,
+                 transfer.group, out["receivers"], out["sent_bytes"] / 1e6, out["join_s"], out["send_s"])
+        return {k: float(out[k]) for k in ("join_s", "send_s", "receivers")}
+
+    async def _on_fetch(self, msg: Msg) -> None:
+        want = self.malformed.decode(msg, WeightsWanted, subjects.WEIGHTS_FETCH)
+        if want is None or not msg.reply:
+            return
+        task = asyncio.create_task(self._catch_up(want, msg.reply))
+        self._catch_ups.add(task)
+        task.add_done_callback(self._catch_ups.discard)
+
+    async def _catch_up(self, want: WeightsWanted, reply: str) -> None:
+        """A round of its own for a worker that missed one, from the weights this rank holds: only
+        while they still are the newest announced version (else the reply says not now, and the
+        next announcement brings it)."""
+        async with self._device:
+            if self._weights_are != self.version or self.version == 0:
+                await self.nc.publish(reply, encode(WeightsPublished(self.version, "", time.time(), self.step)))
+                return
+            log.info("catch-up round of version %d for %s", self.version, want.worker_id)
+            await self._send_round(self.version, self.step, 1, announce=False, reply=reply)
 
     async def _checkpoint(self) -> float:
         t0 = time.perf_counter()
@@ -343,7 +435,8 @@ class TrainerService:
             state=self.state, step=self.step, version=self.version, ready_groups=self.intake.ready_groups(),
             open_groups=self.intake.open_groups(), buffered_samples=self.intake.buffered_samples(),
             groups_per_step=cfg.groups_per_step, group_size=cfg.group_size, last_wait_s=self.last_wait_s,
-            last_compute_s=self.last_compute_s, ts=time.time(), hosts=[cfg.host] if cfg.host else [])
+            last_compute_s=self.last_compute_s, ts=time.time(), hosts=self.hosts,
+            offloaded=sorted(getattr(self.runner, "offloaded_hosts", ())))
 
     async def _publish_status(self) -> None:
         try:
@@ -365,15 +458,41 @@ class TrainerService:
                 log.info("weight versions rollout workers serve: %s", sorted(in_use) or "none")
             await asyncio.sleep(STATUS_INTERVAL)
 
+    def gate_waits(self) -> bool:
+        """Whether an ungranted gate means wait (never compute) rather than compute anyway."""
+        fallback = self.cfg.gate_fallback
+        return fallback == "wait" or (fallback == "auto" and bool(getattr(self.runner, "cuda", False)))
+
     async def _gate(self, step: int) -> dict[str, float]:
         """Ask the scheduler to reclaim our hosts before step `step`; {gate_s, gate_granted}.
 
-        It never stalls training: a refusal, a timeout or no scheduler at all is logged with
-        its reason and the step runs anyway."""
+        A refusal, a timeout or no scheduler at all is logged with its reason; then the step runs
+        anyway, or, where `gate_waits`, the trainer asks again until granted (GateAbandoned on quit)."""
         await self._set_state("ready")
-        cfg = self.cfg
-        gate = TrainGate(step=step, timeout=cfg.gate_timeout, hosts=[cfg.host] if cfg.host else [])
         t0 = time.perf_counter()
+        waits = self.gate_waits()
+        while True:
+            why = await self._ask_gate(step)
+            waited = time.perf_counter() - t0
+            if not why:
+                log.info("step %d: gate granted after %.2fs", step, waited)
+                return {"gate_s": waited, "gate_granted": 1.0}
+            if not waits:
+                log.warning("step %d: gate not granted (%s) after %.2fs; computing anyway", step, why, waited)
+                return {"gate_s": waited, "gate_granted": 0.0}
+            log.warning("step %d: gate not granted (%s) after %.2fs; waiting, not computing (gate_fallback=%s "
+                        "on %s): a lent host's rollout engine may hold the device", step, why, waited,
+                        self.cfg.gate_fallback, "cuda" if getattr(self.runner, "cuda", False) else "cpu")
+            try:
+                await asyncio.wait_for(self._quit.wait(), GATE_RETRY)
+            except TimeoutError:
+                continue
+            raise GateAbandoned(step)
+
+    async def _ask_gate(self, step: int) -> str:
+        """One TrainGate request; "" if granted, else why not."""
+        cfg = self.cfg
+        gate = TrainGate(step=step, timeout=cfg.gate_timeout, hosts=self.hosts)
         try:
             msg = await self.nc.request(subjects.SCHED_GATE, encode(gate), timeout=cfg.gate_timeout + GATE_GRACE)
             reply = decode(msg.data, TrainGateReply)
@@ -387,21 +506,19 @@ class TrainerService:
             why = f"{type(e).__name__}: {e}"
         else:
             why = "" if reply.granted else f"refused: {reply.reason or 'no reason given'}"
-        waited = time.perf_counter() - t0
-        if why:
-            log.warning("step %d: gate not granted (%s) after %.2fs; computing anyway", step, why, waited)
-        else:
-            log.info("step %d: gate granted after %.2fs", step, waited)
-        return {"gate_s": waited, "gate_granted": 0.0 if why else 1.0}
+        return why
 
     async def _on_control(self, msg: Msg) -> None:
-        """TrainerControl: offload or reload on every rank, after the step in progress; the reply is
-        a TrainerStatus. Requests run in arrival order (one subscription callback at a time)."""
+        """TrainerControl: offload or reload the ranks on `ctl.host`, after the step in progress; the
+        reply is a TrainerStatus. Requests run in arrival order (one subscription callback at a time)."""
         ctl = self.malformed.decode(msg, TrainerControl, subjects.TRAINER_CTL)
         if ctl is not None:  # one it cannot read is answered with our status all the same
+            scope, note = control_scope(getattr(self.runner, "hosts", []), ctl.host)
+            if note:
+                log.warning("%s for host %s: %s", ctl.op, ctl.host, note)
             try:
                 async with self._device:
-                    out = await self._run(Command(ctl.op))
+                    out = await self._run(Command(ctl.op, host=scope))
                 secs = out.get(f"{ctl.op}_s", 0.0)
                 self.metrics.gauge(f"{ctl.op}_s", secs)
                 log.info("%s for host %s in %.3fs", ctl.op, ctl.host or "-", secs)
@@ -420,6 +537,7 @@ class TrainerService:
         if st is None:
             return
         self.served.beat(st.worker_id, st.version, at=time.monotonic())
+        self.worker_states.beat(st.worker_id, st.state, at=time.monotonic())
 
     def in_use(self) -> set[int] | None:
         """Versions rollout workers serve now; None until heartbeats had `worker_stale_after` seconds to arrive."""

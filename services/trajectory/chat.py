@@ -32,6 +32,7 @@ from services.trajectory.routing import LengthHistory, Picker, WorkerTable
 from services.trajectory.store import Alias, DeltaRecord, InFlight, Lookup, SessionNotFound, Store
 from services.trajectory.turns import Turn
 from services.trajectory.turnstream import TurnStream
+from shared.adapters import role_of
 from shared.codec import decode, encode
 from shared.messages import ChatDelta, ChatDone, ChatRequest, TokenDelta
 from shared.logonce import OncePerCause
@@ -228,7 +229,8 @@ class TurnHandler:
                 # not collide with (or abort) what a paused predecessor still has running on a worker
                 job = Job(f"{rid}.{secrets.token_hex(3)}", look.session_id, prompt.ids,
                           replace(req.sampling, max_tokens=budget),
-                          hold_s=0.0 if req.agent_streams else self.cfg.plain_hold_s)
+                          hold_s=0.0 if req.agent_streams else self.cfg.plain_hold_s,
+                          adapter=role_of((look.meta or {}).get("metadata") or {}))
                 gen = await generate(self.call, lambda exclude: self._pick(sticky, exclude, expected), job, on_tokens,
                                      self.cfg.max_redispatch, resume=partial)
         except GenerationFailed as e:

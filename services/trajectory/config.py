@@ -11,6 +11,9 @@ class TrajectoryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: str = ""  # HF dir with the tokenizer and chat template (the one the workers serve)
     max_model_len: int = 2048
     worker_wait: float = timeouts.WORKER_WAIT  # how long a request waits for any serving rollout worker
+    # a worker that begins serving (a lend) takes a share of the requests running on busier workers
+    # (routing.WorkerTable.moves): they move with their partial tokens
+    rebalance: bool = True
     first_token_timeout: float = timeouts.WORKER_FIRST_REPLY  # a worker's first reply (vLLM warms up on first use)
     token_timeout: float = timeouts.WORKER_IDLE  # between replies of one generation
     resume_wait: float = 600.0  # a re-sent request waits this long for the replica still serving it
@@ -33,6 +36,10 @@ class TrajectoryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # long reply costs a message per hold instead of one per token at each end (shared/deltas.Held). The price:
     # a stop string is seen up to this much later (the worker generates on meanwhile; the extra is cut)
     plain_hold_s: float = 0.1
+    # Redis replication (issue 30, docs/reliability.md): a turn's save and a finish's stored event WAIT for
+    # this many replicas, up to redis_wait_ms, before the turn or finish is acknowledged; 0 = no WAIT
+    redis_wait_replicas: int = 0
+    redis_wait_ms: int = 100
     # Prometheus /metrics (sf_bus_malformed_total); 0 = off (replicas on one machine need a port each)
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"

@@ -51,6 +51,7 @@ class Job:
     prompt_ids: TokenPath
     sampling: Sampling
     hold_s: float = 0.0  # how often at most the worker sends tokens (Generate.hold_s; 0: as they come)
+    adapter: str = ""  # multi-LoRA: the session's role, whose adapter the worker runs (Generate.adapter)
 
 
 @dataclass
@@ -165,6 +166,7 @@ async def generate(
             sampling=msgspec.structs.replace(job.sampling, max_tokens=remaining),
             session_id=job.session_id,
             hold_s=job.hold_s,
+            adapter=job.adapter,
         )
         out.dispatches += 1
         # 2. stream its tokens into the current segment

@@ -2,27 +2,46 @@
 
 A session sticks to the worker that served its previous turn, so the worker's
 prefix cache holds the conversation, as long as that worker serves the newest weight
-version and is not full. Otherwise the choice goes, in order, to a worker that is not
-full, at the newest version, least loaded (running / capacity), with the most capacity.
+version, is not full and is not much busier than another: a worker at least
+more than `REBALANCE` (a quarter of its slots) less loaded takes the turn instead, so that a worker
+the scheduler has just lent is not left idle while every session sticks to the workers
+that served its earlier turns (the turn's context is prefilled again there, a small cost
+against a turn decoded on an idle worker). Otherwise the choice goes, in order, to a
+worker that is not full, at the newest version, least loaded (running / capacity), with
+the most capacity.
 
 Predicted lending: which requests a worker the tag scheduler lent (`WorkerStatus.lent_until`,
 its predicted reclaim time) takes is shared/lending.py's `takes_turn`, the rule the simulator
 runs too: the request's expected length (`LengthHistory`: the 90th percentile of its GRPO
 group's recent replies) at the worker's speed (`DecodeSpeed.measured`, from its heartbeats'
-token counts) with the request added to its batch. Under rule "fit" only requests predicted
+token counts, taken only from heartbeats where it generated: a worker that slept while lent
+out of rollout keeps the speed it served at, it does not look slow) with the request added
+to its batch. Under rule "fit" only requests predicted
 to finish before the reclaim; under "migrate" (the default) any request whose partial tokens
 are worth more than re-prefilling them where the reclaim moves them. Requests a lent worker
 does not take go to workers that are not lent, if any serve.
+
+Rebalancing (`WorkerTable.moves`): a worker that starts serving (a lend, a restart) takes turns only as
+new ones come, and with admission bounded by staleness the turns in flight may all sit on the
+workers that served before it: a lent host then idles until their turns end (live, SIMULATED, 2 hosts:
+a quarter of the lend window). So when a worker comes back to serving, each worker more than
+`REBALANCE` more loaded hands it its share of the load difference: the trajectory manager ends those
+requests on the busy worker (`RolloutControl(op="abort", scheduled=True)`: no failure counted) and they
+re-dispatch with their partial tokens to the least loaded worker, the new one. The youngest requests
+move (the least context to prefill again, the most tokens left to decode). Each replica moves only its
+own requests, in proportion to its share of the busy worker's load.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from shared.heartbeats import WorkerHeartbeats
 from shared import lending
-from shared.lending import DEFAULT_RULE, REPREFILL_RATIO, DecodeSpeed, LengthHistory, Rule
+from shared.lending import DEFAULT_RULE, REBALANCE, REPREFILL_RATIO, DecodeSpeed, LengthHistory, Rule
 from shared.messages import WorkerStatus
 
 __all__ = ["LengthHistory", "Picker", "WorkerTable"]  # LengthHistory lives in shared/lending.py
@@ -43,10 +62,13 @@ class WorkerTable(WorkerHeartbeats):
 
     def update(self, status: WorkerStatus) -> None:
         prev = self.get(status.worker_id)
-        if prev is not None and status.ts > prev.ts and status.generated_tokens >= prev.generated_tokens:
-            rate = (status.generated_tokens - prev.generated_tokens) / (status.ts - prev.ts)
-            old = self.rates.get(status.worker_id)
-            self.rates[status.worker_id] = rate if old is None else RATE_EWMA * rate + (1 - RATE_EWMA) * old
+        # only intervals where it generated: an idle or sleeping worker's rate is not its speed (a worker
+        # lent after sleeping would otherwise look slow, and takes_turn would give it nothing)
+        if prev is not None:
+            rate = lending.busy_rate(self.rates.get(status.worker_id), prev.ts, prev.generated_tokens, status.ts,
+                                     status.generated_tokens, RATE_EWMA)
+            if rate is not None:
+                self.rates[status.worker_id] = rate
         super().update(status)
 
     def instance(self, worker: str) -> str:
@@ -81,10 +103,36 @@ class WorkerTable(WorkerHeartbeats):
         candidates = fits or candidates
         newest = max(s.version for s in candidates)
         by_id = {s.worker_id: s for s in candidates}
-        if sticky in by_id and self.load(by_id[sticky]) < 1.0 and by_id[sticky].version == newest:
-            return sticky
-        return min(candidates, key=lambda s: (self.load(s) >= 1.0, -s.version, self.load(s), -s.capacity,
-                                              s.worker_id)).worker_id
+        best = min(candidates, key=lambda s: (self.load(s) >= 1.0, -s.version, self.load(s), -s.capacity,
+                                              s.worker_id))
+        if sticky in by_id:
+            mine = by_id[sticky]
+            if self.load(mine) < 1.0 and mine.version == newest and self.load(mine) <= self.load(best) + REBALANCE:
+                return sticky
+        return best.worker_id
+
+    def moves(self, now: float, worker: str, mine: Mapping[str, Sequence[str]]) -> list[tuple[str, str]]:
+        """`worker` has just begun serving: the (worker, request id) pairs to move to it, taken from
+        `mine` (this replica's requests on each worker, oldest first). Each serving worker at the newest
+        version more than REBALANCE more loaded gives up the running sequences that even the two out
+        (by load: running / capacity), this replica its share of them, its youngest first."""
+        new = self.get(worker)
+        serving = {s.worker_id: s for s in self.serving(now)}
+        if new is None or worker not in serving:
+            return []
+        newest = max(s.version for s in serving.values())
+        out: list[tuple[str, str]] = []
+        got = max(new.running, self.inflight[worker])
+        for s in sorted(serving.values(), key=lambda s: s.worker_id):
+            ids = mine.get(s.worker_id) or ()
+            if s.worker_id == worker or not ids or s.version < newest:
+                continue
+            busy = max(s.running, self.inflight[s.worker_id], len(ids))
+            k = lending.rebalanced(busy, s.capacity, got, new.capacity, REBALANCE)
+            k = min(math.floor(k * len(ids) / busy), len(ids))  # this replica's share
+            out += [(s.worker_id, rid) for rid in list(ids)[len(ids) - k:]]
+            got += k
+        return out
 
     def others(self, now: float, exclude: frozenset[str]) -> bool:
         """Is any worker outside `exclude` alive (heartbeat fresh), serving or not?"""

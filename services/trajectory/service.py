@@ -69,6 +69,7 @@ class TrajectoryService:
         self.cfg, self.conn = cfg, conn
         self.table = WorkerTable(cfg.worker_stale_after)
         self.running: dict[str, asyncio.Task] = {}
+        self.on_worker: dict[str, dict[str, None]] = {}  # worker -> the Generate ids this replica runs there, oldest first
         self.session_ops: set[asyncio.Task] = set()
         self.policy_version = -1  # newest WeightsPublished; -1 until one is seen
         self.limits = backpressure.limits_from_env()
@@ -86,7 +87,8 @@ class TrajectoryService:
             streams = subjects.STREAMS
             await bus.ensure_streams(js, streams)
             metrics = self.malformed.enter(stack, self.nc, streams, self.cfg.metrics_port, self.cfg.metrics_host)
-            self.store = Store.connect(self.conn.redis_url, self.cfg.session_ttl)
+            self.store = Store.connect(self.conn.redis_url, self.cfg.session_ttl,
+                                       wait=(self.cfg.redis_wait_replicas, self.cfg.redis_wait_ms), tls=self.conn.redis_tls)
             stack.push_async_callback(self.store.close)
             self.js = js
             self.turns = TurnHandler(self.cfg, self.store, renderer, self.table, self._call)
@@ -219,11 +221,29 @@ class TrajectoryService:
     async def _on_status(self, msg: Msg) -> None:
         st = self.malformed.decode(msg, WorkerStatus, subjects.ROLLOUT_STATUS)
         if st is not None:  # None: another version's worker, or not a worker at all
+            prev = self.table.get(st.worker_id)
             self.table.update(st)
+            if self.cfg.rebalance and st.state == "serving" and (prev is None or prev.state not in ("serving", "updating")):
+                await self._rebalance(st.worker_id)
+
+    async def _rebalance(self, worker: str) -> None:
+        """`worker` has begun serving (a lend): move it its share of the busier workers' requests
+        (routing.WorkerTable.moves); each ends "preempted", scheduled, and re-dispatches to it."""
+        moves = self.table.moves(time.time(), worker, {w: list(ids) for w, ids in self.on_worker.items()})
+        if moves:
+            log.info("worker %s serves: moving %d request(s) to it from %s", worker, len(moves),
+                     ", ".join(sorted({w for w, _ in moves})))
+        for w, rid in moves:
+            try:
+                await self.nc.publish(subjects.rollout_ctl(w), encode(RolloutControl(op="abort", request_id=rid,
+                                                                                     scheduled=True)))
+            except Exception as e:
+                _warn(f"rebalance:{type(e).__name__}", "moving %s off worker %s failed: %s", rid, w, e)
 
     async def _call(self, worker: str, cmd: Generate) -> AsyncIterator[RolloutReply]:
         """Stream one Generate to `worker`. A worker that vanishes counts as a preemption."""
         self.table.inflight[worker] += 1
+        self.on_worker.setdefault(worker, {})[cmd.request_id] = None
         finished = timed_out = False
         instance = self.table.instance(worker)
         try:
@@ -249,6 +269,7 @@ class TrajectoryService:
             yield GenerateDone(cmd.request_id, "preempted", tokenpath.count(cmd.prompt_ids), -1, worker)
         finally:
             self.table.inflight[worker] -= 1
+            self.on_worker.get(worker, {}).pop(cmd.request_id, None)
             # cancelled (the agent left, a stop string, a lost lease) or timed out (the worker may be alive
             # but stuck, or only its heartbeats were late): free the worker's slot now
             if not finished or timed_out:
@@ -330,9 +351,9 @@ class TrajectoryService:
             reply = SessionReply(503, message=f"the trajectory manager is overloaded ({e}); retry", retry_after=1.0,
                                  code="overloaded")
         except redis.exceptions.RedisError as e:
-            reply = SessionReply(503, message=f"Redis is unreachable: {e}")
+            reply = SessionReply(503, message=f"Redis is unreachable: {e}", retry_after=1.0, code="redis_unavailable")
         except bus.BusUnavailable as e:
-            reply = SessionReply(503, message=str(e))
+            reply = SessionReply(503, message=str(e), retry_after=1.0, code="nats_unavailable")
         except Exception as e:
             log.exception("session op failed")
             reply = SessionReply(500, message=f"{type(e).__name__}: {e}")

@@ -33,6 +33,7 @@ whose replica died continues exactly where it stopped.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from typing import Any
@@ -45,8 +46,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from services.trajectory.tokenpath import TokenPath
 from services.trajectory.turns import Turn
+from shared.logonce import OncePerCause
 from shared.redisline import RedisLine
-from shared.redispool import FairPool
+from shared.config import TlsFiles
+from shared.redissentinel import pool_from_url
 
 OPEN = "sf:open"
 
@@ -102,6 +105,7 @@ class Followed(msgspec.Struct):
 _inflight_dec = msgspec.msgpack.Decoder(InFlight)
 _delta_dec = msgspec.msgpack.Decoder(DeltaRecord)
 REQUEST_TTL = 3600
+_warn = OncePerCause(logging.getLogger(__name__))
 POOL_SIZE = 64  # Redis connections per replica; more commands at once wait for one (Store.connect)
 POOL_WAIT = 5.0  # seconds a command waits for a free connection before it fails
 
@@ -294,10 +298,14 @@ SESSION_PARTS = ("", "turns", "idx", "seq", "path", "alias")  # a session's keys
 
 
 class Store:
-    def __init__(self, client: aioredis.Redis, ttl: int, line: RedisLine | None = None):
+    def __init__(self, client: aioredis.Redis, ttl: int, line: RedisLine | None = None,
+                 wait: tuple[int, int] = (0, 0)):
         self.r = client
         self.ttl = ttl
         self.line = line
+        # (replicas, ms): a turn's save and a finish's stored event WAIT for that many replicas (issue 30)
+        self.wait_replicas, self.wait_ms = wait
+        self.under_replicated = 0  # writes acknowledged after WAIT timed out short of wait_replicas
         self._follow = client.register_script(_FOLLOW)
         # every turn's two calls (lookup, save) on the pipelined line where there is one (shared/redisline.py:
         # half redis-py's CPU a call); the rest through the pool
@@ -312,7 +320,8 @@ class Store:
         self._drop = client.register_script(_DROP_IF_OWNER)
 
     @classmethod
-    def connect(cls, url: str, ttl: int, max_connections: int = POOL_SIZE) -> "Store":
+    def connect(cls, url: str, ttl: int, max_connections: int = POOL_SIZE, wait: tuple[int, int] = (0, 0),
+                tls: TlsFiles | None = None) -> "Store":
         # One retry on a fresh connection after a connection error, never after a timeout (the
         # command may have run). Without it every pooled connection, after a Redis restart, failed
         # its next command with a 503, minutes later (found by tests/faults).
@@ -321,12 +330,19 @@ class Store:
         # with 200 agents in flight bench/load.py saw one turn or session call in three fail with a 503.
         # Waiters are served in order (shared/redispool.py): redis-py's blocking pool let newcomers
         # overtake, and at 500 agents some waits passed POOL_WAIT while the median was well under 1 s.
-        pool = FairPool.from_url(
-            url, max_connections=max_connections, timeout=POOL_WAIT,
+        pool = pool_from_url(
+            url, tls=tls, max_connections=max_connections, timeout=POOL_WAIT,
             socket_timeout=5, socket_connect_timeout=3, health_check_interval=10,
             retry=Retry(ConstantBackoff(0.05), 1, supported_errors=(RedisConnectionError,)),
         )
-        return cls(aioredis.Redis.from_pool(pool), ttl, RedisLine.from_url(url, timeout=5, connect_timeout=3))
+        return cls(aioredis.Redis.from_pool(pool), ttl, RedisLine.from_url(url, timeout=5, connect_timeout=3, tls=tls),
+                   wait)
+
+    def _replicated(self, what: str, acked: int) -> None:
+        if acked < self.wait_replicas:
+            self.under_replicated += 1
+            _warn(f"wait:{what}", "Redis WAIT: %s reached %d of %d replicas within %d ms; acknowledged anyway "
+                  "(a failover now could lose it: docs/reliability.md)", what, acked, self.wait_replicas, self.wait_ms)
 
     async def close(self) -> None:
         if self.line is not None:
@@ -482,9 +498,22 @@ class Store:
         keys = [f"sf:req:{rid}", f"sf:req:{rid}:deltas", f"sf:req:{rid}:owner", f"sf:done:{rid}",
                 *(_k(sid, part) for part in SESSION_PARTS)]
         digest, value = (alias[0], alias[1].encode()) if alias is not None else ("", "")
-        return bool(await self._save_turn(keys=keys, args=[
-            result, REQUEST_TTL, turn.turn_id, _turn_enc.encode(turn), turn.key, worker, self.ttl,
-            path.raw if path is not None else b"", turn.parent, digest, value, owner, "1" if began else "0"]))
+        args = [result, REQUEST_TTL, turn.turn_id, _turn_enc.encode(turn), turn.key, worker, self.ttl,
+                path.raw if path is not None else b"", turn.parent, digest, value, owner, "1" if began else "0"]
+        if not self.wait_replicas:
+            return bool(await self._save_turn(keys=keys, args=args))
+        # WAIT counts the writes of its own connection: on the line, after the save (which may have been
+        # loaded and run again on NOSCRIPT); turns pipelined behind it wait for the replica too
+        if self.line is not None:
+            saved = await self._save_turn(keys=keys, args=args)
+            acked = await self.line.execute("WAIT", self.wait_replicas, self.wait_ms)
+        else:
+            async with self.r.pipeline(transaction=False) as p:
+                p.eval(_SAVE_TURN, len(keys), *keys, *args)
+                p.execute_command("WAIT", self.wait_replicas, self.wait_ms)
+                saved, acked = await p.execute()
+        self._replicated("a turn's save", int(acked))
+        return bool(saved)
 
     async def set_reward(self, sid: str, reward: float) -> None:
         meta = await self.session(sid)
@@ -499,8 +528,15 @@ class Store:
         event to publish: ("finishing", the stored event, which a retried finish reuses), ("finished",
         b"") or ("missing", b"")."""
         now = time.time()
-        st, raw = await self.r.eval(_BEGIN_FINISH, 3, _k(sid), _k(sid, "event"), FINISHING,
-                                    repr(float(reward)), event, now, sid)
+        args = (_BEGIN_FINISH, 3, _k(sid), _k(sid, "event"), FINISHING, repr(float(reward)), event, now, sid)
+        if not self.wait_replicas:
+            st, raw = await self.r.eval(*args)
+        else:  # the stored event reaches a replica before the finish is answered
+            async with self.r.pipeline(transaction=False) as p:
+                p.eval(*args)
+                p.execute_command("WAIT", self.wait_replicas, self.wait_ms)
+                (st, raw), acked = await p.execute()
+            self._replicated("a finish's event", int(acked))
         return st.decode(), raw or b""
 
     async def finishing_event(self, sid: str) -> bytes | None:

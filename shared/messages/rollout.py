@@ -38,6 +38,9 @@ class Generate(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     # the requester's agent does not stream, so nobody watches them live. 0: each as it comes. Workers
     # from before it ignore it (a trailing field of an array_like Struct)
     hold_s: float = 0.0
+    # multi-LoRA: the agent role (its session's metadata "role") whose adapter the worker runs it on,
+    # where a version holds one adapter per role; "" otherwise. Appended like hold_s
+    adapter: str = ""
 
 
 class TokenDelta(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -85,7 +88,8 @@ RolloutReply = TokenDelta | GenerateDone
 
 # serving: takes work; updating: loading weights in place (in-flight requests frozen, then go on);
 # vacated: takes no work, in-flight requests were ended "preempted"; sleeping: vacated or frozen
-# (RolloutControl.keep), and the engine asleep (on GPU its memory is freed); paused: stopping or dead
+# (RolloutControl.keep), and the engine asleep (on GPU its memory is freed); paused: stopping, dead, or
+# awake without weights (a level-2 wake of network-received weights, until the trainer sends them again)
 WorkerState = Literal["serving", "paused", "vacated", "updating", "sleeping"]
 
 

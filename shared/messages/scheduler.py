@@ -96,7 +96,8 @@ class TrainerStatus(msgspec.Struct, tag=True, omit_defaults=True):
     last_wait_s: float
     last_compute_s: float
     ts: float
-    hosts: list[str] = []  # hosts its ranks run on (SF_HOST_ID of each rank; rank 0's only for now)
+    hosts: list[str] = []  # hosts its ranks run on (each rank's SF_TRAINER_HOST / SF_HOST_ID), in rank order
+    offloaded: list[str] = []  # hosts whose ranks are offloaded now (lent to rollout)
 
 
 class TrainGate(msgspec.Struct, tag=True, omit_defaults=True):
@@ -180,3 +181,13 @@ class TrainerControl(msgspec.Struct, tag=True, omit_defaults=True, forbid_unknow
 
     op: TrainerOp
     host: str = ""
+
+
+class SchedulerLeader(msgspec.Struct, tag=True, omit_defaults=True):
+    """The leading scheduler's term, on `sf.sched.leader` when it takes the lead and every second after
+    (services/scheduler/leader.py). A host agent ignores an assignment of an older term: a deposed
+    leader's late assignment (an assignment's epoch carries its term in the bits above 32)."""
+
+    term: int
+    instance: str = ""
+    at: float = 0.0

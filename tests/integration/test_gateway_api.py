@@ -494,6 +494,24 @@ async def test_one_user_key_cannot_reach_another_users_session(gw, fake):
         assert (await mine.get(f"/v1/sessions/{oneoff}")).status_code == 404
 
 
+async def test_another_tenants_group_id_is_refused(gw, fake):
+    """Issue 30: a GRPO group belongs to the tenant whose session first named it. Another tenant
+    opening a session with that group_id gets 404, as for a group that does not exist, so its
+    rewards are never grouped with the owner's in training; the owner opens more."""
+    async with gw.http(ADMIN_KEY, admin=True) as adm:
+        other_user = (await adm.post("/admin/keys", json={"name": "tenant-c"})).json()["api_key"]
+    async with gw.http() as mine, gw.http(other_user) as theirs:
+        first = await mine.post("/v1/sessions", json={"group_id": "g-owned"})
+        assert first.status_code == 200, first.text
+        before = len(fake.sessions)
+        r = await theirs.post("/v1/sessions", json={"group_id": "g-owned"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "group_not_found", r.text
+        assert len(fake.sessions) == before  # nothing reached the trajectory manager
+        assert (await mine.post("/v1/sessions", json={"group_id": "g-owned"})).status_code == 200
+        assert (await theirs.post("/v1/sessions", json={"group_id": "g-theirs"})).status_code == 200
+        assert (await mine.post("/v1/sessions", json={"group_id": "g-theirs"})).status_code == 404
+
+
 async def test_keys_are_never_logged(gw, caplog):
     caplog.set_level(logging.DEBUG)
     async with gw.http() as http, gw.http(ADMIN_KEY, admin=True) as adm:

@@ -25,19 +25,13 @@ MODEL = "seamlessflow-tiny"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, tiny_model, redis_url):
-    from seamlessflow.stack import servers
-
+def stack(tmp_path_factory, tiny_model, private_nats, redis_url):
     # its own NATS: the weight versions published here (WEIGHTS stream, last value) must not
     # reach workers that other test modules start
-    tmp = tmp_path_factory.mktemp("pr")
-    port = servers.free_port()
-    nats = servers.start_nats(port, tmp / "nats")
-    s = make_stack(tmp, tiny_model, f"nats://127.0.0.1:{port}", redis_url, workers=2,
+    s = make_stack(tmp_path_factory.mktemp("pr"), tiny_model, private_nats, redis_url, workers=2,
                    trajectory_replicas=2, max_num_seqs=16, max_model_len=2048)
     yield s
     s.stop()
-    servers.stop(nats)
 
 
 def variant(src: Path, dst: Path, how: str, seed: int = 0) -> Path:

@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from seamlessflow.stack import client_env, servers
-from tests.integration.stack_fixture import make_stack
+from tests.integration.stack_fixture import make_stack, one_turn
 
 pytestmark = pytest.mark.integration
 
@@ -63,15 +63,7 @@ def test_a_whole_run_authenticates_and_shows_no_secret(stack):
     secrets = [creds[k] for k in ("api_key", "admin_key", "nats_password", "redis_password")]
 
     # every service logged in: an agent turn goes through gateway, trajectory manager and worker
-    user = {"Authorization": f"Bearer {stack.api_key}"}
-    with httpx.Client(base_url=stack.gateway_url, headers=user, timeout=60) as c:
-        s = c.post("/sessions").json()
-        r = httpx.post(f"{stack.gateway_url}/chat/completions", headers={"Authorization": f"Bearer {s['api_key']}"},
-                       json={"model": "seamlessflow-tiny", "messages": [{"role": "user", "content": "hi"}],
-                             "max_tokens": 4}, timeout=60)
-        assert r.status_code == 200, r.text
-        assert c.post(f"/sessions/{s['id']}/finish", json={"reward": 1.0}).status_code == 200
-        secrets.append(s["api_key"])
+    secrets.append(one_turn(stack)["api_key"])
 
     # anonymous clients are refused; the CLI's way in (stack.json + credentials.json) is not
     port_n, port_r = stack.o.nats_port, stack.o.redis_port

@@ -27,16 +27,6 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def modules():
-    # Imported here so collection stays cheap when DeepSpeed tests are deselected.
-    from services.trainer import batching, dp_check, engine
-    from services.trainer.algorithms import policy_loss
-    from services.trainer.config import TrainerConfig
-
-    return engine, batching, dp_check, policy_loss, TrainerConfig
-
-
 def step_batches(m, cfg, vocab: int, pad_id: int):
     _, batching, dp_check, _, _ = m
     out = []

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from seamlessflow.stack import servers
+from seamlessflow.stack.processes import DIST_ENV
 from services.trainer import audit
 from shared import bus, deadletter, subjects, weightstore
 from shared.codec import decode, encode
@@ -90,8 +91,7 @@ async def publish(nc, trajs: list[TrajectoryCompleted], msg_id: str = "traj-{}")
 def trainer_env(url: str, tmp: Path, durable: str, **extra: str) -> dict[str, str]:
     # Not our SF_* settings, and not the torch.distributed rendezvous of an in-process engine test
     # (its MASTER_PORT is still held by this pytest process).
-    dist_vars = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SF_") and k not in dist_vars}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SF_") and k not in DIST_ENV}
     env.update({
         "SF_NATS_URL": url,
         "SF_TRAINER_DURABLE": durable,
@@ -174,7 +174,8 @@ def load_params(path: Path) -> dict:
 
 # -- the crash test ------------------------------------------------------------------------------
 
-async def test_sigkill_and_restart_train_every_trajectory_once(nats, tiny_model, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+async def test_sigkill_and_restart_train_every_trajectory_once(nats, tiny_model, tmp_path, lora):
     """Two runs of the trainer, the first SIGKILLed after a step no checkpoint covers yet.
 
     Also on the stream: a garbage message (dead-lettered, terminated, training goes on) and two
@@ -186,11 +187,12 @@ async def test_sigkill_and_restart_train_every_trajectory_once(nats, tiny_model,
     url, nc = nats
     js = nc.jetstream()
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
-    durable = "trainer-crash"
+    durable = "trainer-crash" + "-lora" * lora
     metrics_port = servers.free_port()
+    # with LoRA: the same fault case, every version an adapter dir and every checkpoint the adapter's
     env = trainer_env(url, tmp_path, durable, SF_TRAINER_CHECKPOINT_EVERY="2", SF_TRAINER_PUBLISH_EVERY="1",
                       SF_TRAINER_KEEP_VERSIONS="2", SF_TRAINER_METRICS_PORT=str(metrics_port),
-                      SF_TRAINER_WORKER_STALE_AFTER="2")
+                      SF_TRAINER_WORKER_STALE_AFTER="2", **({"SF_TRAINER_LORA_RANK": "4"} if lora else {}))
     log_a, log_b = tmp_path / "trainer-a.log", tmp_path / "trainer-b.log"
     audit_path = tmp_path / "trained.jsonl"
 
@@ -269,7 +271,13 @@ async def test_sigkill_and_restart_train_every_trajectory_once(nats, tiny_model,
     assert last.version == versions[-1] == 7 and last.step == 6
     assert weightstore.versions_on_disk(tmp_path / "weights") == [1, 6, 7]
     assert Path(last.path) == weightstore.version_dir(tmp_path / "weights", 7).resolve()
-    initial, final = load_params(tiny_model), load_params(Path(last.path))
+    final_dir = Path(last.path)
+    if lora:
+        from shared import adapters
+
+        assert adapters.is_adapter(final_dir)
+        final_dir = adapters.merge_into_base(tiny_model, final_dir, tmp_path / "merged")
+    initial, final = load_params(tiny_model), load_params(final_dir)
     assert initial.keys() == final.keys()
     assert any(not (initial[k] == final[k]).all() for k in initial)
     weightstore.check_checkpoint(weightstore.version_dir(tmp_path / "weights", 1))
@@ -331,7 +339,8 @@ async def test_two_ranks_under_torchrun(nats, tiny_model, tmp_path):
     assert sorted(t for ids in ledger.values() for t in ids) == sorted(t.session_id for g in groups for t in g)
     last = await weightstore.current(js)
     assert last.version == 2
-    initial, final = load_params(tiny_model), load_params(Path(last.path))
+    final_dir = Path(last.path)
+    initial, final = load_params(tiny_model), load_params(final_dir)
     assert any(not (initial[k] == final[k]).all() for k in initial)
     info = await js.consumer_info("TRAJECTORIES", "trainer-dp")
     assert (info.num_pending, info.num_ack_pending) == (0, 0)

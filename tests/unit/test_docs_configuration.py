@@ -22,8 +22,9 @@ CLASSES = [(Connections, "SF_"), (GatewayConfig, "SF_GATEWAY_"), (TrajectoryConf
            (RolloutConfig, "SF_ROLLOUT_"), (TrainerConfig, "SF_TRAINER_"), (SchedulerConfig, "SF_SCHEDULER_"),
            (HostConfig, "SF_HOST_"), (TrajectoryLimits, "SF_TRAJECTORIES_")]
 # Read outside a config class; each must still be read somewhere in these files.
-PROCESS_WIDE = {"SF_LOG_LEVEL": "shared/config.py", "SF_EVENT_LOOP": "shared/lifecycle.py", "SF_WEIGHTS_DIR": "services/trainer/config.py",
+PROCESS_WIDE = {"SF_LOG_LEVEL": "shared/config.py", "SF_JETSTREAM_REPLICAS": "shared/config.py", "SF_EVENT_LOOP": "shared/lifecycle.py", "SF_WEIGHTS_DIR": "services/trainer/config.py",
                 "SF_DATA_DIR": "justfile", "SF_PROFILE": "scripts/bootstrap.sh", "SF_BROWSER": "scripts/bootstrap.sh",
+                "SF_SMOLLM2": "scripts/bootstrap.sh",
                 "SF_TEST_CACHE": "tests/conftest.py"}
 
 

@@ -84,3 +84,38 @@ def test_the_latency_splits_turn_by_turn_around_the_engine_by_request_id():
     assert sp["engine_s"] == pytest.approx((2.0 + 1.8) / 2)
     assert sp["before_s"] + sp["engine_s"] + sp["after_s"] == pytest.approx((3.5 + 3.0) / 2)
     assert split_latency(turns, [])["turns"] == 0
+
+
+# -- the simulator side: a short run ends, and inputs it cannot run on are refused -----------------
+
+MEASURED = {"lend_s": 0.024, "reclaim_s": 0.032, "publish_s": 0.006, "train_s_per_token": 1 / 16_671,
+            "prompt_tokens": 14.9, "gen_tokens": 96.0, "wall_s": 10.7}  # a --steps 2 live run's figures
+
+
+def test_warmup_must_leave_a_step_to_compare():
+    from bench.pipeline_live import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--steps", "2"])  # the default --warmup 4: no step compared, found after the live run
+    assert parse_args(["--steps", "2", "--warmup", "1"]).warmup == 1
+
+
+def test_the_simulator_side_of_a_two_step_run_ends():
+    from bench.pipeline_live import parse_args, simulated
+
+    a = parse_args(["--hosts", "2", "--steps", "2", "--warmup", "1"])
+    for kw in ({}, {"latency": 1.98}, {"latency": 1.58, "after": 0.49}, {"control": (0.0219, 0.28)}):
+        r = simulated(a, MEASURED, **kw)
+        assert r["trained_tokens_per_s"] > 0 and r["window_s"] > 0
+
+
+@pytest.mark.parametrize("bad", [{"publish_s": float("nan")}, {"control": (0.0219, 0.0)}, {"control": (0.0219, 1e-9)}])
+def test_inputs_that_stop_the_simulator_are_refused_not_looped_on(bad):
+    """A NaN publish or no cores for the control plane: the simulator never trains a step, and
+    looped without end (its time limit was infinite)."""
+    from bench.pipeline_live import parse_args, simulated
+
+    a = parse_args(["--hosts", "2", "--steps", "2", "--warmup", "1"])
+    control = bad.pop("control", (0.0, 1.0))
+    with pytest.raises(SystemExit, match="cannot run on|trained 0 of"):
+        simulated(a, MEASURED | bad, control)

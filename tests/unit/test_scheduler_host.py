@@ -86,3 +86,25 @@ async def test_a_drain_assignment_only_resends_lent_until(monkeypatch):
     await a._apply(HostAssignment("h0", "rollout", 2, lent_until=120.0))  # the drain
     assert done == [("wake", 120.0), ("load", 120.0), ("resume", 120.0)]
     assert (a.mode, a.epoch) == ("rollout", 2)
+
+
+async def test_a_resume_the_worker_answers_paused_fails_the_switch(monkeypatch):
+    """A worker woken without weights it could not get back (network transport, level-2 sleep) says
+    `paused`: the lend is reported failed, not done."""
+    import pytest
+
+    from services.scheduler.host import SwitchFailed
+    from shared.messages.rollout import WorkerStatus
+    from shared.messages.scheduler import HostAssignment
+
+    a = _agent(model="var/model")
+    state = "paused"
+
+    async def control(ctl):
+        return WorkerStatus("h0-rollout", state, 1, 0, 4, "m", 512, 0.0)
+
+    monkeypatch.setattr(a, "_control", control)
+    with pytest.raises(SwitchFailed, match="paused after resume"):
+        await a._step("resume", HostAssignment("h0", "rollout", 1))
+    state = "serving"
+    assert await a._step("resume", HostAssignment("h0", "rollout", 1)) == 0

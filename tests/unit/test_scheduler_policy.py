@@ -309,3 +309,28 @@ def test_rollout_to_rollout_leaves_the_trainer_rank_alone():
     assert transition_steps("rollout", False, True, True, current="rollout") == ["wake", "load", "resume"]
     assert transition_steps("rollout", False, True, True, current="train") == ["offload_trainer", "wake", "load",
                                                                               "resume"]
+
+
+def test_renew_keeps_a_lent_host_open_while_the_trainer_outwaits_the_prediction():
+    serving = Host("host-1", ROLL, mode="rollout", target="rollout", epoch=1)
+    waiting = Trainer("waiting", 4)  # predicted wait 4 / 2 = 2 s: reclaim predicted 1 s from now
+    s = Snapshot("seamless", 100.0, (lent_host(lent_until=100.5), serving), waiting, completion_rate=2.0,
+                 renew_s=2.0)
+    (d,) = decide(s)
+    assert (d.host, d.mode, d.epoch) == ("host-0", "rollout", 4) and d.lent_until == 102.0  # now + renew_s
+    assert decide(replace(s, renew_s=0.0)) == []  # off: the host stays lent and closed until the batch
+    assert decide(replace(s, hosts=(lent_host(lent_until=101.5), serving))) == []  # still open > renew_s / 2
+    (d,) = decide(replace(s, hosts=(lent_host(lent_until=99.0), serving)))  # already closed: reopened
+    assert d.lent_until == 102.0
+    # the batch is ready: a drain, not a renewal
+    (d,) = decide(replace(s, trainer=Trainer("ready", 0)))
+    assert d.mode == "train"
+    # a fresh lend is open at least renew_s too
+    (d,) = decide(replace(s, hosts=(Host("host-0", BOTH, mode="train", target="train", epoch=1), serving),
+                          costs=Costs(0.1, 0.1)))
+    assert d.mode == "rollout" and d.lent_until == 102.0
+
+
+def test_a_host_lent_because_no_trainer_runs_is_open_to_every_turn():
+    (d,) = decide(Snapshot("seamless", 100.0, two_hosts("idle", "rollout")))
+    assert (d.mode, d.lent_until) == ("rollout", 0.0)

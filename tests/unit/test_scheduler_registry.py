@@ -280,3 +280,36 @@ def test_a_lent_host_that_receives_nothing_shows_idle_and_is_named():
     assert reg.rates(104.0)["lent_idle_hosts"] == 1.0
     reg.on_worker("host-0-rollout", 0, 104.0, generated_tokens=3)  # a restarted worker counts from 0
     assert reg.lent_idle() == ["host-0"]
+
+
+def test_lent_idle_host_seconds_add_up_while_a_lent_host_serves_nothing():
+    reg = Registry()
+    lent_host(reg)
+    reg.on_worker("host-0-rollout", 0, 101.0, generated_tokens=500)
+    reg.record_activity(101.0)
+    for i in range(1, 4):  # 3 s lent and idle: nothing generated
+        reg.on_worker("host-0-rollout", 0, 101.0 + i, generated_tokens=500)
+        reg.record_activity(101.0 + i)
+    assert reg.hosts["host-0"].activity == "idle" and 2.0 <= reg.lent_idle_s <= 3.0
+    idle = reg.lent_idle_s
+    reg.on_worker("host-0-rollout", 1, 105.0, generated_tokens=600)  # serves again: no more idle seconds
+    reg.record_activity(105.0)
+    reg.on_worker("host-0-rollout", 1, 106.0, generated_tokens=700)
+    reg.record_activity(106.0)
+    assert reg.lent_idle_s == idle + 1.0  # the second before it was seen serving
+    assert reg.rates(106.0)["lent_idle_host_s"] == reg.lent_idle_s
+
+
+def test_a_host_that_trains_from_the_start_has_its_switch_into_train_measured():
+    """disaggregated first, then seamless: host-0 went idle -> train and was never lent. That switch
+    runs a reclaim's steps, so it replaces the 1 s reclaim prior (not counted as a reclaim cycle)."""
+    reg = Registry()
+    reg.on_heartbeat(hb("host-0", "idle", tags=("train", "rollout")), 100.0)
+    reg.issued("host-0", "train", 1, 100.0)
+    reg.on_changed(HostModeChanged("host-0", "train", 1, 100.0, 100.05), 100.05)
+    assert abs(reg.costs.reclaim_s - 0.05) < 1e-9 and reg.counts["reclaims"] == 0 and reg.costs.lend_s == 1.0
+    reg.issued("host-0", "rollout", 2, 101.0)
+    reg.on_changed(HostModeChanged("host-0", "rollout", 2, 101.0, 101.2), 101.2)
+    reg.issued("host-0", "train", 3, 102.0)
+    reg.on_changed(HostModeChanged("host-0", "train", 3, 102.0, 102.15), 102.15)  # a reclaim: blended in
+    assert reg.counts["reclaims"] == 1 and abs(reg.costs.reclaim_s - (0.7 * 0.05 + 0.3 * 0.15)) < 1e-9

@@ -253,3 +253,81 @@ def test_latency_after_the_engine_delays_the_step_but_holds_no_slot():
     after2 = simulate(Cluster.uniform(2, 1), cal, two, "disaggregated", turn_latency_after_s=0.5, **kw)
     assert after2.wall_s == pytest.approx(base2.wall_s + 5 * 2 * 0.5, rel=1e-6)
     assert after2.host_time[1, rollout] == pytest.approx(base2.host_time[1, rollout], rel=1e-6)
+
+
+def test_the_policy_sees_the_turns_admission_opens_at_a_publish(monkeypatch):
+    """When policy.decide runs, admission has caught up with the trainer: a publish frees the
+    staleness bound and the sessions it admits are in the offer the lend verdict weighs. (They
+    were admitted only after decide: at every publish the verdict saw 0 turns waiting, refused,
+    and lent a tick later; fixed split, 30 steps: 480 lends instead of 512, 1.1961x instead of 1.1998x.)"""
+    from shared.admission import Backlog
+
+    behind = []
+    decide = policy.decide
+
+    def checked(s):
+        sim = checked.sim
+        pending = sim.untrained if sim.opt.backlog == "untrained" else max(0, sim.available - 2 * sim.B)
+        if sim.free_slots and sim.adm.admit(sim.open, Backlog(pending, sim.B)):
+            behind.append(s.now)
+        return decide(s)
+
+    init = Simulator.__init__
+
+    def remember(self, *a, **kw):
+        init(self, *a, **kw)
+        checked.sim = self
+
+    monkeypatch.setattr(Simulator, "__init__", remember)
+    monkeypatch.setattr(policy, "decide", checked)
+    r = simulate(Cluster.uniform(4, 2), CAL, SMALL, "seamless", steps=8, seed=1)
+    assert r.lends > 0 and behind == []
+
+
+def test_a_latency_that_varies_from_turn_to_turn_spreads_sessions_admitted_together():
+    """Fixed-length turns behind a latency of one fixed value stay in step for the whole run: the
+    sessions a publish admits together reach the engines together, end together, and the rollout
+    hosts idle between the bursts (bench/pipeline_live.py's idle gap: 51-69% simulated against
+    16-37% live). Drawn around the same mean (Options.turn_latency_cv), they spread."""
+    wl, kw = WORKLOADS["live-mini"], {"steps": 12, "seed": 0, "turn_latency_s": 0.68, "turn_latency_after_s": 0.49,
+                                      "backlog": "undelivered", "route": "least_loaded", "dt": 0.05}  # as the bench runs it
+    fixed = simulate(Cluster.uniform(4, 1), CAL, wl, "disaggregated", **kw)
+    assert simulate(Cluster.uniform(4, 1), CAL, wl, "disaggregated", turn_latency_cv=0.0, **kw).row() == fixed.row()
+    spread = simulate(Cluster.uniform(4, 1), CAL, wl, "disaggregated", turn_latency_cv=0.3, **kw)
+    roll = [ACTS.index("idle")]
+    idle = lambda r: float(r.host_time[1:, roll].sum() / r.host_time[1:].sum())  # noqa: E731  (rollout hosts)
+    assert idle(fixed) > 0.4 and idle(spread) < idle(fixed) / 2
+    assert spread.trained_tokens_per_s > fixed.trained_tokens_per_s
+
+
+def test_without_the_offer_the_simulator_lends_as_the_live_scheduler_does_by_default():
+    """Options.offer=False: the lend verdict on the predicted wait alone, as the live scheduler decides
+    without SF_SCHEDULER_LIVE_OFFER (its default). bench/pipeline_live.py's 2-host run (64 sessions in
+    flight, one rollout host of 64 slots): no turn ever waits for a slot, so the offer is empty and the
+    simulator never lent, while the live run lent every step."""
+    cal = replace(CAL, decode_a_s=0.002, decode_b_s=0.00025, prefill_s_per_token=0.002 / 15,
+                  weight_sync_s=0.007, lend_s=0.004, reclaim_s=0.01, train_s_per_token=5.87e-5)
+    wl = replace(WORKLOADS["live-mini"], prompt_tokens=15)
+    kw = {"steps": 12, "dt": 0.05, "backlog": "undelivered", "route": "least_loaded"}
+    offered = simulate(Cluster.uniform(2, 1), cal, wl, "seamless", **kw)
+    live = simulate(Cluster.uniform(2, 1), cal, wl, "seamless", offer=False, renew_s=2.0, **kw)
+    assert offered.lends == 0
+    assert live.lends > 0
+
+
+def test_a_lent_host_takes_its_share_of_the_running_turns_with_rebalance():
+    """Options.rebalance (the live router's SF_TRAJECTORY_REBALANCE): 64 sessions in flight fit the one
+    rollout host, so a lent host gets a turn only as one ends there; moving half of them to it at the
+    lend keeps it busy (the moved turns' context prefilled again) and trains more per second."""
+    cal = replace(CAL, decode_a_s=0.002, decode_b_s=0.00025, prefill_s_per_token=0.002 / 15,
+                  weight_sync_s=0.007, lend_s=0.004, reclaim_s=0.01, train_s_per_token=5.87e-5)
+    wl = replace(WORKLOADS["live-mini"], prompt_tokens=15)
+    kw = {"steps": 12, "dt": 0.05, "backlog": "undelivered", "route": "least_loaded", "offer": False, "renew_s": 2.0}
+    plain = simulate(Cluster.uniform(2, 1), cal, wl, "seamless", **kw)
+    moved = simulate(Cluster.uniform(2, 1), cal, wl, "seamless", rebalance=True, **kw)
+    assert plain.lends > 0 and moved.lends > 0
+    assert plain.reprefilled < moved.reprefilled
+    assert moved.lent_idle_s < 0.5 * plain.lent_idle_s  # lent and given no work
+    assert moved.idle_per_host[0] < 0.5 * plain.idle_per_host[0]
+    assert moved.trained_tokens_per_s > 1.05 * plain.trained_tokens_per_s
+    assert abs(moved.unaccounted_generated) < 1e-6 * moved.generated

@@ -32,7 +32,7 @@ def synthetic(rounds: int = 24, scheduler: bool = True) -> ReportData:
         base = 0.5 + 0.3 * i / rounds
         rds.append(Round(i, [min(1.0, max(0.0, base + rng.uniform(-0.2, 0.2))) for _ in range(8)],
                          [max(0, i - 2), max(0, i - 1)], seconds=2.0, tokens=160 + i, t_end=2.0 * (i + 1),
-                         tool_calls=8))
+                         tool_calls=8, exact=i / rounds, entropy=1.0 - 0.5 * i / rounds, uniform_groups=i % 2))
     samples = []
     for w in ("rollout-0", "rollout-1"):
         for k in range(rounds * 2):
@@ -66,9 +66,12 @@ def test_report_folder(tmp_path, scheduler):
     rows = list(csv.DictReader(open(out / "metrics.csv")))
     assert len(rows) == 24 and rows[0]["round"] == "1" and float(rows[-1]["tokens_per_s"]) == pytest.approx(91.5)
     assert rows[-1]["tool_calls"] == "8" and rows[-1]["max_version"] == "22"
+    assert float(rows[-1]["exact_frac"]) == pytest.approx(23 / 24, abs=1e-4) and rows[-1]["uniform_groups"] == "1"
+    assert float(rows[0]["entropy"]) == pytest.approx(1.0)
     first, last, k = margin(data.rounds)
     summary = (out / "summary.md").read_text()
     assert f"{first:.3f} -> {last:.3f}" in summary and "seamlessflow demo --task calc --seed 3" in summary
+    assert "Exact answers: first 6 rounds" in summary and "12 groups had all-equal rewards" in summary
     assert "[timeline.png](timeline.png)" in summary and (out / "trajectories.jsonl").read_text() == traj.read_text()
 
 

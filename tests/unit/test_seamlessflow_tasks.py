@@ -9,6 +9,7 @@ import random
 
 import httpx
 import openai
+import pytest
 
 from seamlessflow.demo.rl import calc_agent, reverse_agent
 from seamlessflow.demo.tasks import (CALCULATOR_TOOL, TASKS, answer_reward, calc_prompt, calc_tool_call_text, calculate,
@@ -86,7 +87,7 @@ def test_calc_agent_calls_the_tool_then_answers():
 
 def test_calc_agent_scores_a_direct_answer_and_an_endless_tool_loop():
     client = _client([_completion("41", None, [1])], [])
-    assert asyncio.run(calc_agent(client, "what is 6*7?", "42", 40)).reward == 0.25
+    assert asyncio.run(calc_agent(client, "what is 6*7?", "42", 40)).reward == pytest.approx(0.6 * 0.25)
     loop = _completion(None, '{"expression": "6*7"}', [1])
     ep = asyncio.run(calc_agent(_client([loop, loop], []), "what is 6*7?", "42", 40))
     assert ep.reward == 0.0 and ep.tool_calls == 2
@@ -96,3 +97,42 @@ def test_reverse_agent_one_turn():
     seen: list[dict] = []
     ep = asyncio.run(reverse_agent(_client([_completion("321", None, [0])], seen), "reverse 123", "321", 8))
     assert ep.reward == 1.0 and seen[0]["max_tokens"] == 8 and "tools" not in seen[0]
+
+
+def test_reverse_reward_shapings():
+    from seamlessflow.demo.tasks import REVERSE_SHAPINGS
+
+    pos, edit, exact = (REVERSE_SHAPINGS[k] for k in ("position", "edit", "exact"))
+    assert pos("4321", "4321") == edit("4321", "4321") == exact("4321", "4321") == 1.0
+    assert pos("4320", "4321") == 0.75 and exact("4320", "4321") == 0.0
+    # a dropped digit shifts every later one: no position credit, but edit distance 1
+    assert pos("421", "4321") == 0.25 and edit("421", "4321") == 0.75
+    assert pos("43210000", "4321") == 0.5  # an over-long answer is scaled down
+    assert pos("", "4321") == 0.0 and edit("", "4321") == 0.0
+
+
+def test_uniform_groups_counts_groups_with_all_equal_rewards():
+    from seamlessflow.demo.rl import uniform_groups
+
+    assert uniform_groups([1, 1, 0, 1, 0.5, 0.5], 2) == 2
+    assert uniform_groups([0.2, 0.3, 0.2, 0.3], 4) == 0
+
+
+def test_calc_reward_checks_the_tool_result_and_ranks_malformed_calls_below_well_formed():
+    from seamlessflow.demo.tasks import calc_reward
+
+    assert calc_reward("42", "42", ["42"]) == pytest.approx(1.0)  # right call, result copied
+    assert calc_reward("42", "42", []) == pytest.approx(0.6)  # right, without the tool
+    # the same answer after a malformed call scores below a well-formed one
+    for answer in ("42", "41", "x"):
+        assert calc_reward(answer, "42", ["error"]) < calc_reward(answer, "42", ["42"])
+        assert calc_reward(answer, "42", ["error"]) > calc_reward(answer, "42", [])
+    # a wrong expression: copying its result earns the copy credit, not the correctness
+    assert calc_reward("40", "42", ["40"]) == pytest.approx(0.2 + 0.2 + 0.6 * answer_reward("40", "42"))
+    assert calc_reward("40", "42", ["40"]) < calc_reward("42", "42", ["42"])
+
+
+def test_calc_agent_malformed_call_scores_below_a_well_formed_one():
+    bad = _completion(None, '{"expr": "6*7"}', [1])
+    ep = asyncio.run(calc_agent(_client([bad, _completion("42", None, [2])], []), "what is 6*7?", "42", 40))
+    assert ep.reward == pytest.approx(0.7) and ep.exact

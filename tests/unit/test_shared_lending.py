@@ -66,3 +66,41 @@ def test_a_lent_host_is_offered_work_whenever_any_fits(speed, expected, window, 
     assert n == free or not fits[n]
     if free and fits[0]:
         assert n >= 1
+
+
+def test_refill_counts_the_turns_a_slot_takes_after_its_first():
+    # at start-up the finished replies are the short ones: 41 tokens predicted, 1,536 turns a host
+    short = Offer(49_152, 32, 41.0, ONE_GPU, 64, reprefill_ratio=0.17)
+    one_each = offer_worth(short, 80.0)
+    refilled = offer_worth(Offer(49_152, 32, 41.0, ONE_GPU, 64, reprefill_ratio=0.17, refill=True), 80.0)
+    assert one_each < 2.0 < 10.0 < refilled  # one turn a slot: nothing; refilled: the host stays busy
+    # a slot's share is 24 turns of 41 tokens (~984 tokens): all of it, no more
+    full = 64 * 984 * ONE_GPU.step_s(64) / 64
+    assert abs(refilled - full) < 0.05 * full
+    # as many turns as slots: refill changes nothing for turns that end in the window
+    few = dict(turns=64, hosts=1, expected_tokens=2000.0, speed=ONE_GPU, slots=64, reprefill_ratio=0.17)
+    assert abs(offer_worth(Offer(**few, refill=True), 80.0) - offer_worth(Offer(**few), 80.0)) < 1e-6
+
+
+@given(speed=speeds, expected=st.floats(1.0, 20_000.0), window=st.floats(0.01, 500.0), turns=st.integers(0, 5000),
+       hosts=st.integers(1, 64), ratio=st.one_of(st.none(), st.floats(0.0, 1.0)), context=st.floats(0.0, 5000.0))
+def test_refill_is_never_worth_less_than_one_turn_a_slot_and_nothing_when_nothing_fits(
+        speed, expected, window, turns, hosts, ratio, context):
+    base = Offer(turns, hosts, expected, speed, 64, context, ratio)
+    one, more = offer_worth(base, window), offer_worth(Offer(turns, hosts, expected, speed, 64, context, ratio,
+                                                             refill=True), window)
+    if turns and lent_offer(base, 0.0, window, 0, min(64, -(-turns // hosts))):
+        assert more >= one - 1e-9
+    else:
+        assert more == one == 0.0
+    assert more <= window * (1 + 1e-9)  # a whole window decoding at full batch is the most a host adds
+
+
+def test_rebalanced_evens_the_load_out_between_a_busy_worker_and_one_that_begins_serving():
+    from shared.lending import REBALANCE, rebalanced
+    assert rebalanced(64, 64, 0, 64, REBALANCE) == 32  # both end at half
+    assert rebalanced(64, 64, 0, 32, REBALANCE) == 21  # a smaller newcomer takes less: 43/64 and 21/32
+    assert rebalanced(60, 64, 10, 64, REBALANCE) == 25
+    assert rebalanced(20, 64, 10, 64, REBALANCE) == 0  # within REBALANCE (a quarter) of each other
+    assert rebalanced(0, 64, 0, 64, REBALANCE) == 0
+    assert rebalanced(80, 64, 30, 32, 0.0) == 2  # over its slots (queued turns counted): no more than fit

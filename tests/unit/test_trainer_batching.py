@@ -122,3 +122,51 @@ def test_empty_micro_batch_has_nothing_in_the_loss():
     mb = empty_micro_batch(PAD)
     assert mb.num_tokens == 0 and mb.input_ids.shape == (1, 1)
     assert torch.equal(mb.to("cpu").targets, mb.targets)
+
+
+def test_dynamic_sampling_leaves_out_groups_with_equal_rewards():
+    mixed = [traj("a", "g1", 1.0), traj("b", "g1", 0.0)]
+    solved = [traj("c", "g2", 1.0), traj("d", "g2", 1.0)]
+    failed = [traj("e", "g3", 0.0), traj("f", "g3", 0.0)]
+    gb = build_global_batch([mixed, solved, failed], AlgoConfig(drop_uniform_groups=True))
+    assert [r.traj for r in gb.rows] == [0, 1]  # only the mixed group trains
+    assert gb.trajectory_ids == ["a", "b", "c", "d", "e", "f"]  # all were consumed (acked)
+    assert gb.metrics["groups_dropped"] == 2 and gb.metrics["groups"] == 1
+    # off: every group stays (their advantages are 0 and dilute the token-mean)
+    assert build_global_batch([mixed, solved], AlgoConfig()).metrics["groups_dropped"] == 0
+    assert len(build_global_batch([mixed, solved], AlgoConfig()).rows) == 4
+    # all uniform: the batch is kept whole rather than emptied
+    gb = build_global_batch([solved, failed], AlgoConfig(drop_uniform_groups=True))
+    assert len(gb.rows) == 4 and gb.metrics["groups_dropped"] == 0
+
+
+def test_role_micro_batches_hold_one_role_each_with_the_groups_advantages():
+    import msgspec
+
+    from services.trainer.batching import role_counts, role_micro_batches
+
+    def role(t, r):
+        return msgspec.structs.replace(t, metadata={"role": r})
+
+    # one reward group shared by two roles: the advantages are the group's, whatever the role
+    group = [role(traj("p1", "g", 1.0, sample([5, 6], [7, 8, 9])), "planner"),
+             role(traj("s1", "g", 0.0, sample([5], [7])), "solver"),
+             role(traj("p2", "g", 0.0, sample([5, 6, 7], [8])), "planner"),
+             role(traj("s2", "g", 1.0, sample([5, 6], [9, 9])), "solver")]
+    gb = build_global_batch([group], AlgoConfig())
+    assert [r.role for r in gb.rows] == ["planner", "solver", "planner", "solver"]
+    mbs = role_micro_batches(gb.rows, max_tokens=6, pad_id=PAD, roles=("solver", "planner"))
+    assert [mb.adapter for mb in mbs][:1] == ["solver"] and {mb.adapter for mb in mbs} == {"solver", "planner"}
+    by_role: dict[str, list[float]] = {}
+    for mb in mbs:
+        by_role.setdefault(mb.adapter, []).extend(mb.advantages.tolist())
+    want = {r: sorted(row.advantage for row in gb.rows if row.role == r) for r in ("solver", "planner")}
+    for r in want:
+        assert sorted(by_role[r]) == pytest.approx(want[r])
+    assert sum(mb.num_tokens for mb in mbs) == 3 + 1 + 1 + 2
+    assert role_counts(gb.rows) == {"role_samples_planner": 2.0, "role_tokens_planner": 4.0,
+                                    "role_samples_solver": 2.0, "role_tokens_solver": 3.0}
+    with pytest.raises(ValueError, match="critic"):
+        role_micro_batches(gb.rows + [Row(sample([1], [2]), 0.0, 9, "critic")], 6, PAD, ("solver", "planner"))
+    # without roles nothing changes: one adapter, unnamed
+    assert {mb.adapter for mb in micro_batches(gb.rows, 6, PAD)} == {""}

@@ -150,3 +150,15 @@ def test_trainer_service_config(monkeypatch):
         load_config(env={"SF_TRAINER_CHECKPOINT_EVERY": "0"})
     with pytest.raises(ValueError):
         TrainerConfig(publish_every=0)
+
+
+def test_check_trajectory_with_roles_wants_a_known_role():
+    import msgspec
+
+    t = traj("s", "g")
+    check_trajectory(t, vocab_size=512)  # no roles configured: any session trains the one adapter
+    with pytest.raises(ValueError, match="has no adapter"):
+        check_trajectory(t, vocab_size=512, roles=("planner", "solver"))
+    with pytest.raises(ValueError, match="'critic' has no adapter"):
+        check_trajectory(msgspec.structs.replace(t, metadata={"role": "critic"}), 512, ("planner", "solver"))
+    check_trajectory(msgspec.structs.replace(t, metadata={"role": "solver"}), 512, ("planner", "solver"))

@@ -60,8 +60,11 @@ class FakeRunner:
     """Runs commands in the caller's thread like the real one; `train` takes `train_s`."""
 
     world = 1
+    cuda = False
 
     def __init__(self, train_s: float = 0.0):
+        self.hosts: list[str] = []
+        self.offloaded_hosts: set[str] = set()
         self.train_s = train_s
         self.log: list[tuple[str, float, float]] = []  # (op, start, end), monotonic
         self.train_started = threading.Event()
@@ -237,3 +240,125 @@ def test_runner_offloads_and_reloads_and_never_trains_offloaded(tmp_path):
     assert runner.run(Command("offload")) and runner.run(Command("reload")) == {"reload_s": 0.02}
     out = runner.run(Command("train", step=2, batch=encode_groups([GROUP])))
     assert "reload_s" not in out and engine.calls[-1] == "train"
+
+
+# -- across hosts: one host's ranks, the gate fallback ----------------------------------------
+
+class HostEngine(FakeEngine):
+    """One rank of a multi-host trainer: `rank` on `rank_hosts[rank]`."""
+
+    def __init__(self, rank: int, rank_hosts: list[str]):
+        super().__init__()
+        self.rank, self.world, self.rank_hosts = rank, len(rank_hosts), rank_hosts
+
+
+def test_rank_to_host_mapping_and_scoping():
+    from services.trainer.runner import control_scope, hosts_of, ranks_on
+
+    rank_hosts = ["host-1", "host-1", "host-2", "host-2"]
+    assert hosts_of(rank_hosts) == ["host-1", "host-2"]
+    assert ranks_on(rank_hosts, "host-2") == [2, 3] and ranks_on(rank_hosts, "") == [0, 1, 2, 3]
+    assert control_scope(["host-1", "host-2"], "host-2") == ("host-2", "")
+    scope, note = control_scope(["host-1", "host-2"], "host-9")
+    assert ranks_on(rank_hosts, scope) == [] and "nothing to do" in note  # never the wrong host's devices
+    assert control_scope(["box"], "host-0")[0] == ""  # a single-host trainer that names no host: every rank
+    assert control_scope([], "host-0")[0] == ""
+
+
+def test_offload_and_reload_act_on_that_hosts_ranks_only(tmp_path):
+    rank_hosts = ["host-1", "host-2"]
+    ranks = [Runner(HostEngine(r, rank_hosts), tmp_path) for r in range(2)]
+    for runner in ranks:  # what each rank does with the broadcast command
+        runner.execute(Command("offload", host="host-2"))
+    assert [r.engine.calls for r in ranks] == [[], ["offload"]]
+    for runner in ranks:
+        runner.execute(Command("reload", host="host-1"))  # host-1's rank (the engine's reload is idempotent)
+    assert [r.engine.calls for r in ranks] == [["reload"], ["offload"]] and ranks[1].engine.offloaded
+    ranks[1].execute(Command("reload", host="host-2"))
+    assert ranks[1].engine.calls == ["offload", "reload"] and not ranks[1].engine.offloaded
+    assert ranks[0].engine.calls == ["reload"]
+
+
+def test_rank0_tracks_which_hosts_are_offloaded(tmp_path, monkeypatch):
+    import services.trainer.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod.dist, "broadcast_object_list", lambda box, src: None)
+    runner = Runner(HostEngine(0, ["host-1", "host-2"]), tmp_path)
+    assert runner.hosts == ["host-1", "host-2"]
+    runner.run(Command("offload", host="host-2"))
+    assert runner.offloaded_hosts == {"host-2"} and runner.engine.calls == []  # rank 0 is on host-1
+    runner.run(Command("offload", host="host-1"))
+    assert runner.offloaded_hosts == {"host-1", "host-2"}
+    runner.run(Command("reload", host="host-2"))
+    assert runner.offloaded_hosts == {"host-1"}
+    runner.run(Command("train", step=1, batch=encode_groups([GROUP])))
+    assert runner.offloaded_hosts == set() and runner.engine.calls == ["offload", "reload", "train"]
+
+
+async def test_status_and_control_carry_every_ranks_host():
+    nc, runner = FakeNC(), FakeRunner()
+    runner.hosts, runner.offloaded_hosts = ["host-1", "host-2"], {"host-2"}
+    sent: list[Command] = []
+    run = runner.run
+    runner.run = lambda cmd: (sent.append(cmd), run(cmd))[1]
+    svc = make_service(nc, runner, host="host-1")
+    st = svc.status()
+    assert st.hosts == ["host-1", "host-2"] and st.offloaded == ["host-2"]
+    await svc._on_control(SimpleNamespace(data=encode(TrainerControl(op="offload", host="host-2")), reply=""))
+    assert sent[-1].host == "host-2"
+
+
+@pytest.mark.parametrize("fallback, cuda, waits", [
+    ("auto", True, True), ("auto", False, False), ("wait", False, True), ("compute", True, False)])
+def test_gate_fallback_by_device(fallback, cuda, waits):
+    runner = FakeRunner()
+    runner.cuda = cuda
+    assert make_service(FakeNC(), runner, gate_fallback=fallback).gate_waits() is waits
+
+
+async def test_on_cuda_an_ungranted_gate_waits_and_never_computes(caplog):
+    answers = [NatsTimeout(), NoRespondersError(), TrainGateReply(granted=True)]
+
+    async def scheduler(timeout):
+        a = answers.pop(0)
+        if isinstance(a, Exception):
+            raise a
+        return SimpleNamespace(data=encode(a))
+
+    nc, runner = FakeNC(scheduler), FakeRunner()
+    runner.cuda = True
+    svc = make_service(nc, runner, scheduler_gate=True, gate_timeout=1.0)
+    with caplog.at_level(logging.WARNING, logger="services.trainer.service"):
+        await svc._step(batch(svc), wait_s=0.0)
+    assert len(nc.gate_requests) == 3 and runner.ops() == ["train"]
+    waiting = [r.message for r in caplog.records if "waiting, not computing" in r.message]
+    assert len(waiting) == 2, caplog.text
+    assert svc.metrics._gauges["sf_trainer_last_gate_granted"]._value.get() == 1.0
+
+
+async def test_a_quit_while_waiting_for_the_gate_trains_nothing():
+    async def scheduler(timeout):
+        raise NoRespondersError()
+
+    nc, runner = FakeNC(scheduler), FakeRunner()
+    svc = make_service(nc, runner, scheduler_gate=True, gate_timeout=1.0, gate_fallback="wait")
+    svc._quit = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.3, svc._quit.set)
+    await svc._step(batch(svc), wait_s=0.0)
+    assert runner.ops() == [] and svc.step == 0
+
+
+# -- lending needs an offload ------------------------------------------------------------------
+
+def test_lending_at_zero_stage_0_on_cuda_is_refused_at_start(monkeypatch):
+    import services.trainer.engine as engine_mod
+    from services.trainer.engine import LendingUnsupported, TrainEngine, lending_refusal
+
+    assert "ZeRO stage 0" in lending_refusal("cuda", 0, True) and "SF_TRAINER_ZERO_STAGE" in lending_refusal(
+        "cuda", 0, True)
+    assert lending_refusal("cuda", 2, True) == "" and lending_refusal("cuda", 0, False) == ""
+    assert lending_refusal("cpu", 0, True) == ""  # nothing to free on CPU: lending there is fine
+    monkeypatch.setattr(engine_mod, "get_accelerator", lambda: SimpleNamespace(device_name=lambda: "cuda"))
+    monkeypatch.setattr(engine_mod, "init_distributed", lambda: pytest.fail("refused after starting"))
+    with pytest.raises(LendingUnsupported, match="stage 0"):
+        TrainEngine(TrainerConfig(zero_stage=0, scheduler_gate=True))

@@ -156,3 +156,57 @@ def test_a_worker_restarted_under_the_same_id_is_another_process():
     assert not t.same_process("w0", "a", 102.5) and t.same_process("w0", "b", 102.5)
     assert not t.same_process("w0", "b", 108.0)  # and a stale heartbeat is still a dead worker
     assert t.same_process("w0", "", 102.5) and t.instance("w9") == ""  # unknown: by heartbeat age only
+
+
+def test_a_sticky_session_yields_to_a_much_less_loaded_worker():
+    """A worker lent a moment ago serves nothing: sessions stuck to the busy worker move to it once
+    the busy one is more than REBALANCE (a quarter of its slots) more loaded."""
+    t = WorkerTable(stale_after=5)
+    t.update(_status("home", running=2, cap=8))
+    t.update(_status("lent", running=0, cap=8))
+    assert t.choose(101, sticky="home") == "home"  # 2 of 8 more: the prefix cache is worth more
+    t.update(_status("home", running=3, cap=8))
+    assert t.choose(101, sticky="home") == "lent"  # 3 of 8 more: the idle worker takes the turn
+    t.update(_status("lent", running=2, cap=8))
+    assert t.choose(101, sticky="home") == "home"
+
+
+def test_a_worker_keeps_the_speed_it_served_at_while_it_sleeps():
+    """Rates come only from heartbeats where the worker generated: a lent worker that slept between
+    lends is not taken for a slow one."""
+    t = WorkerTable(stale_after=5)
+    t.update(_ws("w", ts=100.0, tokens=0))
+    t.update(_ws("w", ts=101.0, tokens=400))
+    assert t.rates["w"] == 400.0
+    for ts in (102.0, 110.0, 130.0):  # asleep (lent out of rollout): no token
+        t.update(_ws("w", ts=ts, tokens=400))
+    assert t.rates["w"] == 400.0
+
+
+def _lent(wid, running=0, cap=4, version=0, lent_until=150.0, ts=100.0):
+    return WorkerStatus(wid, "serving", version, running, cap, "m", 2048, ts, lent_until=lent_until)
+
+
+def test_a_worker_that_begins_serving_takes_its_share_of_the_busier_workers_requests():
+    t = WorkerTable(stale_after=5)
+    t.update(_status("busy", running=8, cap=8))
+    t.update(_lent("new", cap=8))
+    mine = {"busy": [f"r{i}" for i in range(8)]}  # oldest first
+    moved = t.moves(101, "new", mine)
+    # 8 on 8 slots against 0 on 8: 4 move, the youngest (least context to prefill again)
+    assert moved == [("busy", "r4"), ("busy", "r5"), ("busy", "r6"), ("busy", "r7")]
+    # a replica with half of the busy worker's requests moves half as many (the other replica the rest)
+    assert len(t.moves(101, "new", {"busy": mine["busy"][:4]})) == 2
+    # within REBALANCE of each other (or nothing of ours there): nothing moves
+    t.update(_status("busy", running=2, cap=8))
+    assert t.moves(101, "new", {"busy": ["r0", "r1"]}) == []
+    t.update(_status("busy", running=8, cap=8))
+    assert t.moves(101, "new", {}) == []
+    # a busy worker at an older version keeps its requests (the newest serves them next anyway);
+    # a worker that is not serving takes none
+    t.update(_status("busy", running=8, cap=8))
+    t.update(_lent("new", cap=8, version=1))
+    assert t.moves(101, "new", mine) == []
+    t.update(WorkerStatus("new", "vacated", 0, 0, 8, "m", 2048, 100.0))
+    assert t.moves(101, "new", mine) == []
+    assert t.moves(101, "nobody", mine) == []

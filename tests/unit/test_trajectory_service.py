@@ -199,3 +199,39 @@ async def test_a_turn_or_session_op_that_waited_out_its_place_in_the_redis_line_
     await s._session(Msg())
     reply = decode(sent[1], SessionReply)
     assert (reply.status, reply.code) == (503, "overloaded") and reply.retry_after > 0
+
+
+class CtlNC:
+    """Records what is published on the workers' control subjects."""
+
+    def __init__(self):
+        self.ctl: list[tuple[str, object]] = []
+
+    async def publish(self, subject, payload, reply=None):
+        from shared.codec import decode
+        from shared.messages import RolloutControl
+        self.ctl.append((subject, decode(payload, RolloutControl)))
+
+
+async def test_a_worker_that_begins_serving_is_moved_its_share_of_this_replicas_requests():
+    from shared.messages import WorkerStatus
+
+    def status(s, wid, state, running):
+        return s._on_status(types.SimpleNamespace(data=encode(WorkerStatus(wid, state, 0, running, 8, "m", 2048, 1e12)),
+                                                  subject=subjects.ROLLOUT_STATUS, headers=None))
+
+    for rebalance in (True, False):
+        s = TrajectoryService(TrajectoryConfig(rebalance=rebalance), Connections())
+        s.nc = CtlNC()
+        await status(s, "busy", "serving", 8)
+        s.on_worker["busy"] = dict.fromkeys(f"r{i}.0" for i in range(8))  # as _call records them, oldest first
+        await status(s, "lent", "sleeping", 0)
+        assert s.nc.ctl == []  # not serving yet
+        await status(s, "lent", "serving", 0)  # the lend's resume
+        moved = [(subj, c.op, c.request_id, c.scheduled) for subj, c in s.nc.ctl]
+        if rebalance:
+            assert moved == [("sf.rollout.ctl.busy", "abort", f"r{i}.0", True) for i in range(4, 8)]
+        else:
+            assert moved == []
+        await status(s, "lent", "serving", 0)  # a heartbeat of a worker that serves already moves nothing
+        assert len(s.nc.ctl) == len(moved)

@@ -64,7 +64,10 @@ Model, in order of one tick (steps numbered in `_tick`):
   `tool_latency_s` after it), and a last turn's session completes then (state FINISHING: still
   open for admission, its group not complete, not yet available to the trainer), at the end
   of the tick it falls in, as a tool's return is seen. `turn_latency_s` is then the part
-  before the engine. 0 (the default) leaves it out.
+  before the engine. 0 (the default) leaves it out. `Options.turn_latency_cv` > 0 draws both,
+  turn by turn, around those means (a gamma of that coefficient of variation, from a random
+  stream of its own); 0 keeps every turn at the mean, which holds sessions admitted together
+  in step for the whole run.
 - Routing (`Options.route`): by default a queued turn takes a slot freed this tick first, so
   a host that finishes turns gets the next ones; "least_loaded" routes each turn to the host
   with the fewest running sequences per capacity, as the live trajectory manager does. With
@@ -83,7 +86,7 @@ from services.scheduler import policy as P
 from services.scheduler.sim.result import Result, Totals
 from services.scheduler.sim.workload import Calibration, Workload
 from shared.admission import Admission, Backlog
-from shared.lending import DEFAULT_RULE, DecodeSpeed, LengthHistory, Offer, lent_offer
+from shared.lending import DEFAULT_RULE, REBALANCE, DecodeSpeed, LengthHistory, Offer, lent_offer, rebalanced
 
 MODES = ("idle", "rollout", "train")  # array codes 0, 1, 2
 _MODE = {m: i for i, m in enumerate(MODES)}
@@ -140,6 +143,10 @@ class Options:
     turn_latency_s: float = 0.0
     # wall seconds of it after the engine (the reply back, /finish): delays the session, not the slot
     turn_latency_after_s: float = 0.0
+    # the spread of both latencies from turn to turn: each turn's drawn from a gamma distribution of that
+    # mean and this coefficient of variation (std / mean; bench/pipeline_live.py measures it). 0: every turn
+    # the mean, which keeps sessions admitted together in step with each other for the whole run
+    turn_latency_cv: float = 0.0
     # where a queued turn goes: "refill" (slots freed this tick first, then the others by rank;
     # fast, the default) or "least_loaded", as the live trajectory manager routes (per turn)
     route: str = "refill"
@@ -149,6 +156,15 @@ class Options:
     # a re-prefilled token against a token decoded at full batch; None: the calibration's own
     # (prefill_s_per_token / (step(K) / K))
     reprefill_ratio: float | None = None
+    # pass the work on offer (policy.Snapshot.offer) to the lend verdict: a lend must buy rollout. The
+    # live scheduler does so only with SF_SCHEDULER_LIVE_OFFER (off by default): a live comparison passes
+    # what the live scheduler ran (bench/pipeline_live.py), else a lend the live run made is never made here
+    offer: bool = True
+    renew_s: float = 0.0  # policy.Snapshot.renew_s (the live scheduler's SF_SCHEDULER_RENEW_S, 2 s by default)
+    # a host that begins rolling out (a lend) takes its share of the busier hosts' running turns, which move
+    # with their partial tokens (prefilled again): the live router's SF_TRAJECTORY_REBALANCE, shared/lending.py
+    # `rebalanced`. Off by default (the planning runs predate it)
+    rebalance: bool = False
 
 
 def host_id(i: int) -> str:
@@ -243,6 +259,7 @@ class Simulator:
             ratio = self.cal.prefill_s_per_token * self.cal.max_seqs / self.cal.step_s(self.cal.max_seqs)
         self.reprefill_ratio = ratio if self.opt.lent_rule == "migrate" else None
         self._offer_at: tuple[float, Offer | None] = (-1.0, None)
+        self.lat_rng = np.random.default_rng([self.opt.seed, 1])  # its own stream: the lengths drawn stay the same
         self.tot = Totals(n)
         self.act_prev = np.full(n, -1, np.int8)
         self.act_since = np.zeros(n)
@@ -264,13 +281,13 @@ class Simulator:
                                                                  self.waiting_since),
                           self.rate, P.Costs(self.cal.lend_s, self.cal.reclaim_s), self.opt.lend_margin,
                           self.train_hosts, self.opt.drain_margin_s, self.opt.reclaim_grace_s, self.opt.lend_settle_s,
-                          self._offer())
+                          self._offer(), self.opt.renew_s)
 
     def _offer(self) -> Offer | None:
         """The work lent hosts would be given now (policy.Snapshot.offer), in real turns and hosts:
         the queued turns that the serving hosts' free slots do not take, shared by the pool hosts
         not lent yet, at the predicted length and the calibrated speed."""
-        if self.policy != "seamless":
+        if self.policy != "seamless" or not self.opt.offer:
             return None
         at, offer = self._offer_at
         if at == self.t:
@@ -285,7 +302,8 @@ class Simulator:
         cap = float(self.cap[pool].mean()) if len(pool) else 1.0
         speed = DecodeSpeed(self.cal.decode_a_s / cap, self.cal.decode_b_s / cap)
         ctx = float(self.s_ctx[q].mean()) if len(q) else float(self.wl.prompt_tokens)
-        offer = Offer(turns, hosts, self.lengths.expected(None), speed, self.cal.max_seqs, ctx, self.reprefill_ratio)
+        offer = Offer(turns, hosts, self.lengths.expected(None), speed, self.cal.max_seqs, ctx, self.reprefill_ratio,
+                      refill=True)
         self._offer_at = (self.t, offer)
         return offer
 
@@ -351,8 +369,11 @@ class Simulator:
         done = np.nonzero(self.switch_end <= self.t + 1e-12)[0]
         if not len(done):
             return
+        began = []  # hosts that begin rolling out now
         for i in done:
             i = int(i)
+            if self.target[i] == 1 and self.mode[i] != 1:
+                began.append(i)
             self.mode[i] = self.target[i]
             self.switch_end[i] = math.inf
             h = self.hosts[i]
@@ -361,6 +382,32 @@ class Simulator:
             if self.mode[i] == 1:
                 self.hversion[i] = self.version  # a lent host loaded the current version first
         self.hosts_rev += 1
+        if self.opt.rebalance:
+            for i in began:
+                self._rebalance(i)
+
+    def _rebalance(self, i: int) -> None:
+        """Host i has begun rolling out: each rolling host at its version or newer, more loaded by more
+        than REBALANCE, gives up the turns that even the two out (shared/lending.py `rebalanced`), its
+        youngest; they queue again with their context to prefill, and routing sends them to i."""
+        rolling = (self.mode == 1) & (self.target == 1)
+        got = int(self.k_run[i])
+        for j in np.nonzero(rolling)[0].tolist():
+            if j == i or self.hversion[j] < self.hversion[i]:
+                continue
+            k = rebalanced(float(self.k_run[j]), self.K, got, self.K, REBALANCE)
+            if k <= 0:
+                continue
+            on = np.nonzero((self.s_state == RUNNING) & (self.s_host == j))[0]
+            moved = on[np.argsort(self.s_gen[on], kind="stable")][:k]
+            self.s_state[moved] = QUEUED
+            self.s_host[moved] = -1
+            self.s_ready[moved] = self.t
+            self.s_pf[moved] = self.s_ctx[moved]  # the whole context is prefilled again where it lands
+            self.tot.reprefilled += float(self.s_ctx[moved].sum()) * self.w
+            self.tot.migrated += len(moved) * self.w
+            self.k_run[j] -= len(moved)
+            got += len(moved)
 
     # -- sessions ----------------------------------------------------------------------------
 
@@ -566,7 +613,7 @@ class Simulator:
         if len(tool):
             self.s_state[tool] = TOOL
             self.s_turn[tool] += 1
-            self.s_ready[tool] = ft[more] + self.opt.turn_latency_after_s + wl.tool_latency_s
+            self.s_ready[tool] = ft[more] + self._latency(self.opt.turn_latency_after_s, len(tool)) + wl.tool_latency_s
             self.s_ctx[tool] += wl.tool_tokens
             self.s_pf[tool] = wl.tool_tokens
             self.s_rem[tool] = self.s_len[tool] = wl.draw(self.rng, len(tool))
@@ -575,7 +622,7 @@ class Simulator:
             return
         if self.opt.turn_latency_after_s > 0:  # the agent's reply and /finish still to come
             self.s_state[done] = FINISHING
-            self.s_ready[done] = ft[~more] + self.opt.turn_latency_after_s
+            self.s_ready[done] = ft[~more] + self._latency(self.opt.turn_latency_after_s, len(done))
             return
         self._complete(done)
 
@@ -610,6 +657,13 @@ class Simulator:
         self.open -= len(done) * self.w
         self.untrained += len(done) * self.w
 
+    def _latency(self, mean: float, n: int) -> np.ndarray | float:
+        """`n` turns' latency outside the engine: `mean` each, or drawn around it (Options.turn_latency_cv)."""
+        cv = self.opt.turn_latency_cv
+        if cv <= 0 or mean <= 0:
+            return mean
+        return self.lat_rng.gamma(1.0 / cv**2, mean * cv**2, n)
+
     def _wake_tools(self) -> None:
         if self.wl.turns == 1:
             return
@@ -628,7 +682,7 @@ class Simulator:
         if (c <= 0 and lat <= 0) or not len(idx):
             return
         arrive = self.s_ready[idx]
-        ready = arrive + lat  # the latency outside the engine (wall time, not per replica)
+        ready = arrive + self._latency(lat, len(idx))  # the latency outside the engine (wall time, not per replica)
         if c > 0:
             service = c / self.opt.control_cores
             start = np.empty(len(idx))
@@ -733,9 +787,9 @@ class Simulator:
         self.pool = {self.index[h] for h in P.train_pool(self.snapshot())}
         self.pool_cap = float(self.cap[sorted(self.pool)].sum()) * self.m if self.pool else 1.0
         self.pool_idx = np.array(sorted(self.pool), np.int64)
+        self._admit()  # the first sessions open before the initial placement, which may lend for them
         self._decide()  # initial placement, applied at once: hosts start placed
         self._settle_now()
-        self._admit()
         self._dispatch(0.0, np.zeros(0, np.int64), np.zeros(0))
         while self.step < opt.steps and self.t < opt.max_time_s:
             t0 = self.t
@@ -755,6 +809,7 @@ class Simulator:
             # 3. switches that finished; the trainer's state machine (gate included)
             self._settle_switches()
             self._trainer()
+            self._admit()  # a publish opens admission at once: the policy's offer counts those turns
             # 4. the policy, every tick, as the live scheduler's control loop calls it
             self._decide()
             self._trainer()  # a reclaim may have been instant (nothing to reclaim)

@@ -1,0 +1,211 @@
+"""Weight sync over an emulated network link: the trainer-to-worker transfer (shared/weightxfer.py,
+gloo over TCP, bucketed by layer group) beside today's shared-disk path (write safetensors, read them).
+
+    sudo .venv/bin/python bench/weight_sync.py                          # 10M, 100M, 500M over 1 and 10 Gbit/s
+    .venv/bin/python bench/weight_sync.py --sizes 10M --links 1 --repeat 1   # the smoke run
+
+Two network namespaces joined by a veth pair (10.77.0.1 sends, 10.77.0.2 receives); the sending
+end's egress is shaped by `tc tbf` to the link rate. The namespaces are deleted in a `finally`,
+whatever happens. Needs root (ip netns); without it the script says so and exits 2.
+
+The model is Llama-shaped (embeddings, layers of attention + MLP + norms, final norm, LM head)
+with random bf16 weights: the wire dtype a GPU trainer publishes. Per size and link it reports
+the network round (sender side: from the closed join to the last bucket, gathered per layer
+group, packed and broadcast) in seconds and GB/s, that time over the line-rate time (goal <= 1.5
+for 500M), and the disk path: the sender writing one safetensors file, the receiver reading it
+into its tensors (a local disk with a warm page cache here: a lower bound for NFS, which would
+cross the same link twice). Result lines start with "RESULT".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+NS_SEND, NS_RECV = "sfws-send", "sfws-recv"
+ADDR_SEND, ADDR_RECV = "10.77.0.1", "10.77.0.2"
+PORT = 29611
+SIZES = {"10M": (256, 8, 8192), "100M": (768, 8, 32000), "500M": (1536, 14, 32000)}  # hidden, layers, vocab
+
+
+# -- the model ----------------------------------------------------------------------------------
+
+def llama_shapes(hidden: int, layers: int, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+    ffn = hidden * 8 // 3 // 64 * 64
+    out = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (hidden,)), (p + "post_attention_layernorm.weight", (hidden,))]
+        out += [(p + f"self_attn.{n}_proj.weight", (hidden, hidden)) for n in "qkvo"]
+        out += [(p + "mlp.gate_proj.weight", (ffn, hidden)), (p + "mlp.up_proj.weight", (ffn, hidden)),
+                (p + "mlp.down_proj.weight", (hidden, ffn))]
+    return out + [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+
+
+def params_of(size: str) -> int:
+    n = 0
+    for _, shape in llama_shapes(*SIZES[size]):
+        k = 1
+        for d in shape:
+            k *= d
+        n += k
+    return n
+
+
+# -- the two ends (each runs in its namespace) --------------------------------------------------
+
+def run_sender(size: str, repeat: int, bucket_mb: int, workdir: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from shared.weightwire import ParamSpec, make_plan
+    from shared.weightxfer import WeightSender
+
+    torch.manual_seed(0)
+    shapes = llama_shapes(*SIZES[size])
+    tensors = {i: torch.randn(s, dtype=torch.bfloat16) for i, (_, s) in enumerate(shapes)}
+    plan = make_plan(1, [ParamSpec(n, "bfloat16", s) for n, s in shapes], bucket_mb << 20)
+    sender = WeightSender(ADDR_SEND, PORT, timeout=300)
+    rounds = []
+    for r in range(repeat):
+        group = f"{size}-{r}"
+        sender.open(plan, group)
+        rnd = sender.close_joins(group, expected=1, window=120)
+        t0 = time.perf_counter()
+        sent = sender.send(rnd, plan, lambda idx: {i: tensors[i] for i in idx})
+        rounds.append(time.perf_counter() - t0)
+        assert rnd.receivers == 1 and sent == plan.nbytes, (rnd, sent)
+    path = workdir / f"{size}.safetensors"
+    t0 = time.perf_counter()
+    save_file({shapes[i][0]: t for i, t in tensors.items()}, str(path))
+    os.sync()
+    write_s = time.perf_counter() - t0
+    sender.store.set("disk/path", str(path))
+    read_s = float(sender.store.get("disk/read_s"))
+    path.unlink()
+    print(json.dumps({"bytes": plan.nbytes, "buckets": len(plan.buckets), "groups": len(plan.groups),
+                      "rounds_s": rounds, "write_s": write_s, "read_s": read_s}), flush=True)
+
+
+def run_receiver(size: str, repeat: int) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from shared.weightxfer import join, receive
+
+    dest = {n: torch.empty(s, dtype=torch.bfloat16) for n, s in llama_shapes(*SIZES[size])}
+
+    def load(pairs):
+        for name, t in pairs:
+            dest[name].copy_(t)
+
+    for r in range(repeat):
+        receive(join(ADDR_SEND, PORT, f"{size}-{r}", timeout=300), load)
+    store = dist.TCPStore(ADDR_SEND, PORT, is_master=False, timeout=datetime.timedelta(seconds=300))
+    path = store.get("disk/path").decode()
+    t0 = time.perf_counter()
+    load(load_file(path).items())
+    store.set("disk/read_s", str(time.perf_counter() - t0))
+
+
+# -- the orchestration (root, outside the namespaces) -------------------------------------------
+
+def sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+def make_link(gbit: int) -> None:
+    sh("ip", "netns", "add", NS_SEND)
+    sh("ip", "netns", "add", NS_RECV)
+    sh("ip", "link", "add", "sfws-a", "netns", NS_SEND, "type", "veth", "peer", "name", "sfws-b", "netns", NS_RECV)
+    for ns, dev, addr in ((NS_SEND, "sfws-a", ADDR_SEND), (NS_RECV, "sfws-b", ADDR_RECV)):
+        sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+        sh("ip", "-n", ns, "link", "set", dev, "up")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+    burst = max(1, gbit) * 1_250_000 // 100  # 10 ms of the rate: tbf needs at least rate/HZ
+    sh("ip", "netns", "exec", NS_SEND, "tc", "qdisc", "add", "dev", "sfws-a", "root", "tbf",
+       "rate", f"{gbit}gbit", "burst", str(max(burst, 200_000)), "latency", "50ms")
+
+
+def drop_link() -> None:
+    for ns in (NS_SEND, NS_RECV):
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def measure(size: str, gbit: int, repeat: int, bucket_mb: int, workdir: Path, timeout: float) -> dict:
+    me = [sys.executable, __file__, "--size-one", size, "--repeat", str(repeat), "--bucket-mb", str(bucket_mb),
+          "--workdir", str(workdir)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    send = recv = None
+    drop_link()
+    try:
+        make_link(gbit)
+        send = subprocess.Popen(["ip", "netns", "exec", NS_SEND, *me, "--role", "send"], env=env,
+                                stdout=subprocess.PIPE, text=True)
+        time.sleep(1.0)  # the store listens before the receiver connects (it also retries)
+        recv = subprocess.Popen(["ip", "netns", "exec", NS_RECV, *me, "--role", "recv"], env=env)
+        out, _ = send.communicate(timeout=timeout)
+        recv.wait(timeout=60)
+        if send.returncode or recv.returncode:
+            raise RuntimeError(f"sender exited {send.returncode}, receiver {recv.returncode}")
+        return json.loads(out.strip().splitlines()[-1])
+    finally:
+        for proc in (send, recv):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        drop_link()
+
+
+def report(size: str, gbit: int, r: dict) -> str:
+    rounds = sorted(r["rounds_s"])
+    net_s = rounds[len(rounds) // 2]
+    line_s = r["bytes"] * 8 / (gbit * 1e9)
+    disk_s = r["write_s"] + r["read_s"]
+    return (f"RESULT size={size} params={params_of(size) / 1e6:.0f}M bytes={r['bytes'] / 1e9:.3f}GB link={gbit}Gbit "
+            f"net_s={net_s:.2f} net_GBps={r['bytes'] / net_s / 1e9:.3f} line_s={line_s:.2f} "
+            f"x_line={net_s / line_s:.2f} disk_write_s={r['write_s']:.2f} disk_read_s={r['read_s']:.2f} "
+            f"disk_s={disk_s:.2f} disk_GBps={r['bytes'] / disk_s / 1e9:.3f} buckets={r['buckets']} "
+            f"groups={r['groups']} rounds={len(rounds)}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="10M,100M,500M")
+    ap.add_argument("--links", default="1,10", help="Gbit/s, comma-separated")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds per size and link (the median is reported)")
+    ap.add_argument("--bucket-mb", type=int, default=256)
+    ap.add_argument("--workdir", default="/tmp/sf-weight-sync", help="the 'shared disk' of the disk path")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--role", choices=["send", "recv"], help=argparse.SUPPRESS)
+    ap.add_argument("--size-one", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.role == "send":
+        run_sender(a.size_one, a.repeat, a.bucket_mb, Path(a.workdir))
+        return 0
+    if a.role == "recv":
+        run_receiver(a.size_one, a.repeat)
+        return 0
+    if os.geteuid() != 0:
+        print("weight_sync: needs root for network namespaces (ip netns); not run", file=sys.stderr)
+        return 2
+    workdir = Path(a.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    for size in a.sizes.split(","):
+        for gbit in (int(x) for x in a.links.split(",")):
+            print(report(size, gbit, measure(size, gbit, a.repeat, a.bucket_mb, workdir, a.timeout)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""deploy/k8s: `kubectl kustomize` renders the manifests (no cluster needed), and every object is
+checked against the Kubernetes API: the `kubernetes` Python client's models take each one (a
+missing required field is an error) and give back exactly what was written (an unknown or
+misspelt field would be dropped, so it shows as a difference). Then what issue 30 asks of them."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+kubernetes = pytest.importorskip("kubernetes")  # requirements/common.txt
+
+def rendered() -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    done = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return [o for o in yaml.safe_load_all(done.stdout) if o]
+
+
+def model_name(obj: dict) -> str:
+    """apps/v1 Deployment -> V1Deployment, autoscaling/v2 HorizontalPodAutoscaler -> V2HorizontalPodAutoscaler."""
+    version = obj["apiVersion"].rpartition("/")[2]
+    return f"{version.capitalize()}{obj['kind']}"
+
+
+def _clean(x):
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
+    return x
+
+
+def _stringly(x):  # the models give quantities and int-or-string values back as written
+    if isinstance(x, dict):
+        return {k: _stringly(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_stringly(v) for v in x]
+    return str(x)
+
+
+def test_every_object_matches_the_kubernetes_api():
+    client = kubernetes.client.ApiClient()
+    objects = rendered()
+    assert len(objects) >= 15
+    for obj in objects:
+        name = model_name(obj)
+        assert hasattr(kubernetes.client, name), f"{obj['apiVersion']} {obj['kind']}: no such API object"
+        model = client._ApiClient__deserialize(obj, name)  # raises on a missing required field
+        back = _clean(client.sanitize_for_serialization(model))
+        assert _stringly(back) == _stringly(obj), f"{obj['kind']}/{obj['metadata']['name']}: a field the API does not have"
+
+
+def test_what_the_cluster_needs():
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in rendered()}
+    assert objects[("Deployment", "scheduler")]["spec"]["replicas"] >= 2  # a standby
+    for name in ("gateway", "trajectory"):
+        assert objects[("HorizontalPodAutoscaler", name)]["spec"]["metrics"][0]["pods"]["metric"]["name"] == \
+            "sf_turns_per_second"
+    assert ("DaemonSet", "host-agent") in objects
+    job = objects[("Job", "trainer")]["spec"]
+    assert job["completionMode"] == "Indexed" and job["completions"] == job["parallelism"]
+    config = objects[("ConfigMap", "seamlessflow")]["data"]
+    assert config["SF_JETSTREAM_REPLICAS"] == "3" and config["SF_TRAJECTORY_REDIS_WAIT_REPLICAS"] == "1"
+    # NATS and Redis come from their official charts, not from here
+    assert not any(re.search(r"nats|redis", n) for _, n in objects)
+    assert all(o["metadata"].get("namespace") == "seamlessflow" for (k, _), o in objects.items()
+               if k not in ("Namespace", "ClusterRole", "ClusterRoleBinding"))
