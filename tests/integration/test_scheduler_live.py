@@ -29,7 +29,7 @@ from seamlessflow.ops import hosts as hostops
 from seamlessflow.stack import servers
 from seamlessflow.modelgen import eos_id
 from seamlessflow.demo.workload import GroupAgents, Load
-from services.trajectory.store import DeltaRecord
+from services.trajectory.store import DeltaRecord, InFlight
 from shared.config import connections
 from shared.timeouts import HEARTBEAT_STALE_AFTER
 from tests.integration.stack_fixture import make_stack
@@ -56,6 +56,7 @@ GROUP_SIZE, GROUPS_PER_STEP = 4, 2
 CONCURRENT_GROUPS = 1
 REPLY_TOKENS = (160, 320)
 THINK_S = 1.0
+MAX_MODEL_LEN = 512  # a second turn's reply is cut at the context's end
 TRAINER = {"group_size": GROUP_SIZE, "groups_per_step": GROUPS_PER_STEP, "lr": 1e-5, "publish_every": 1,
            "checkpoint_every": 5, "keep_versions": 3, "gate_timeout": 60}
 
@@ -66,7 +67,8 @@ def cluster(tmp_path_factory, tiny_model, redis_url):
     nats_port = servers.free_port()  # its own NATS: the trainer consumes the whole TRAJECTORIES stream
     nats = servers.start_nats(nats_port, tmp / "nats")
     stack = make_stack(tmp, tiny_model, f"nats://127.0.0.1:{nats_port}", redis_url, policy="seamless",
-                       hosts=["train+rollout", "rollout"], train=True, trainer_settings=TRAINER, max_num_seqs=8)
+                       hosts=["train+rollout", "rollout"], train=True, trainer_settings=TRAINER, max_num_seqs=8,
+                       max_model_len=MAX_MODEL_LEN)
     stack.conn = connections({"SF_NATS_URL": stack.nats_url, "SF_REDIS_URL": stack.redis_url})
     try:
         wait_for(lambda: serving(stack) == {"host-0", "host-1"}, 240, "both hosts serving")
@@ -214,15 +216,24 @@ def test_a_killed_worker_is_detected_its_requests_resume_and_the_host_rejoins(cl
 
     async def on_host_1(r) -> dict[str, int]:
         """Requests running on host-1 that have just begun: their persisted delta records all name host-1,
-        at most 128 tokens so far (min_tokens is 256: 128+ to go). The first delta of a dispatch is persisted
-        at once (docs/architecture.md, sf:req:<rid>:deltas); a heartbeat's running count (up to 1 s old, turns
-        of ~1 s) promised nothing."""
+        and 128+ tokens are still to come (min_tokens is 256, and the context, MAX_MODEL_LEN, has room for
+        128 more after the prompt and what came so far: CI killed the worker as a second turn, its prompt
+        the first turn's 300-odd tokens, was 112 tokens in and 8 from the context's end; it ended there and
+        nothing moved). The first delta of a dispatch is persisted at once with the request's prompt
+        (docs/architecture.md, sf:req:<rid>, sf:req:<rid>:deltas); a heartbeat's running count (up to 1 s
+        old, turns of ~1 s) promised nothing."""
         found = {}
         async for key in r.scan_iter(match="sf:req:*:deltas", count=500):
+            rid = key.decode().removeprefix("sf:req:").removesuffix(":deltas")
             recs = [msgspec.msgpack.decode(x, type=DeltaRecord) for x in await r.lrange(key, 0, -1)]
             n = sum(len(d.token_ids) for d in recs)
-            if recs and all(d.worker == "host-1-rollout" for d in recs) and 0 < n <= 128:
-                found[key.decode().removeprefix("sf:req:").removesuffix(":deltas")] = n
+            if not (recs and all(d.worker == "host-1-rollout" for d in recs) and 0 < n <= 128):
+                continue
+            if (raw := await r.get(f"sf:req:{rid}")) is None:
+                continue  # ended meanwhile
+            prompt = len(msgspec.msgpack.decode(raw, type=InFlight).prompt_ids)
+            if MAX_MODEL_LEN - prompt - n >= 128:
+                found[rid] = n
         return found
 
     async def growing_on_host_1(r) -> tuple[str, int]:
