@@ -281,7 +281,7 @@ async def run(args) -> dict:
         if args.code else [None]
     if args.code:
         os.chdir(tmp)  # `python -m` puts the working directory first on sys.path: keep it neutral
-    model = init_model(tmp / "model")
+    model = args.model or init_model(tmp / "model")
     tok = AutoTokenizer.from_pretrained(model)
     messages = [{"role": "user", "content": "hello world, please reverse 12345"}]
     prompt_ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
@@ -313,6 +313,7 @@ async def run(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", choices=["vllm", "simulated"], default="vllm")
+    ap.add_argument("--model", type=lambda s: Path(s).resolve(), help="a checkpoint directory (default: the tiny model, built in a temp dir)")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64])
     ap.add_argument("--requests", type=int, default=256, help="requests per path per concurrency level")
     ap.add_argument("--rounds", type=int, default=4, help="alternating direct/gateway rounds")

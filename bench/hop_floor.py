@@ -130,7 +130,7 @@ async def run(args) -> list[dict]:
     from seamlessflow.modelgen import init_model
 
     tmp = Path(tempfile.mkdtemp(prefix="sf-floor-"))
-    model = init_model(tmp / "model")
+    model = args.model or init_model(tmp / "model")
     tok = AutoTokenizer.from_pretrained(model)
     messages = [{"role": "user", "content": "hello world, please reverse 12345"}]
     prompt_ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
@@ -229,6 +229,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=512, help="turns per side per concurrency level")
     ap.add_argument("--rounds", type=int, default=4, help="alternating rounds")
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--model", type=lambda s: Path(s).resolve(), help="a checkpoint directory (default: the tiny model, built in a temp dir)")
     args = ap.parse_args()
     if args.role == "gateway":
         return gateway_role(args.nats, args.port)

@@ -448,6 +448,7 @@ def main() -> None:
                     "each, one after the other (default: this one)")
     ap.add_argument("--keep", action="store_true", help="keep the stacks' data dirs (their logs) in /tmp")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    ap.add_argument("--model", type=lambda s: Path(s).resolve(), help="a checkpoint directory (default: the tiny model, built in a temp dir)")
     args = ap.parse_args()
 
     from seamlessflow.modelgen import init_model
@@ -455,7 +456,7 @@ def main() -> None:
     if args.profile:
         use_profiler(args.profile)
     tmp = Path(tempfile.mkdtemp(prefix="sf-load-"))
-    model = init_model(tmp / "model")
+    model = args.model or init_model(tmp / "model")
     engine = {"workers": args.workers, "capacity": args.capacity, "step_ms": args.step_ms, "per_seq_ms": 0.25,
               "max_tokens": args.max_tokens}
     # each checkout as an absolute path, before the working directory changes

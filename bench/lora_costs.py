@@ -125,7 +125,10 @@ def child(args) -> None:
     }), flush=True)
 
 
-def model_dir(name: str, work: Path) -> Path | None:
+def model_dir(spec: str, work: Path) -> Path | None:
+    name, _, given = spec.partition("=")  # NAME=DIR: a checkpoint already built (the tiny one, say)
+    if given:
+        return Path(given).resolve()
     if name == "smollm2":
         from seamlessflow.smollm2 import ExtraMissing, build_smollm2
 
@@ -141,7 +144,8 @@ def model_dir(name: str, work: Path) -> Path | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="tiny,medium", help="init_model sizes and/or smollm2, comma-separated")
+    ap.add_argument("--models", default="tiny,medium", help="init_model sizes and/or smollm2, comma-separated; "
+                    "NAME=DIR trains the checkpoint in DIR under that name (e.g. tiny=var/model: not built again)")
     ap.add_argument("--zero-stage", type=int, default=0)
     ap.add_argument("--lora-rank", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
@@ -168,8 +172,8 @@ def main() -> None:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="sf-bench-lora-") as tmp:
         work = Path(tmp)
-        for name in (m.strip() for m in args.models.split(",")):
-            src = model_dir(name, work)
+        for spec in (m.strip() for m in args.models.split(",")):
+            src, name = model_dir(spec, work), spec.partition("=")[0]
             if src is None:
                 continue
             groups = args.smollm2_groups if name == "smollm2" else args.groups

@@ -283,7 +283,7 @@ def _jsonl(path: Path) -> list[dict]:
 
 def live_stack(a, tmp: Path) -> SimTrainerStack:
     """The live stack, not started: SIMULATED engines on `a.hosts` hosts and a SIMULATED trainer."""
-    model = init_model(tmp / "model", size="tiny")
+    model = a.model or init_model(tmp / "model", size="tiny")
     engine = f"{sys.executable} -m services.rollout.simulated --capacity {a.capacity} " \
              f"--step-ms {a.step_ms} --per-seq-ms {a.per_seq_ms} --follow-weights --timing-dir {tmp / 'engine_timing'}"
     trainer = {"group_size": WL.group_size, "groups_per_step": WL.groups_per_step, "publish_every": 1,
@@ -512,6 +512,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--latency-cv", type=float, default=None,
                     help="sim + spread: the latency's coefficient of variation from turn to turn (default: measured)")
     ap.add_argument("--out", type=Path, default=Path("var/bench/pipeline_live.json"))
+    ap.add_argument("--model", type=lambda s: Path(s).resolve(), help="a checkpoint directory (default: the tiny model, built in a temp dir)")
     a = ap.parse_args(argv)
     if not 0 <= a.warmup < a.steps:  # else no step is compared: found only after the live run, minutes later
         ap.error(f"--warmup {a.warmup} must be at least 0 and below --steps {a.steps} (default --warmup 4)")

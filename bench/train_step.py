@@ -127,8 +127,9 @@ def state_size(path) -> dict:
             "optimizer_mb": state / 1e6}
 
 
-def bench_model(size: str, work: Path, args) -> list[dict]:
-    model_dir = init_model(work / size, size=size)
+def bench_model(spec: str, work: Path, args) -> list[dict]:
+    size, _, given = spec.partition("=")  # NAME=DIR: a checkpoint already built (the tiny one, say)
+    model_dir = Path(given).resolve() if given else init_model(work / size, size=size)
     cfgs = {
         "plain": TrainerConfig(model_dir=str(model_dir), zero_stage=0, lr=LR),
         "zero0": TrainerConfig(model_dir=str(model_dir), zero_stage=0, lr=LR),
@@ -185,7 +186,8 @@ def bench_model(size: str, work: Path, args) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="tiny,medium", help="comma-separated init_model sizes")
+    ap.add_argument("--models", default="tiny,medium", help="comma-separated init_model sizes; NAME=DIR "
+                    "trains the checkpoint in DIR under that name (e.g. tiny=var/model: not built again)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per path, tiny model")
     ap.add_argument("--medium-steps", type=int, default=3, help="timed steps per path, other models")
     ap.add_argument("--warmup", type=int, default=2)

@@ -204,7 +204,7 @@ def dir_bytes(d: Path) -> int:
 
 
 async def stack_phases(args, tmp: Path, modes: tuple[str, ...], lora: bool) -> dict:
-    model = init_model(tmp / "model")
+    model = args.model or init_model(tmp / "model")
     extra = {"SF_ROLLOUT_LORA": "1", "SF_ROLLOUT_MAX_LORA_RANK": str(args.lora_rank)} if lora else {}
     stack = Stack(StackOptions(model=model, data_dir=tmp, workers=args.workers, gateway_port=servers.free_port(),
                                admin_port=servers.free_port(), nats_port=servers.free_port(),
@@ -217,7 +217,7 @@ async def stack_phases(args, tmp: Path, modes: tuple[str, ...], lora: bool) -> d
             noisy_copy(model, tmp / f"keep{n}", n)
     stack.start()
     try:
-        await agents(stack, 4, 3, args.max_tokens)  # warm up
+        await agents(stack, 4, args.warmup, args.max_tokens)  # warm up
         await asyncio.sleep(1.5)  # heartbeats catch up: the warm-up is not counted in the baseline
         return {m: await phase(stack, m, args, tmp) for m in modes}
     finally:
@@ -285,6 +285,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30.0, help="length of each phase")
     ap.add_argument("--every", type=float, default=3.0, help="seconds between disturbances")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--warmup", type=float, default=3.0, help="seconds of load on each stack before its "
+                    "first phase, not counted")
+    ap.add_argument("--model", type=lambda s: Path(s).resolve(),
+                    help="a checkpoint directory for both stacks (default: the tiny model, built per stack)")
     ap.add_argument("--lora", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the LoRA stack: adapter versions beside the full-weight ones")
     ap.add_argument("--lora-rank", type=int, default=8)

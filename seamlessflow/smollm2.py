@@ -20,6 +20,8 @@ in a `tool` turn.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 from pathlib import Path
@@ -78,6 +80,24 @@ def gguf_path() -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _gguf_read_once():
+    """transformers reads the GGUF file three times (tokenizer, config, weights), every field of
+    its 49k-token vocabulary each time, and builds a fresh gguf TensorNameMap for each of the 272
+    tensors it maps: on 2 CPU cores that is most of a build (~45 s). Inside this block the file is
+    read once and the name map built once per (architecture, layers); transformers imports both
+    from `gguf` where it uses them, so the patch reaches it, and it is undone on the way out."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=2)(reader)  # keyed by path (and mode)
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=8)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
 def build_smollm2(out: str | Path) -> Path:
     """Write config, float32 safetensors, generation config and tokenizer (with CHAT_TEMPLATE) into `out`."""
     import torch
@@ -86,9 +106,10 @@ def build_smollm2(out: str | Path) -> Path:
     src = gguf_path()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    with _gguf_read_once():
+        tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
     tok.chat_template = CHAT_TEMPLATE
-    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
     model.config.quantization_config = None  # dequantised: vLLM must load plain weights, not GGUF
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

@@ -117,32 +117,34 @@ def test_simulated_engine_parses_its_documented_flags():
 
 
 @pytest.mark.integration
-def test_gateway_overhead_simulated():
+def test_gateway_overhead_simulated(tiny_model):
     out = bench("gateway_overhead.py", "--engine", "simulated", "--concurrency", "1", "--requests", "8",
-                "--rounds", "1", "--idle", "0")
+                "--rounds", "1", "--idle", "0", "--model", str(tiny_model))
     direct, gateway = figures(rf"\| \S+ \| 1 \| {FIGURE} / [\d.]+ \| {FIGURE} / ", out)[:2]
     assert direct > 0 and gateway > 0
 
 
 @pytest.mark.integration
 @pytest.mark.slow  # a second stack start (~10 s) for a mode; the case above runs the same stack and engine
-def test_gateway_overhead_one_long_session():
-    out = bench("gateway_overhead.py", "--engine", "simulated", "--turns", "10", "--sessions", "1", "--idle", "0")
+def test_gateway_overhead_one_long_session(tiny_model):
+    out = bench("gateway_overhead.py", "--engine", "simulated", "--turns", "10", "--sessions", "1", "--idle", "0",
+                "--model", str(tiny_model))
     assert figures(rf"\| \S+ \| 10 \| {FIGURE} \| ", out)[0] > 0
 
 
 @pytest.mark.integration
-def test_hop_floor():
-    rows = json_lines(bench("hop_floor.py", "--concurrency", "1", "--requests", "8", "--rounds", "1"))
+def test_hop_floor(tiny_model):
+    rows = json_lines(bench("hop_floor.py", "--concurrency", "1", "--requests", "8", "--rounds", "1",
+                            "--model", str(tiny_model)))
     sides = {r["side"]: r for r in rows if "side" in r}
     assert set(sides) == {"services", "floor"}
     assert all(r["p50_ms"] > 0 and r["turns"] >= 8 for r in sides.values())
 
 
 @pytest.mark.integration
-def test_load(tmp_path):
+def test_load(tmp_path, tiny_model):
     bench("load.py", "--sessions", "4", "--seconds", "2", "--warmup", "1", "--replicas", "1", "--procs", "1",
-          "--workers", "1", "--out", str(tmp_path / "load.json"))
+          "--workers", "1", "--model", str(tiny_model), "--out", str(tmp_path / "load.json"))
     [row] = json.loads((tmp_path / "load.json").read_text())["rows"]
     assert row["turns"] > 0 and row["turns_per_s"] > 0
     assert row["error_count"] == 0, row["errors"]
@@ -157,11 +159,11 @@ def test_scheduler_scale(tmp_path):
 
 
 @pytest.mark.integration
-def test_pipeline_live(tmp_path):
+def test_pipeline_live(tmp_path, tiny_model):
     """The live stack (scheduler, host agents with SIMULATED engines, bench/sim_trainer.py) beside the
     simulator."""
     out = bench("pipeline_live.py", "--hosts", "2", "--steps", "3", "--warmup", "1", "--timeout", "120",
-                "--out", str(tmp_path / "live.json"), timeout=240)
+                "--model", str(tiny_model), "--out", str(tmp_path / "live.json"), timeout=240)
     assert "failed turns 0" in out
     r = json.loads((tmp_path / "live.json").read_text())
     assert r["live"]["trained_tokens_per_s"] > 0 and r["sim"]["trained_tokens_per_s"] > 0
@@ -171,17 +173,18 @@ def test_pipeline_live(tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.vllm
-def test_gateway_overhead_vllm():
+def test_gateway_overhead_vllm(tiny_model):
     out = bench("gateway_overhead.py", "--concurrency", "1", "--requests", "4", "--rounds", "1", "--idle", "0",
-                timeout=600)
+                "--model", str(tiny_model), timeout=600)
     assert figures(rf"\| \S+ \| 1 \| {FIGURE} / ", out)[0] > 0
 
 
 @pytest.mark.integration
 @pytest.mark.vllm
-def test_weight_update_stall():
-    out = bench("weight_update_stall.py", "--agents", "2", "--workers", "1", "--seconds", "4", "--every", "2",
-                "--max-tokens", "8", timeout=600)
+def test_weight_update_stall(tiny_model):
+    """Five phases on two stacks: each phase 2 s with one disturbance at 1 s (keep, abort, lora)."""
+    out = bench("weight_update_stall.py", "--agents", "2", "--workers", "1", "--seconds", "2", "--every", "1",
+                "--warmup", "1", "--max-tokens", "8", "--model", str(tiny_model), timeout=600)
     phases = {r["phase"]: r for r in json_lines(out) if "phase" in r}
     assert set(phases) == {"baseline", "keep", "abort", "lora-baseline", "lora"}
     assert all(r["requests"] > 0 for r in phases.values())
@@ -190,8 +193,8 @@ def test_weight_update_stall():
 
 @pytest.mark.integration
 @pytest.mark.deepspeed
-def test_train_step(tmp_path):
-    bench("train_step.py", "--models", "tiny", "--steps", "1", "--warmup", "0", "--groups", "1", "--group-size", "2",
+def test_train_step(tmp_path, tiny_model):
+    bench("train_step.py", "--models", f"tiny={tiny_model}", "--steps", "1", "--warmup", "0", "--groups", "1", "--group-size", "2",
           "--prompt", "8", "--generated", "8", "--json", str(tmp_path / "rows.json"), timeout=600)
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert {r["path"] for r in rows} == {"plain", "zero0", "zero2"} and all(r["tokens_per_s"] > 0 for r in rows)
@@ -212,8 +215,8 @@ def test_ha_costs():
 
 @pytest.mark.integration
 @pytest.mark.deepspeed
-def test_lora_costs(tmp_path):
-    bench("lora_costs.py", "--models", "tiny", "--steps", "1", "--warmup", "0", "--groups", "1", "--group-size", "2",
+def test_lora_costs(tmp_path, tiny_model):
+    bench("lora_costs.py", "--models", f"tiny={tiny_model}", "--steps", "1", "--warmup", "0", "--groups", "1", "--group-size", "2",
           "--prompt", "8", "--generated", "8", "--json", str(tmp_path / "rows.json"), timeout=600)
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert {r["mode"] for r in rows} == {"full", "lora"}
@@ -226,8 +229,8 @@ def test_lora_costs(tmp_path):
 @pytest.mark.vllm
 @pytest.mark.deepspeed
 def test_scheduler_ab(tmp_path, tiny_model):
-    bench("scheduler_ab.py", "--seconds", "10", "--policies", "seamless", "--model", str(tiny_model),
-          "--out", str(tmp_path / "ab.json"), timeout=600)
+    bench("scheduler_ab.py", "--seconds", "3", "--policies", "seamless", "--lanes", "2", "--min-tokens", "4",
+          "--max-tokens", "16", "--model", str(tiny_model), "--out", str(tmp_path / "ab.json"), timeout=600)
     [row] = json.loads((tmp_path / "ab.json").read_text())
     assert row["policy"] == "seamless"
 
