@@ -87,7 +87,7 @@ class SchedulerService:
         self.cfg, self.conn = cfg, conn
         self.policy: PolicyName = cfg.policy
         self.reg = Registry(stale_after=cfg.host_stale_after, switch_timeout=cfg.switch_timeout,
-                            costs=policy.Costs(cfg.lend_s, cfg.reclaim_s))
+                            costs=policy.Costs(cfg.lend_s, cfg.reclaim_s, measured=False))
         self.gates: list[_Gate] = []
         self.weights: WeightsPublished | None = None
         self.malformed = Malformed("scheduler")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.scheduler.policy import Costs
 from services.scheduler.registry import Registry
 from shared.messages.scheduler import HostHeartbeat, HostModeChanged, Interval, TrainerStatus, fractions
 
@@ -229,17 +230,18 @@ def test_without_completed_groups_the_session_rate_stands_in():
 
 
 def test_every_lend_is_a_measured_switch_the_start_up_lend_too():
-    reg = Registry()
+    reg = Registry(costs=Costs(1.0, 1.0, measured=False))  # the configured priors, as the service starts
     reg.on_heartbeat(hb("host-0", "idle", tags=("train", "rollout")), 100.0)  # registers idle
     reg.on_heartbeat(hb("host-1", "idle"), 100.0)
     reg.issued("host-0", "rollout", 1, 100.0)
     reg.issued("host-1", "rollout", 1, 100.0)
-    reg.on_changed(HostModeChanged("host-0", "rollout", 1, 100.0, 100.4), 100.4)  # idle -> rollout: a lend
     reg.on_changed(HostModeChanged("host-1", "rollout", 1, 100.0, 100.1), 100.1)  # a rollout host: no lend
-    assert reg.counts["lends"] == 1 and abs(reg.costs.lend_s - 0.4) < 1e-9
+    assert not reg.costs.measured and reg.counts["lends"] == 0  # its wake is no lend: the priors stand
+    reg.on_changed(HostModeChanged("host-0", "rollout", 1, 100.0, 100.4), 100.4)  # idle -> rollout: a lend
+    assert reg.counts["lends"] == 1 and abs(reg.costs.lend_s - 0.4) < 1e-9 and reg.costs.measured
     reg.issued("host-0", "train", 2, 101.0)
     reg.on_changed(HostModeChanged("host-0", "train", 2, 101.0, 101.5), 101.5)
-    assert reg.counts["reclaims"] == 1 and abs(reg.costs.reclaim_s - 0.5) < 1e-9
+    assert reg.counts["reclaims"] == 1 and abs(reg.costs.reclaim_s - 0.5) < 1e-9 and reg.costs.measured
     reg.issued("host-0", "rollout", 3, 102.0)
     reg.on_changed(HostModeChanged("host-0", "rollout", 3, 102.0, 102.2), 102.2)  # train -> rollout
     assert reg.counts["lends"] == 2 and abs(reg.costs.lend_s - (0.7 * 0.4 + 0.3 * 0.2)) < 1e-9
