@@ -198,8 +198,12 @@ class Registry:
         return (f"host {ev.host}: {was} -> {ev.mode} (epoch {ev.epoch}) in {took * 1000:.0f} ms"
                 + (f", {ev.migrated} request(s) migrated" if ev.migrated else ""))
 
-    def on_trainer(self, st: TrainerStatus, now: float) -> None:
+    def on_trainer(self, st: TrainerStatus, now: float) -> bool:
+        """Record the trainer's status; True when its state changed (a decision is due now, not at the
+        next tick: the trainer began to wait, or has a batch and wants its hosts)."""
+        changed = self.trainer is None or self.trainer.state != st.state
         self.trainer, self.trainer_seen = st, now
+        return changed
 
     def on_finished(self, now: float, group_id: str = "") -> None:
         """A trajectory finished; its group completes with its trainer-reported `group_size`-th member."""

@@ -107,12 +107,12 @@ def test_trainer_view_and_completion_rate():
 
 def test_the_snapshot_says_since_when_the_trainer_waits():
     reg = Registry(stale_after=3.0)
-    reg.on_trainer(trainer("waiting", buffered=3), 10.0)
+    assert reg.on_trainer(trainer("waiting", buffered=3), 10.0)  # the first status: a decision is due
     assert reg.snapshot("seamless", 11.0, 1.5, 0).trainer.waiting_since == 11.0
-    reg.on_trainer(trainer("waiting", buffered=5), 12.0)
+    assert not reg.on_trainer(trainer("waiting", buffered=5), 12.0)  # same state: the tick decides
     s = reg.snapshot("seamless", 12.5, 1.5, 0, reclaim_grace_s=20.0, lend_settle_s=7.0)
     assert (s.trainer.waiting_since, s.reclaim_grace_s, s.lend_settle_s) == (11.0, 20.0, 7.0)  # still the first
-    reg.on_trainer(trainer("computing"), 13.0)
+    assert reg.on_trainer(trainer("computing"), 13.0)  # a state change: the scheduler decides at once
     assert reg.snapshot("seamless", 13.5, 1.5, 0).trainer.waiting_since == 0.0
     reg.on_trainer(trainer("waiting"), 20.0)
     assert reg.snapshot("seamless", 20.5, 1.5, 0).trainer.waiting_since == 20.5  # a new wait
