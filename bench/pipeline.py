@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/pipeline.py [--steps 30] [--sweep-steps 10] [--out var/bench/pipeline]
                                        [--reclaim-grace 0] [--drain-margin 0] [--skip-scale] [--skip-drain]
+                                       [--rebalance] [--only-one-gpu]
 
 No GPU and no model: services/scheduler/sim/simulator.py drives the scheduler's own policy module
 (services/scheduler/policy.py) in virtual time on calibrated 8-accelerator hosts
@@ -28,7 +29,9 @@ One run measures, on the same workload and cluster for every policy:
    default, and "fit"), re-prefilled tokens and lent-idle host-seconds; colocated; and the
    default rule again where a re-prefilled token costs as much as a trained one's forward pass;
 and prints the goals as ratios (markdown), writing results.json and the PNGs under --out.
-`--reclaim-grace` / `--drain-margin` set the drain of every seamless run in 1-5.
+`--reclaim-grace` / `--drain-margin` set the drain of every seamless run in 1-5. `--rebalance`
+models the live router's rebalance on a lend (SF_TRAJECTORY_REBALANCE, on live by default; off
+here by default, as the recorded planning runs were made) in every run.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from seamlessflow.planner.plan import POLICIES, plot_sweep, run, sized, splits
+from seamlessflow.planner import plan
+from seamlessflow.planner.plan import POLICIES, plot_sweep, sized, splits
 from services.scheduler.sim.workload import CALIBRATIONS, WORKLOADS
 from shared.lending import DEFAULT_RULE, RULES
 
@@ -76,6 +80,12 @@ def gantt(result, path: Path, title: str) -> None:
 
 
 DRAIN: dict = {}  # reclaim_grace_s and drain_margin_s of every seamless run (set by main)
+ROUTER: dict = {}  # the live router's options of every run, every policy (set by main): rebalance
+
+
+def run(*args, **kw):
+    """plan.run with ROUTER's options."""
+    return plan.run(*args, **(ROUTER | kw))
 GRACES, DRAIN_MARGINS = (0.0, 30.0, 60.0, 75.0, 90.0), (0.0, 60.0)  # the drain trade-off's grid
 
 
@@ -203,19 +213,26 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--skip-one-gpu", action="store_true", help="skip the one-gpu calibration (7)")
     ap.add_argument("--reclaim-grace", type=float, default=0.0, help="reclaim_grace_s of every seamless run in 1-5")
     ap.add_argument("--drain-margin", type=float, default=0.0, help="drain_margin_s of every seamless run in 1-5")
+    ap.add_argument("--rebalance", action="store_true",
+                    help="model the live router's rebalance on a lend (SF_TRAJECTORY_REBALANCE) in every run")
+    ap.add_argument("--only-one-gpu", action="store_true", help="run 7 alone (its goals only)")
     return ap.parse_args()
 
 
 def main() -> None:
     a = parse_args()
     DRAIN.update(reclaim_grace_s=a.reclaim_grace, drain_margin_s=a.drain_margin)
+    ROUTER.update(rebalance=a.rebalance)
     a.out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
     dh, th = CALIBRATIONS["decode-heavy"], CALIBRATIONS["train-heavy"]
     report: dict = {}
     md: list[str] = [("SIMULATED (services/scheduler/sim/simulator.py driving services/scheduler/policy.py); "
                       f"`.venv/bin/python bench/pipeline.py --steps {a.steps} --sweep-steps {a.sweep_steps}"
-                      f" --reclaim-grace {a.reclaim_grace:g} --drain-margin {a.drain_margin:g}`"), ""]
+                      f" --reclaim-grace {a.reclaim_grace:g} --drain-margin {a.drain_margin:g}"
+                      + " --rebalance" * a.rebalance + " --only-one-gpu" * a.only_one_gpu + "`"), ""]
+    if a.only_one_gpu:
+        return only_one_gpu(a, md, t_all)
 
     # 1 + 2: sweeps, then the three policies at seamless's best split
     for hosts in (16, 64):
@@ -261,6 +278,17 @@ def main() -> None:
     (a.out / "results.json").write_text(json.dumps(report, indent=1))
     print("\n".join(md))
     print(f"\n{report['seconds']:.0f} s; results and PNGs in {a.out}")
+
+
+def only_one_gpu(a: argparse.Namespace, md: list[str], t_all: float) -> None:
+    """7 alone, with its goals."""
+    report = {"one-gpu": one_gpu(a.steps)}
+    md += [md_one_gpu(report["one-gpu"]), "", "**Goals** (ratios from this run)", "",
+           "| goal | measured | target |", "|---|---|---|"]
+    md += [f"| {n} | {v:.4f} | {o} {t:g} |" for n, v, t, o in one_gpu_goals(report["one-gpu"])]
+    report["seconds"] = time.perf_counter() - t_all
+    (a.out / "results.json").write_text(json.dumps(report, indent=1))
+    print("\n".join(md) + f"\n\n{report['seconds']:.0f} s; results in {a.out}")
 
 
 def md_goals(report: dict) -> list[str]:

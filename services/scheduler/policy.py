@@ -59,6 +59,11 @@ Tags decide what a host *may* do (`train`, `rollout`); the policy decides what i
   Without a grace (the default) neither applies: lend if the predicted wait >
   `lend_margin` x (lend + reclaim).
 
+  The switch costs start as configured priors (`Costs.measured` False) and are measured from
+  then on. Until a lend of a train host is measured the margin is at most 1: with a higher
+  margin on a prior that is too high nothing would ever lend, and the measurement that would
+  correct the prior would never come. One lend settles it.
+
 A host that is switching (its last assignment not yet applied) gets no new decision, so a
 host has one mode at a time. An unhealthy host gets none either: when it comes back it
 rejoins idle and is assigned afresh. Cordoned hosts go idle. Every decision carries the
@@ -128,6 +133,9 @@ class Costs:
 
     lend_s: float = 1.0  # train -> rollout: offload, wake, load the current version, resume
     reclaim_s: float = 1.0  # rollout -> train: vacate (requests migrate), sleep, reload
+    # False while lend_s is the configured prior (no lend of a train host measured yet): the lend
+    # verdict then asks for a margin of at most 1, so one lend measures the switch (see lend_verdict)
+    measured: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,11 +204,15 @@ def lend_verdict(s: Snapshot, others_roll_out: bool | None = None) -> tuple[bool
     wait = predicted_wait(s.trainer, s.completion_rate) - s.drain_margin_s
     cost = s.costs.lend_s + s.costs.reclaim_s + s.reclaim_grace_s  # a lend may hold the trainer the grace
     what = "predicted wait" + (f" - drain {s.drain_margin_s:g}s" if s.drain_margin_s else "")
-    if wait <= s.lend_margin * cost:
-        return False, f"{what} {wait:.1f}s <= {s.lend_margin:g} x switch {cost:.2f}s"
+    # the priors are a guess: a margin above 1 on a guess never lends where the guess is too high, so the
+    # measurement that would correct it never comes (live: margin 4, a 1 s prior, a 0.3 s lend: 0 lends)
+    margin = s.lend_margin if s.costs.measured else min(s.lend_margin, 1.0)
+    how = f"{margin:g} x switch {cost:.2f}s" + ("" if s.costs.measured else " (prior: margin <= 1 until a lend is measured)")
+    if wait <= margin * cost:
+        return False, f"{what} {wait:.1f}s <= {how}"
     if s.offer is not None:
         return _offer_verdict(s, wait, cost)
-    return True, f"{what} {wait:.1f}s > {s.lend_margin:g} x switch {cost:.2f}s"
+    return True, f"{what} {wait:.1f}s > {how}"
 
 
 def _offer_verdict(s: Snapshot, wait: float, cost: float) -> tuple[bool, str]:

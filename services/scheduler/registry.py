@@ -185,21 +185,25 @@ class Registry:
         # start-up, or after a worker restart): its agent runs the same steps (offload, wake, load, resume)
         if ev.mode == "rollout" and was != "rollout" and "train" in rec.tags:
             lend = _ewma(self.costs.lend_s, took) if self.counts["lends"] else took
-            self.costs = policy.Costs(lend, self.costs.reclaim_s)
+            self.costs = policy.Costs(lend, self.costs.reclaim_s, measured=True)
             self.counts["lends"] += 1
         elif ev.mode == "train" and was in ("rollout", "idle"):
             # idle -> train runs a reclaim's steps (vacate, sleep, reload the trainer rank; nothing to migrate):
             # a measure of it too. Without it a host that trained from the start (the policy was disaggregated,
             # then seamless) kept the 1 s priors, and a 2 s predicted wait never beat 1.5 x 2 s: no lend, ever
             reclaim = _ewma(self.costs.reclaim_s, took) if self.reclaims_measured else took
-            self.costs = policy.Costs(self.costs.lend_s, reclaim)
+            self.costs = policy.Costs(self.costs.lend_s, reclaim, self.costs.measured)
             self.reclaims_measured += 1
             self.counts["reclaims"] += was == "rollout"  # a reclaim proper: the end of a lend/reclaim cycle
         return (f"host {ev.host}: {was} -> {ev.mode} (epoch {ev.epoch}) in {took * 1000:.0f} ms"
                 + (f", {ev.migrated} request(s) migrated" if ev.migrated else ""))
 
-    def on_trainer(self, st: TrainerStatus, now: float) -> None:
+    def on_trainer(self, st: TrainerStatus, now: float) -> bool:
+        """Record the trainer's status; True when its state changed (a decision is due now, not at the
+        next tick: the trainer began to wait, or has a batch and wants its hosts)."""
+        changed = self.trainer is None or self.trainer.state != st.state
         self.trainer, self.trainer_seen = st, now
+        return changed
 
     def on_finished(self, now: float, group_id: str = "") -> None:
         """A trajectory finished; its group completes with its trainer-reported `group_size`-th member."""

@@ -77,6 +77,13 @@ def test_pipeline(tmp_path):
     assert report["goals"] and all(g["measured"] >= 0 for g in report["goals"])
 
 
+def test_pipeline_one_gpu_with_rebalance(tmp_path):
+    out = bench("pipeline.py", "--steps", "1", "--only-one-gpu", "--rebalance", "--out", str(tmp_path))
+    assert "--rebalance --only-one-gpu" in out and "one-gpu: seamless / disaggregated, split 60 of 64" in out
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert len(report["one-gpu"]["sweep"]) == 14 and report["one-gpu"]["colocated"]["trained_tok_s"] > 0
+
+
 def test_pipeline_breakdown():
     out = bench("pipeline_breakdown.py", "--steps", "2", "--no-diagnostics")
     tok_s = figures(rf"steps\*\*: {FIGURE} tok/s", out.replace(",", ""))

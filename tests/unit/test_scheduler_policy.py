@@ -284,6 +284,22 @@ def test_with_a_grace_lending_waits_for_the_settle_and_counts_the_grace_as_switc
     assert modes(decide(replace(short, reclaim_grace_s=0.0))) == {"host-0": "rollout"}
 
 
+def test_until_a_lend_is_measured_the_margin_is_at_most_one():
+    """A margin of 4 on a 1 s prior asks for 8 s of predicted wait; a real lend may take 0.3 s. With
+    the prior the margin is 1, so one lend measures it; measured, the configured margin applies."""
+    waiting = Trainer("waiting", 10)  # predicted wait 10 / 2 = 5 s: over 1 x 2 s, under 4 x 2 s
+    prior = Snapshot("seamless", 100.0, two_hosts(), waiting, completion_rate=2.0,
+                     costs=Costs(1.0, 1.0, measured=False), lend_margin=4.0)
+    ok, why = lend_verdict(prior)
+    assert ok and "until a lend is measured" in why and modes(decide(prior)) == {"host-0": "rollout"}
+    measured = replace(prior, costs=Costs(1.0, 1.0))
+    ok, why = lend_verdict(measured)
+    assert not ok and "4 x switch 2.00s" in why and decide(measured) == []
+    # the prior never lowers a margin already at or below 1: a wait under the switch lends nothing
+    assert not lend_verdict(replace(prior, trainer=Trainer("waiting", 3)))[0]  # 1.5 s <= 1 x 2 s
+    assert lend_verdict(replace(prior, lend_margin=0.5, trainer=Trainer("waiting", 3)))[0]  # 1.5 s > 0.5 x 2 s
+
+
 def test_the_drain_margin_closes_lent_hosts_before_the_predicted_reclaim():
     s = Snapshot("seamless", 100.0, two_hosts(), Trainer("waiting", 64), completion_rate=2.0, drain_margin_s=10.0)
     (d,) = decide(s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.scheduler.policy import Costs
 from services.scheduler.registry import Registry
 from shared.messages.scheduler import HostHeartbeat, HostModeChanged, Interval, TrainerStatus, fractions
 
@@ -106,12 +107,12 @@ def test_trainer_view_and_completion_rate():
 
 def test_the_snapshot_says_since_when_the_trainer_waits():
     reg = Registry(stale_after=3.0)
-    reg.on_trainer(trainer("waiting", buffered=3), 10.0)
+    assert reg.on_trainer(trainer("waiting", buffered=3), 10.0)  # the first status: a decision is due
     assert reg.snapshot("seamless", 11.0, 1.5, 0).trainer.waiting_since == 11.0
-    reg.on_trainer(trainer("waiting", buffered=5), 12.0)
+    assert not reg.on_trainer(trainer("waiting", buffered=5), 12.0)  # same state: the tick decides
     s = reg.snapshot("seamless", 12.5, 1.5, 0, reclaim_grace_s=20.0, lend_settle_s=7.0)
     assert (s.trainer.waiting_since, s.reclaim_grace_s, s.lend_settle_s) == (11.0, 20.0, 7.0)  # still the first
-    reg.on_trainer(trainer("computing"), 13.0)
+    assert reg.on_trainer(trainer("computing"), 13.0)  # a state change: the scheduler decides at once
     assert reg.snapshot("seamless", 13.5, 1.5, 0).trainer.waiting_since == 0.0
     reg.on_trainer(trainer("waiting"), 20.0)
     assert reg.snapshot("seamless", 20.5, 1.5, 0).trainer.waiting_since == 20.5  # a new wait
@@ -229,17 +230,18 @@ def test_without_completed_groups_the_session_rate_stands_in():
 
 
 def test_every_lend_is_a_measured_switch_the_start_up_lend_too():
-    reg = Registry()
+    reg = Registry(costs=Costs(1.0, 1.0, measured=False))  # the configured priors, as the service starts
     reg.on_heartbeat(hb("host-0", "idle", tags=("train", "rollout")), 100.0)  # registers idle
     reg.on_heartbeat(hb("host-1", "idle"), 100.0)
     reg.issued("host-0", "rollout", 1, 100.0)
     reg.issued("host-1", "rollout", 1, 100.0)
-    reg.on_changed(HostModeChanged("host-0", "rollout", 1, 100.0, 100.4), 100.4)  # idle -> rollout: a lend
     reg.on_changed(HostModeChanged("host-1", "rollout", 1, 100.0, 100.1), 100.1)  # a rollout host: no lend
-    assert reg.counts["lends"] == 1 and abs(reg.costs.lend_s - 0.4) < 1e-9
+    assert not reg.costs.measured and reg.counts["lends"] == 0  # its wake is no lend: the priors stand
+    reg.on_changed(HostModeChanged("host-0", "rollout", 1, 100.0, 100.4), 100.4)  # idle -> rollout: a lend
+    assert reg.counts["lends"] == 1 and abs(reg.costs.lend_s - 0.4) < 1e-9 and reg.costs.measured
     reg.issued("host-0", "train", 2, 101.0)
     reg.on_changed(HostModeChanged("host-0", "train", 2, 101.0, 101.5), 101.5)
-    assert reg.counts["reclaims"] == 1 and abs(reg.costs.reclaim_s - 0.5) < 1e-9
+    assert reg.counts["reclaims"] == 1 and abs(reg.costs.reclaim_s - 0.5) < 1e-9 and reg.costs.measured
     reg.issued("host-0", "rollout", 3, 102.0)
     reg.on_changed(HostModeChanged("host-0", "rollout", 3, 102.0, 102.2), 102.2)  # train -> rollout
     assert reg.counts["lends"] == 2 and abs(reg.costs.lend_s - (0.7 * 0.4 + 0.3 * 0.2)) < 1e-9

@@ -5,11 +5,15 @@ seamlessflow/ops/hosts.py)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import time
 
 from prometheus_client import CollectorRegistry
 
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.service import Finished
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.service import Finished, SchedulerService
+from shared.config import Connections
 from shared.codec import decode, encode
 from shared.messages.scheduler import SchedulerReply
 from shared.messages.trajectory import Sample, TrajectoryCompleted
@@ -49,3 +53,15 @@ def test_hosts_list_sends_no_host(monkeypatch, capsys):
     cli.cmd_hosts(argparse.Namespace(action="list", arg=None))
     assert sent == {"op": "status", "host": "", "policy": ""}
     assert "groups_per_s 0.25" in capsys.readouterr().out
+
+
+async def test_an_event_that_calls_for_a_decision_cuts_the_wait_for_the_tick():
+    svc = SchedulerService(SchedulerConfig(tick=5.0), Connections())
+    quit = asyncio.Event()
+    t0 = time.monotonic()
+    asyncio.get_running_loop().call_later(0.05, svc.wake.set)
+    await svc._sleep(quit, 5.0)
+    assert time.monotonic() - t0 < 1.0 and not svc.wake.is_set()  # woken, and ready for the next event
+    t0 = time.monotonic()
+    await svc._sleep(quit, 0.2)  # nothing calls: the tick
+    assert 0.15 < time.monotonic() - t0 < 1.0

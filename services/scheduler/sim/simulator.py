@@ -382,16 +382,24 @@ class Simulator:
             if self.mode[i] == 1:
                 self.hversion[i] = self.version  # a lent host loaded the current version first
         self.hosts_rev += 1
-        if self.opt.rebalance:
+        if self.opt.rebalance and began:
+            # turns already waiting for a slot go to the new hosts first (dispatch, this tick): a host they
+            # fill takes nothing from the others. Live there is no central queue: the router sends every
+            # turn to a worker, the turns beyond its slots wait inside that worker's engine and count in
+            # its `busy`, and they are the youngest, moved first (nothing decoded: no re-prefill wasted)
+            waiting = int(((self.s_state == QUEUED) & (self.s_ready <= self.t)).sum())
             for i in began:
-                self._rebalance(i)
+                takes = min(waiting, max(0, self.K - int(self.k_run[i])))
+                waiting -= takes
+                self._rebalance(i, takes)
 
-    def _rebalance(self, i: int) -> None:
-        """Host i has begun rolling out: each rolling host at its version or newer, more loaded by more
-        than REBALANCE, gives up the turns that even the two out (shared/lending.py `rebalanced`), its
-        youngest; they queue again with their context to prefill, and routing sends them to i."""
+    def _rebalance(self, i: int, queued: int = 0) -> None:
+        """Host i has begun rolling out, and will take `queued` turns that wait for a slot: each rolling
+        host at its version or newer, more loaded by more than REBALANCE, gives up the turns that even
+        the two out (shared/lending.py `rebalanced`), its youngest; they queue again with their context
+        to prefill, and routing sends them to i."""
         rolling = (self.mode == 1) & (self.target == 1)
-        got = int(self.k_run[i])
+        got = int(self.k_run[i]) + queued
         for j in np.nonzero(rolling)[0].tolist():
             if j == i or self.hversion[j] < self.hversion[i]:
                 continue
