@@ -174,7 +174,7 @@ async def drain(nats_url: str, stop: asyncio.Event) -> int:
     """The stand-in trainer: the trainer's durable consumer on TRAJECTORIES, every message acked at once."""
     nc = await bus.connect(Connections(nats_url=nats_url), "bench-ha-stack-trainer")
     js = nc.jetstream()
-    acked = 0
+    acked, sub = 0, None
     try:
         await js.add_consumer(subjects.TRAJECTORIES_STREAM, subjects.trainer_consumer(subjects.TRAINER_DURABLE, 64))
         sub = await js.pull_subscribe(subjects.TRAJ_COMPLETED, durable=subjects.TRAINER_DURABLE,
@@ -188,6 +188,8 @@ async def drain(nats_url: str, stop: asyncio.Event) -> int:
                 await m.ack()
             acked += len(msgs)
     finally:
+        if sub is not None:  # before the drain: a pull subscription's drain is cancelled, and logged as such
+            await sub.unsubscribe()
         await bus.wait_closed(nc)
     return acked
 
