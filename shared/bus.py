@@ -139,8 +139,9 @@ async def ensure_streams(js: JetStreamContext, streams: Iterable[StreamConfig],
     A JetStream that does not answer yet (TRANSIENT: a cluster still electing its meta leader takes
     ~1.5 s after its servers listen, and the first request meanwhile gets no reply at all) is asked
     again with back-off until `retry_for` seconds have passed, then the last error is raised. Without
-    this, every service started together with a fresh cluster (compose, Kubernetes, `up` on a
-    cluster) failed its start on a timeout (found by bench/ha_stack.py)."""
+    this, a service that declared the streams within that time of the cluster's start (as one that
+    waited for the servers to listen does, under compose or Kubernetes) failed its start on the 5 s
+    timeout (found while building bench/ha_stack.py)."""
     streams = list(streams)  # read again on a retry (each stream's declaration is idempotent)
     deadline = time.monotonic() + retry_for
     for attempt in itertools.count(1):

@@ -215,8 +215,8 @@ class ElectingJetStream:
 
 
 async def test_declaring_streams_waits_for_a_cluster_that_does_not_answer_yet(fast_backoff):
-    """Found by bench/ha_stack.py: a service started with a fresh 3-server cluster timed out on its first
-    stream_info and failed its start."""
+    """Found while building bench/ha_stack.py: streams declared right after a fresh 3-server cluster's
+    servers listened timed out on the first stream_info (5 s), and the service failed its start."""
     js = ElectingJetStream(silent=3)
     wanted = subjects.streams(replicas=3)
     await bus.ensure_streams(js, iter(wanted), retry_for=5.0)  # an iterator too: read once, declared whole
