@@ -128,23 +128,51 @@ def reconcile(existing: StreamConfig, wanted: StreamConfig) -> tuple[StreamConfi
     return (None if same else merged), left
 
 
-async def ensure_streams(js: JetStreamContext, streams: Iterable[StreamConfig]) -> None:
+ENSURE_RETRY_S = 60.0  # how long a service's start waits for JetStream to answer (ensure_streams)
+
+
+async def ensure_streams(js: JetStreamContext, streams: Iterable[StreamConfig],
+                         retry_for: float = ENSURE_RETRY_S) -> None:
     """Create each stream as configured; a stream that exists keeps its replicas and is never made
-    smaller (see reconcile): a difference is logged with the command that applies it. Idempotent."""
-    for cfg in streams:
+    smaller (see reconcile): a difference is logged with the command that applies it. Idempotent.
+
+    A JetStream that does not answer yet (TRANSIENT: a cluster still electing its meta leader takes
+    ~1.5 s after its servers listen, and the first request meanwhile gets no reply at all) is asked
+    again with back-off until `retry_for` seconds have passed, then the last error is raised. Without
+    this, a service that declared the streams within that time of the cluster's start (as one that
+    waited for the servers to listen does, under compose or Kubernetes) failed its start on the 5 s
+    timeout (found while building bench/ha_stack.py)."""
+    streams = list(streams)  # read again on a retry (each stream's declaration is idempotent)
+    deadline = time.monotonic() + retry_for
+    for attempt in itertools.count(1):
         try:
-            info = await js.stream_info(cfg.name)
-        except NotFoundError:
-            await js.add_stream(cfg)
-            continue
-        update, left = reconcile(info.config, cfg)
-        if left:
-            _warn(f"stream:{cfg.name}:{' '.join(left)}",
-                  "stream %s differs from this configuration and is left as it is (start-up never lowers "
-                  "a stream's replicas or limits); to apply it: nats stream edit %s %s",
-                  cfg.name, cfg.name, " ".join(left))
-        if update is not None:
-            await js.update_stream(update)
+            for cfg in streams:
+                await _ensure_stream(js, cfg)
+            return
+        except TRANSIENT as e:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            wait = min(backoff(attempt - 1, RETRY_FIRST_S, RETRY_MAX_S, jitter=0.0), left)
+            log.warning("declaring the streams, try %d: JetStream does not answer yet (%s: %s); again in %.1fs "
+                        "(giving up in %.0fs)", attempt, type(e).__name__, e, wait, left)
+            await asyncio.sleep(wait)
+
+
+async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+    try:
+        info = await js.stream_info(cfg.name)
+    except NotFoundError:
+        await js.add_stream(cfg)
+        return
+    update, left = reconcile(info.config, cfg)
+    if left:
+        _warn(f"stream:{cfg.name}:{' '.join(left)}",
+              "stream %s differs from this configuration and is left as it is (start-up never lowers "
+              "a stream's replicas or limits); to apply it: nats stream edit %s %s",
+              cfg.name, cfg.name, " ".join(left))
+    if update is not None:
+        await js.update_stream(update)
 
 
 class StreamFull(RuntimeError):

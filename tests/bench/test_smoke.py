@@ -221,6 +221,17 @@ def test_ha_costs():
 
 
 @pytest.mark.integration
+def test_ha_stack(tmp_path):
+    """4 stacks (R1/R3 streams x WAIT 0/1) on 4 NATS clusters and one Sentinel group, 2 agents, 1 round."""
+    bench("ha_stack.py", "--rounds", "1", "--seconds", "1", "--warmup", "0.5", "--lanes", "1", "--group-size", "2",
+          "--turns", "2", "--out", str(tmp_path / "ha.json"), timeout=240)
+    r = json.loads((tmp_path / "ha.json").read_text())
+    assert [row["stream_replicas"] for row in r["rows"].values()] == [1, 1, 3, 3]
+    assert all(row["turns"] > 0 and row["failed_turns"] == 0 for row in r["rows"].values()), r["rows"]
+    assert r["ratios"]["R1, no WAIT"]["turns_per_s"] == 1.0
+
+
+@pytest.mark.integration
 @pytest.mark.deepspeed
 def test_lora_costs(tmp_path, tiny_model):
     bench("lora_costs.py", "--models", f"tiny={tiny_model}", "--steps", "1", "--warmup", "0", "--groups", "1", "--group-size", "2",

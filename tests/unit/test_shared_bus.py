@@ -1,5 +1,5 @@
 """shared/bus.py without a server: streamed replies, the reply mux, the bounded drain, and the
-durable publish's bounded retry.
+durable publish's bounded retry, the streams' declaration's bounded wait for JetStream.
 
 Only the connection is faked; Replies, _ReplyMux and wait_closed are the real code."""
 
@@ -10,9 +10,9 @@ import logging
 
 import nats.errors
 import pytest
-from nats.js.errors import APIError, ServiceUnavailableError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
-from shared import bus
+from shared import bus, subjects
 
 
 class Msg:
@@ -193,3 +193,50 @@ async def test_a_full_stream_and_a_refusal_are_not_retried(fast_backoff):
     with pytest.raises(APIError):
         await bus.publish_durable(js, "sf.x", b"m", "id-1", retry_for=5.0)
     assert len(js.tries) == 1
+
+
+class ElectingJetStream:
+    """A JetStream whose first requests get no answer (a fresh cluster electing its meta leader), then
+    has no streams: it records the streams added."""
+
+    def __init__(self, silent: int):
+        self.silent = silent
+        self.asked = 0
+        self.added: list[str] = []
+
+    async def stream_info(self, name):
+        self.asked += 1
+        if self.asked <= self.silent:
+            raise nats.errors.TimeoutError()
+        raise NotFoundError()
+
+    async def add_stream(self, cfg):
+        self.added.append(cfg.name)
+
+
+async def test_declaring_streams_waits_for_a_cluster_that_does_not_answer_yet(fast_backoff):
+    """Found while building bench/ha_stack.py: streams declared right after a fresh 3-server cluster's
+    servers listened timed out on the first stream_info (5 s), and the service failed its start."""
+    js = ElectingJetStream(silent=3)
+    wanted = subjects.streams(replicas=3)
+    await bus.ensure_streams(js, iter(wanted), retry_for=5.0)  # an iterator too: read once, declared whole
+    assert js.added == [s.name for s in wanted]
+
+
+async def test_declaring_streams_gives_up_at_retry_for_with_the_last_error(fast_backoff):
+    js = ElectingJetStream(silent=10_000)
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(nats.errors.TimeoutError):
+        await bus.ensure_streams(js, subjects.streams(replicas=1), retry_for=0.2)
+    assert 0.2 <= asyncio.get_running_loop().time() - t0 < 1.0 and js.added == []
+
+
+async def test_declaring_streams_does_not_retry_a_refusal(fast_backoff):
+    class Refusing(ElectingJetStream):
+        async def add_stream(self, cfg):
+            raise APIError(code=400, err_code=10052, description="replicas > 1 not supported in non-clustered mode")
+
+    js = Refusing(silent=0)
+    with pytest.raises(APIError):
+        await bus.ensure_streams(js, subjects.streams(replicas=3), retry_for=5.0)
+    assert js.asked == 1
