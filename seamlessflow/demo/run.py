@@ -29,7 +29,7 @@ from rich.console import Console
 from seamlessflow.ops.export import export_file
 from seamlessflow.demo.live import DemoView
 from seamlessflow.demo.report import ReportData, build_report, margin
-from seamlessflow.demo.rl import TRAINER_SETTINGS, RLResult, Round, Rounds, run_rounds
+from seamlessflow.demo.rl import RLResult, Round, Rounds, run_rounds, trainer_settings
 from seamlessflow.stack import Stack, StackError, StackOptions
 from seamlessflow.demo.telemetry import Telemetry
 from shared.config import Connections
@@ -113,7 +113,8 @@ def run_demo(opts: StackOptions, plan: Rounds = Rounds(), command: str = "seamle
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     # the trainer tells admission control its batch (sessions per version) in its consumer's metadata
     opts.extra_env.update(SF_TRAJECTORY_MAX_STALENESS="2")
-    trainer = dict(group_size=group_size, groups_per_step=groups, seed=seed, **TRAINER_SETTINGS)
+    settings = trainer_settings(task)
+    trainer = dict(group_size=group_size, groups_per_step=groups, seed=seed, **settings)
     if opts.policy:
         opts.train, opts.trainer_settings = True, {k: str(v) for k, v in trainer.items()}
     stack = Stack(opts)
@@ -138,7 +139,7 @@ def run_demo(opts: StackOptions, plan: Rounds = Rounds(), command: str = "seamle
         started_at=run.started_at, samples=run.telemetry.samples, host_timeline=run.host_timeline,
         settings={"task": task, "seed": seed, "rounds": rounds, "groups per round": groups, "group size": group_size,
                   "model": str(opts.model), "policy": opts.policy or "(none: plain rollout workers)",
-                  **{f"trainer {k}": v for k, v in TRAINER_SETTINGS.items()}, "max staleness": 2},
+                  **{f"trainer {k}": v for k, v in settings.items()}, "max staleness": 2},
         commands=["bash scripts/bootstrap.sh", command], trajectories=out,
         notes=[f"{n} samples exported ({sum(sum(r['loss_mask']) for r in rows)} generated tokens with "
                "logprobs and versions)"]))
