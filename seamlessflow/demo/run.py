@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from rich.console import Console
 
 from seamlessflow.ops.export import export_file
 from seamlessflow.demo.live import DemoView
-from seamlessflow.demo.report import ReportData, build_report, margin
+from seamlessflow.demo.report import ReportData, build_report, margin, rolling
 from seamlessflow.demo.rl import RLResult, Round, Rounds, run_rounds, trainer_settings
 from seamlessflow.stack import Stack, StackError, StackOptions
 from seamlessflow.demo.telemetry import Telemetry
@@ -145,6 +146,12 @@ def run_demo(opts: StackOptions, plan: Rounds = Rounds(), command: str = "seamle
                "logprobs and versions)"]))
     print(f"\n{rounds} rounds x {groups * group_size} agent sessions in {took:.0f}s")
     print(f"mean reward: first {k} rounds {first:.3f} -> last {k} rounds {last:.3f} ({last - first:+.3f})")
+    low = min(rolling([rd.mean for rd in result.rounds])[k - 1:])
+    print(f"lowest rolling mean {low:.3f} (dip below the first {k}: {max(0.0, first - low):.3f}); exact answers "
+          f"{statistics.fmean(rd.exact for rd in result.rounds[:k]):.2f} -> "
+          f"{statistics.fmean(rd.exact for rd in result.rounds[-k:]):.2f}; entropy "
+          f"{statistics.fmean(rd.entropy for rd in result.rounds[:k]):.2f} -> "
+          f"{statistics.fmean(rd.entropy for rd in result.rounds[-k:]):.2f} nats/token")
     print(f"policy versions used: {result.rounds[0].versions} ... {result.rounds[-1].versions}")
     print(f"exported {n} samples to {out}")
     print(f"report: {report_dir}/ (summary.md, reward.png, throughput.png, versions.png, timeline.png, "
