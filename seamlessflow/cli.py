@@ -179,8 +179,9 @@ def cmd_scale(a: argparse.Namespace) -> None:
 
 def cmd_demo(a: argparse.Namespace) -> None:
     from seamlessflow.stack import servers
-    from seamlessflow.demo.rl import Rounds
     from seamlessflow.demo.run import prepare_model, run_demo
+
+    plan = demo_plan(a)
 
     # the demo is self-contained: a busy default port is replaced by a free one
     for name in ("gateway_port", "admin_port", "nats_port", "redis_port"):
@@ -191,7 +192,18 @@ def cmd_demo(a: argparse.Namespace) -> None:
         a.model = prepare_model(a.data_dir, task=a.task, seed=a.seed, log=lambda m: print(m, file=sys.stderr, flush=True))
     opts = _stack_options(a)
     opts.ready_timeout = a.ready_timeout
-    sys.exit(run_demo(opts, Rounds(a.rounds, a.groups, a.group_size, a.task, a.seed), command=command))
+    sys.exit(run_demo(opts, plan, command=command))
+
+
+def demo_plan(a: argparse.Namespace):
+    """The demo's rounds: --groups and --group-size, where not given, are the task's recipe
+    (seamlessflow/demo/rl.py TASK_RECIPES); `a` gets them too, for the command line it reports."""
+    from seamlessflow.demo.rl import TASK_RECIPES, Rounds
+
+    recipe = TASK_RECIPES[a.task]
+    a.groups = a.groups or recipe.groups
+    a.group_size = a.group_size or recipe.group_size
+    return Rounds(a.rounds, a.groups, a.group_size, a.task, a.seed)
 
 
 def _demo_command(a: argparse.Namespace) -> str:
@@ -372,8 +384,9 @@ def _scale_args(p: argparse.ArgumentParser) -> None:
 def _demo_args(p: argparse.ArgumentParser) -> None:
     _add_stack_args(p)
     p.add_argument("--rounds", type=int, default=60, help="rounds of agents; the trainer steps once per round")
-    p.add_argument("--groups", type=int, default=4, help="GRPO groups (prompts) per round")
-    p.add_argument("--group-size", type=int, default=8, help="sessions per group")
+    p.add_argument("--groups", type=int, default=None,
+                   help="GRPO groups (prompts) per round; default: the task's (reverse 8, calc 4)")
+    p.add_argument("--group-size", type=int, default=None, help="sessions per group; default: the task's (reverse 16, calc 8)")
     p.add_argument("--task", choices=["reverse", "calc"], default="reverse",
                    help="reverse: reverse the digits (one turn); calc: a calculator tool call, its result, the answer")
     p.add_argument("--seed", type=int, default=0, help="prompts, warm start and trainer seed")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,8 +29,8 @@ from rich.console import Console
 
 from seamlessflow.ops.export import export_file
 from seamlessflow.demo.live import DemoView
-from seamlessflow.demo.report import ReportData, build_report, margin
-from seamlessflow.demo.rl import TRAINER_SETTINGS, RLResult, Round, Rounds, run_rounds
+from seamlessflow.demo.report import ReportData, build_report, margin, rolling
+from seamlessflow.demo.rl import RLResult, Round, Rounds, run_rounds, trainer_settings
 from seamlessflow.stack import Stack, StackError, StackOptions
 from seamlessflow.demo.telemetry import Telemetry
 from shared.config import Connections
@@ -113,7 +114,8 @@ def run_demo(opts: StackOptions, plan: Rounds = Rounds(), command: str = "seamle
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     # the trainer tells admission control its batch (sessions per version) in its consumer's metadata
     opts.extra_env.update(SF_TRAJECTORY_MAX_STALENESS="2")
-    trainer = dict(group_size=group_size, groups_per_step=groups, seed=seed, **TRAINER_SETTINGS)
+    settings = trainer_settings(task)
+    trainer = dict(group_size=group_size, groups_per_step=groups, seed=seed, **settings)
     if opts.policy:
         opts.train, opts.trainer_settings = True, {k: str(v) for k, v in trainer.items()}
     stack = Stack(opts)
@@ -138,12 +140,18 @@ def run_demo(opts: StackOptions, plan: Rounds = Rounds(), command: str = "seamle
         started_at=run.started_at, samples=run.telemetry.samples, host_timeline=run.host_timeline,
         settings={"task": task, "seed": seed, "rounds": rounds, "groups per round": groups, "group size": group_size,
                   "model": str(opts.model), "policy": opts.policy or "(none: plain rollout workers)",
-                  **{f"trainer {k}": v for k, v in TRAINER_SETTINGS.items()}, "max staleness": 2},
+                  **{f"trainer {k}": v for k, v in settings.items()}, "max staleness": 2},
         commands=["bash scripts/bootstrap.sh", command], trajectories=out,
         notes=[f"{n} samples exported ({sum(sum(r['loss_mask']) for r in rows)} generated tokens with "
                "logprobs and versions)"]))
     print(f"\n{rounds} rounds x {groups * group_size} agent sessions in {took:.0f}s")
     print(f"mean reward: first {k} rounds {first:.3f} -> last {k} rounds {last:.3f} ({last - first:+.3f})")
+    low = min(rolling([rd.mean for rd in result.rounds])[k - 1:])
+    print(f"lowest rolling mean {low:.3f} (dip below the first {k}: {max(0.0, first - low):.3f}); exact answers "
+          f"{statistics.fmean(rd.exact for rd in result.rounds[:k]):.2f} -> "
+          f"{statistics.fmean(rd.exact for rd in result.rounds[-k:]):.2f}; entropy "
+          f"{statistics.fmean(rd.entropy for rd in result.rounds[:k]):.2f} -> "
+          f"{statistics.fmean(rd.entropy for rd in result.rounds[-k:]):.2f} nats/token")
     print(f"policy versions used: {result.rounds[0].versions} ... {result.rounds[-1].versions}")
     print(f"exported {n} samples to {out}")
     print(f"report: {report_dir}/ (summary.md, reward.png, throughput.png, versions.png, timeline.png, "

@@ -136,3 +136,23 @@ def test_calc_agent_malformed_call_scores_below_a_well_formed_one():
     bad = _completion(None, '{"expr": "6*7"}', [1])
     ep = asyncio.run(calc_agent(_client([bad, _completion("42", None, [2])], []), "what is 6*7?", "42", 40))
     assert ep.reward == pytest.approx(0.7) and ep.exact
+
+
+def test_demo_takes_the_tasks_recipe_unless_told():
+    """`seamlessflow demo` runs reverse at 8 prompts x 16 samples a round with lr 2e-4 (the shape that
+    learns: issue 26) and calc at its own; an explicit --groups / --group-size wins."""
+    import argparse
+
+    from seamlessflow.cli import _demo_args, demo_plan
+    from seamlessflow.demo.rl import TASK_RECIPES, trainer_settings
+
+    p = argparse.ArgumentParser()
+    _demo_args(p)
+    reverse = demo_plan(p.parse_args([]))
+    assert (reverse.task, reverse.groups, reverse.group_size) == ("reverse", 8, 16)
+    calc = demo_plan(p.parse_args(["--task", "calc"]))
+    assert (calc.groups, calc.group_size) == (TASK_RECIPES["calc"].groups, TASK_RECIPES["calc"].group_size)
+    told = p.parse_args(["--groups", "2", "--group-size", "4"])
+    assert (demo_plan(told).groups, demo_plan(told).group_size, told.groups) == (2, 4, 2)
+    assert trainer_settings("reverse")["lr"] == 2e-4 and trainer_settings("calc")["lr"] == 1e-4
+    assert trainer_settings("reverse")["drop_uniform_groups"] is True
