@@ -117,8 +117,7 @@ def start_host_agent(h: Host, urls: dict[str, str], model: Path, trainer: bool):
         "SF_HOST_LOG_DIR": str(h.root / "logs")}
     if "rollout" in TAGS[h.index]:
         env |= {"SF_HOST_MODEL": str(model), "SF_HOST_CORES": CORES[h.index], "SF_ROLLOUT_SERVED_MODEL_NAME": SERVED,
-                "SF_ROLLOUT_MAX_MODEL_LEN": str(MAX_MODEL_LEN), "SF_ROLLOUT_MAX_NUM_SEQS": "8",
-                "SF_ROLLOUT_WEIGHTS_POLL": "1"}
+                "SF_ROLLOUT_MAX_MODEL_LEN": str(MAX_MODEL_LEN), "SF_ROLLOUT_MAX_NUM_SEQS": "8"}
     return h.popen([PY, "-m", "services.scheduler.host"], env=env, log="host-agent.log", cwd=ROOT)
 
 
