@@ -146,7 +146,17 @@ def start_data_plane(h0: Host, urls: dict[str, str], model: Path) -> str:
         "SF_GATEWAY_MODEL": SERVED, "SF_GATEWAY_API_KEYS": API_KEY, "SF_GATEWAY_ADMIN_KEY": "sk-admin-" + API_KEY,
         "SF_GATEWAY_MAX_CONTEXT": str(MAX_MODEL_LEN)}, log="gateway.log", cwd=ROOT)
     wait_port(h0.addr, GATEWAY_PORT, timeout=120, proc=gw)
+    for log, line in (("trajectory.log", "trajectory manager ready"), ("gateway.log", "gateway ready")):
+        wait_log(h0, log, line, 180)  # the gateway answers 503 until a trajectory manager serves
     return f"http://{h0.addr}:{GATEWAY_PORT}/v1"
+
+
+def wait_log(h: Host, log: str, line: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while line not in h.log(log):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{h.name} {log}: no {line!r} within {timeout:g}s:\n{h.log(log)[-3000:]}")
+        time.sleep(0.2)
 
 
 class Watch:
