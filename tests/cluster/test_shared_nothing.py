@@ -30,7 +30,7 @@ After a restart the test plays the scheduler's part too: it assigns host-3 afres
 reports the restarted worker up.
 
 Scale (deviation from issue 25's 16 agents for 3 minutes): CI's `just test` is near its bound, so
-this runs 8 agents (4 GRPO groups of 2 in flight) for 30 s, and on until the trainer has taken at
+this runs 8 agents (4 GRPO groups of 2 in flight) for 15 s, and on until the trainer has taken at
 least 3 steps. The full size is
     SF_CLUSTER_AGENTS=16 SF_CLUSTER_AGENT_S=180 pytest tests/cluster/test_shared_nothing.py
 (BENCHMARKS.md, "Shared-nothing cluster", records a run).
@@ -77,7 +77,7 @@ MAX_MODEL_LEN = 512
 GATEWAY_PORT, ADMIN_PORT = 8000, 8001
 API_KEY = "sk-cluster-" + uuid.uuid4().hex
 AGENTS = int(os.environ.get("SF_CLUSTER_AGENTS", "8"))  # in GRPO groups of 2
-AGENT_S = float(os.environ.get("SF_CLUSTER_AGENT_S", "30"))  # seconds of agents, and at least STEPS trainer steps
+AGENT_S = float(os.environ.get("SF_CLUSTER_AGENT_S", "15"))  # seconds of agents, and at least STEPS trainer steps
 STEPS = 3
 RESTART_SERVES_WITHIN_S = 10.0
 WORKERS = ("host-2-rollout", "host-3-rollout")
