@@ -408,12 +408,7 @@ class Simulator:
                 continue
             on = np.nonzero((self.s_state == RUNNING) & (self.s_host == j))[0]
             moved = on[np.argsort(self.s_gen[on], kind="stable")][:k]
-            self.s_state[moved] = QUEUED
-            self.s_host[moved] = -1
-            self.s_ready[moved] = self.t
-            self.s_pf[moved] = self.s_ctx[moved]  # the whole context is prefilled again where it lands
-            self.tot.reprefilled += float(self.s_ctx[moved].sum()) * self.w
-            self.tot.migrated += len(moved) * self.w
+            self._migrate(moved)
             self.k_run[j] -= len(moved)
             got += len(moved)
 
@@ -423,13 +418,18 @@ class Simulator:
         on = np.nonzero((self.s_state == RUNNING) & np.isin(self.s_host, hosts))[0]
         if not len(on):
             return
+        self._migrate(on)
+        self.k_run[hosts] = 0
+
+    def _migrate(self, on: np.ndarray) -> None:
+        """Running sessions `on` leave their host with their partial tokens: they queue again, and the
+        whole context is prefilled again where they land (the caller frees their hosts' slots)."""
         self.s_state[on] = QUEUED
         self.s_host[on] = -1
         self.s_ready[on] = self.t
-        self.s_pf[on] = self.s_ctx[on]  # the whole context is prefilled again where it lands
+        self.s_pf[on] = self.s_ctx[on]
         self.tot.reprefilled += float(self.s_ctx[on].sum()) * self.w
         self.tot.migrated += len(on) * self.w
-        self.k_run[hosts] = 0
 
     def _admit(self) -> None:
         """Open as many sessions as `Admission.admit` allows, one simulated session (w real
