@@ -221,6 +221,7 @@ def test_ha_costs():
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # ~30 s: 4 NATS clusters and a Sentinel group start (pyproject.toml)
 def test_ha_stack(tmp_path):
     """4 stacks (R1/R3 streams x WAIT 0/1) on 4 NATS clusters and one Sentinel group, 2 agents, 1 round."""
     bench("ha_stack.py", "--rounds", "1", "--seconds", "1", "--warmup", "0.5", "--lanes", "1", "--group-size", "2",

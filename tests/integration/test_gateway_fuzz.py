@@ -36,6 +36,8 @@ EXAMPLES = 20  # per operation and phase: enough to find today's bugs, bounded i
 RUN_TIMEOUT = 120  # seconds for one `st run`; it takes ~10 s on 2 cores
 # several seeds: each draws ~1,850 cases, and a rule one seed's cases never touch another's do
 SEEDS = [int(s) for s in os.environ.get("SF_FUZZ_SEEDS", "1,2,3,4,5").split(",")]
+# `just test-fast` runs the first seed; `just test` runs them all (~14 s a seed, both ports)
+SEED_PARAMS = [pytest.param(s, marks=[pytest.mark.slow] if i else []) for i, s in enumerate(SEEDS)]
 _CASES = re.compile(r"^\s*(\d+ generated, .*)$", re.MULTILINE)
 
 
@@ -70,13 +72,13 @@ async def st_run(base: str, key: str, tmp: Path, seed: int) -> tuple[int, str]:
     return proc.returncode, text
 
 
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("seed", SEED_PARAMS)
 async def test_agent_api_passes_every_schemathesis_check(gw, tmp_path, seed):
     code, out = await st_run(gw.agent, USER_KEY, tmp_path, seed)
     assert code == 0, out  # a 5xx fails the not_a_server_error check, so the run too
 
 
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("seed", SEED_PARAMS)
 async def test_admin_api_passes_every_schemathesis_check(gw, tmp_path, seed):
     code, out = await st_run(gw.admin, ADMIN_KEY, tmp_path, seed)
     assert code == 0, out

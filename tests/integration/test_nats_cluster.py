@@ -67,6 +67,7 @@ async def all_current(js, stream: str = subjects.TRAJECTORIES_STREAM) -> bool:
                 and all(r.current and not r.offline for r in info.cluster.replicas))
 
 
+@pytest.mark.slow  # ~25 s: two leader elections and a catch-up (pyproject.toml)
 async def test_streams_survive_losing_their_leader_then_another_server(cluster):
     conn = Connections(nats_url=cluster.url)
     assert conn.nats_servers == cluster.url.split(",")

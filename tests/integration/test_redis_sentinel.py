@@ -56,6 +56,7 @@ async def until(what: str, check, timeout: float):
     raise AssertionError(f"{what} not within {timeout}s")
 
 
+@pytest.mark.slow  # ~35 s: a failover, then the killed primary back as a replica (pyproject.toml)
 async def test_clients_continue_after_the_primary_is_killed(sentinels):
     rng = random.Random(0)
     url = sentinels.url
