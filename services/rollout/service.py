@@ -101,6 +101,7 @@ class RolloutService:
         self._scheduled_vacate = False  # the vacate in force is the scheduler's: its preemptions say so
         self.malformed = Malformed("rollout")
         self._refilling = asyncio.Lock()  # one refill at a time (a wake's and a resume's would ask twice)
+        self._catching_up: asyncio.Task | None = None  # the catch-up in flight, which a second caller shares
 
     async def run(self, quit: asyncio.Event) -> int:
         """Serve until `quit` is set or the engine dies; returns the process exit code."""
@@ -413,7 +414,17 @@ class RolloutService:
     async def _catch_up(self, version: int) -> None:
         """Ask the trainer (sf.weights.fetch) for a round of the newest version and receive it. The
         trainer holds the weights in checkpoint format; a peer worker holds vLLM's kernel layout
-        (fused, repacked), which no load_weights takes back. Not now: the next announcement brings it."""
+        (fused, repacked), which no load_weights takes back. Not now: the next announcement brings it.
+
+        One request at a time: a missed announced round and a lend's load often ask together (a
+        restarted worker), and the trainer always offers its newest version, so the second caller
+        shares the first one's round. Two requests would cost the trainer a second round that this
+        worker, already there, never joins: its whole join window (weights_join_window)."""
+        if self._catching_up is None or self._catching_up.done():
+            self._catching_up = asyncio.create_task(self._catch_up_once(version))
+        await asyncio.shield(self._catching_up)
+
+    async def _catch_up_once(self, version: int) -> None:
         try:
             offer = await self._ask_trainer(version, CATCH_UP_WAIT)
         except Exception as e:  # no trainer, a timeout, a reply we cannot read: the next poll asks again

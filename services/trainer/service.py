@@ -116,6 +116,7 @@ class TrainerService:
         self.state: TrainerState = "waiting"
         self.last_wait_s = self.last_compute_s = 0.0
         self._catch_ups: set[asyncio.Task] = set()
+        self._wanted: dict[str, list[str]] = {}  # network: worker id -> reply subjects for the next catch-up round
         self._device = asyncio.Lock()  # one runner command at a time: steps, checkpoints, offload/reload
         # every rank's host (TrainerStatus.hosts, TrainGate.hosts); SF_TRAINER_HOST where the ranks report none
         self.hosts: list[str] = list(getattr(runner, "hosts", None) or ([cfg.host] if cfg.host else []))
@@ -375,9 +376,9 @@ class TrainerService:
         return WeightTransfer(self.cfg.weights_bind, self.runner.sender.port, f"v{version}-r{self._rounds}")
 
     async def _send_round(self, version: int, step: int, receivers: int, announce: bool = True,
-                          reply: str = "") -> dict[str, float]:
+                          replies: tuple[str, ...] = ()) -> dict[str, float]:
         """One round of the weights as they are, labelled `version`: the runner opens it and sends
-        (every rank: ZeRO-3 gathers) while this announces it (or answers `reply`). Holds `_device`."""
+        (every rank: ZeRO-3 gathers) while this announces it (or answers `replies`). Holds `_device`."""
         transfer = self._transfer(version)
         sending = asyncio.create_task(self._run(Command("send", step=step, version=version, group=transfer.group,
                                                         receivers=receivers)))
@@ -385,7 +386,7 @@ class TrainerService:
         if announce:
             await weightstore.announce(self.js, version, None, step=step, retry_for=self.cfg.publish_retry_s,
                                        transfer=transfer)
-        elif reply:
+        for reply in replies:  # a catch-up round's askers
             await self.nc.publish(reply, encode(event))
         out = await sending
         self._weights_are = version
@@ -397,20 +398,28 @@ class TrainerService:
         want = self.malformed.decode(msg, WeightsWanted, subjects.WEIGHTS_FETCH)
         if want is None or not msg.reply:
             return
-        task = asyncio.create_task(self._catch_up(want, msg.reply))
-        self._catch_ups.add(task)
-        task.add_done_callback(self._catch_ups.discard)
+        first = not self._wanted
+        self._wanted.setdefault(want.worker_id, []).append(msg.reply)
+        if first:  # else the round already waiting for the device takes this one too
+            task = asyncio.create_task(self._catch_up())
+            self._catch_ups.add(task)
+            task.add_done_callback(self._catch_ups.discard)
 
-    async def _catch_up(self, want: WeightsWanted, reply: str) -> None:
-        """A round of its own for a worker that missed one, from the weights this rank holds: only
-        while they still are the newest announced version (else the reply says not now, and the
-        next announcement brings it)."""
+    async def _catch_up(self) -> None:
+        """One round of its own for the workers that missed one, from the weights this rank holds:
+        every worker that asked while the device was busy joins the same round (a lend wakes several
+        at once). Only while the weights still are the newest announced version; else the replies
+        say not now, and the next announcement brings it."""
         async with self._device:
+            wanted, self._wanted = self._wanted, {}
+            replies = tuple(r for rs in wanted.values() for r in rs)
             if self._weights_are != self.version or self.version == 0:
-                await self.nc.publish(reply, encode(WeightsPublished(self.version, "", time.time(), self.step)))
+                not_now = encode(WeightsPublished(self.version, "", time.time(), self.step))
+                for reply in replies:
+                    await self.nc.publish(reply, not_now)
                 return
-            log.info("catch-up round of version %d for %s", self.version, want.worker_id)
-            await self._send_round(self.version, self.step, 1, announce=False, reply=reply)
+            log.info("catch-up round of version %d for %s", self.version, ", ".join(sorted(wanted)))
+            await self._send_round(self.version, self.step, len(wanted), announce=False, replies=replies)
 
     async def _checkpoint(self) -> float:
         t0 = time.perf_counter()

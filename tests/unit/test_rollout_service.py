@@ -321,3 +321,27 @@ async def test_the_status_goes_out_when_the_worker_turns_busy_and_idle_not_only_
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.01)
     assert not svc.tasks and [st.running for st, _ in svc.nc.statuses()] == [1, 0]  # busy -> idle
+
+
+async def test_catch_ups_asked_at_once_share_one_round(make):
+    """A restarted worker's missed round and a lend's load ask together: one request, one round.
+    A second round would find the worker already at the version, and the trainer would wait out
+    its whole join window for a receiver that never joins."""
+    llm = FakeLLM()
+    svc = await make(llm)
+    svc.nc.trainer = round_of_own(3)
+    answer, plain = asyncio.Event(), svc.nc.request
+
+    async def slow_trainer(subject, data, timeout=None):
+        await answer.wait()  # the trainer answers between steps
+        return await plain(subject, data, timeout)
+    svc.nc.request = slow_trainer
+    missed = asyncio.create_task(svc._catch_up(3))
+    lend = asyncio.create_task(control(svc, op="load", version=3))
+    await asyncio.sleep(0.05)
+    answer.set()
+    await asyncio.wait_for(asyncio.gather(missed, lend), 5)
+    assert len(svc.nc.asked) == 1 and [c for c in llm.calls if c[0] == "join"] == [("join", "c-w")]
+    assert svc.engine.version == 3
+    await svc._catch_up(4)  # once it is done, the next catch-up asks again
+    assert len(svc.nc.asked) == 2

@@ -24,6 +24,7 @@ from shared.codec import decode, encode
 from shared.config import Connections
 from shared.messages.scheduler import TrainerControl, TrainerStatus, TrainGate, TrainGateReply
 from shared.messages.trajectory import Sample, TrajectoryCompleted
+from shared.messages.weights import WeightsPublished, WeightsWanted
 
 
 def traj(sid: str, gid: str, reward: float) -> TrajectoryCompleted:
@@ -362,3 +363,39 @@ def test_lending_at_zero_stage_0_on_cuda_is_refused_at_start(monkeypatch):
     monkeypatch.setattr(engine_mod, "init_distributed", lambda: pytest.fail("refused after starting"))
     with pytest.raises(LendingUnsupported, match="stage 0"):
         TrainEngine(TrainerConfig(zero_stage=0, scheduler_gate=True))
+
+
+# -- catch-up rounds (weights over the network) --------------------------------------------------
+
+class SendingRunner(FakeRunner):
+    """A runner whose `send` reports that every expected receiver joined."""
+
+    sender = SimpleNamespace(port=29500)
+
+    def run(self, cmd: Command) -> dict:
+        if cmd.op != "send":
+            return super().run(cmd)
+        self.log.append((f"send {cmd.group} to {cmd.receivers}", time.monotonic(), time.monotonic()))
+        return {"join_s": 0.0, "send_s": 0.0, "sent_bytes": 1, "receivers": cmd.receivers}
+
+
+def fetch(worker: str, reply: str) -> SimpleNamespace:
+    return SimpleNamespace(data=encode(WeightsWanted(worker, 3)), reply=reply, subject=subjects.WEIGHTS_FETCH)
+
+
+async def test_workers_that_ask_while_the_device_is_busy_share_one_catch_up_round():
+    nc, runner = FakeNC(), SendingRunner()
+    svc = make_service(nc, runner)
+    svc.version = svc._weights_are = 3
+    async with svc._device:  # a step runs: three asks (one twice) wait for the device
+        for worker, reply in (("w1", "_INBOX.a"), ("w2", "_INBOX.b"), ("w1", "_INBOX.c")):
+            await svc._on_fetch(fetch(worker, reply))
+    await asyncio.wait_for(asyncio.gather(*svc._catch_ups), 5)
+    [send] = [op for op in runner.ops() if op.startswith("send")]
+    assert send.endswith(" to 2")  # two workers: the round waits for two joins, not three
+    offers = {s: decode(d, WeightsPublished) for s, d, _ in nc.published if s.startswith("_INBOX")}
+    assert set(offers) == {"_INBOX.a", "_INBOX.b", "_INBOX.c"}
+    assert {o.transfer.group for o in offers.values()} == {send.split()[1]} and offers["_INBOX.a"].version == 3
+    await svc._on_fetch(fetch("w3", "_INBOX.d"))  # after the round, a new ask gets a round of its own
+    await asyncio.wait_for(asyncio.gather(*svc._catch_ups), 5)
+    assert [op.split()[-1] for op in runner.ops() if op.startswith("send")] == ["2", "1"]
