@@ -143,27 +143,43 @@ def start_nats(port: int, data_dir: Path, log_file: Path | None = None, user: st
 
 
 def nats_cluster_argv(port: int, cluster_port: int, routes: list[int], name: str, data_dir: Path,
-                      cluster: str = "sf") -> list[str]:
-    """One member of a local JetStream cluster: clients on `port`, routes to the others' `routes` ports."""
+                      cluster: str = "sf", tls: TlsFiles | None = None) -> list[str]:
+    """One member of a local JetStream cluster: clients on `port`, routes to the others' `routes` ports.
+    With `tls`, clients and routes speak TLS only, each side verified against the CA (the route
+    certificate both ways): a config file, since nats-server's flags reach only the client port."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    return [find_binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(data_dir),
-            "-n", name, "--cluster_name", cluster, "--cluster", f"nats://127.0.0.1:{cluster_port}",
-            "--routes", ",".join(f"nats://127.0.0.1:{p}" for p in routes)]
+    if tls is None:
+        return [find_binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(data_dir),
+                "-n", name, "--cluster_name", cluster, "--cluster", f"nats://127.0.0.1:{cluster_port}",
+                "--routes", ",".join(f"nats://127.0.0.1:{p}" for p in routes)]
+    q = json.dumps  # a JSON string is a nats-server config string; the file holds paths, no key
+    client_tls = f"cert_file: {q(str(tls.server_cert))}, key_file: {q(str(tls.server_key))}"
+    route_tls = f"cert_file: {q(str(tls.route_cert))}, key_file: {q(str(tls.route_key))}"
+    conf = data_dir.with_suffix(".conf")
+    conf.write_text(
+        f"server_name: {q(name)}\nlisten: {q(f'127.0.0.1:{port}')}\njetstream {{ store_dir: {q(str(data_dir))} }}\n"
+        f"tls {{ {client_tls}, ca_file: {q(str(tls.ca))}, verify: true }}\n"
+        f"cluster {{\n  name: {q(cluster)}\n  listen: {q(f'127.0.0.1:{cluster_port}')}\n"
+        f"  routes: [{', '.join(q(f'nats://127.0.0.1:{p}') for p in routes)}]\n"
+        f"  tls {{ {route_tls}, ca_file: {q(str(tls.ca))}, verify: true }}\n}}\n")
+    return [find_binary("nats-server"), "-c", str(conf)]
 
 
 class NatsCluster:
-    """N nats-servers on this machine in one JetStream cluster (tests, and `up` on one machine).
-    `kill(i)` is a SIGKILL; `start(i)` brings member i back with its data."""
+    """N nats-servers on this machine in one JetStream cluster (tests and benchmarks). `kill(i)` is a
+    SIGKILL; `start(i)` brings member i back with its data. With `tls` (seamlessflow/stack/tls.py
+    files), clients and routes are TLS only, both verified against its CA."""
 
-    def __init__(self, root: Path, size: int = 3, log_dir: Path | None = None):
-        self.root, self.size, self.log_dir = root, size, log_dir
+    def __init__(self, root: Path, size: int = 3, log_dir: Path | None = None, tls: TlsFiles | None = None):
+        self.root, self.size, self.log_dir, self.tls = root, size, log_dir, tls
         self.ports = [free_port() for _ in range(size)]
         self.cluster_ports = [free_port() for _ in range(size)]
         self.procs: list[subprocess.Popen | None] = [None] * size
 
     @property
     def url(self) -> str:
-        return ",".join(f"nats://127.0.0.1:{p}" for p in self.ports)
+        scheme = "nats" if self.tls is None else "tls"
+        return ",".join(f"{scheme}://127.0.0.1:{p}" for p in self.ports)
 
     def name(self, i: int) -> str:
         return f"n{i}"
@@ -171,7 +187,8 @@ class NatsCluster:
     def start(self, i: int | None = None, timeout: float = 15.0) -> NatsCluster:
         for k in range(self.size) if i is None else [i]:
             routes = [p for j, p in enumerate(self.cluster_ports) if j != k]
-            argv = nats_cluster_argv(self.ports[k], self.cluster_ports[k], routes, self.name(k), self.root / self.name(k))
+            argv = nats_cluster_argv(self.ports[k], self.cluster_ports[k], routes, self.name(k), self.root / self.name(k),
+                                     tls=self.tls)
             out = open(self.log_dir / f"{self.name(k)}.log", "ab") if self.log_dir else subprocess.DEVNULL
             self.procs[k] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         for k in range(self.size) if i is None else [i]:

@@ -4,7 +4,9 @@
     files.settings()                     # SF_NATS_TLS_* and SF_REDIS_TLS_* for the services
 
 One CA signs a server certificate (for localhost, 127.0.0.1 and this machine's name: both servers
-present it) and a client certificate (every service presents it: the servers verify clients).
+present it), a route certificate (the same names; nats-server cluster members present it to each
+other, as server and as client) and a client certificate (every service presents it: the servers
+verify clients).
 Private keys are 0600 from the moment they exist (the file is made empty, 0600, before openssl
 writes into it). Nothing here reads, prints or logs a key; openssl's own output goes to an error
 message only when it fails. The CA's key stays in the directory, so a rerun can sign a missing
@@ -47,6 +49,14 @@ class TlsFiles:
         return self.dir / "server.key"
 
     @property
+    def route_cert(self) -> Path:  # nats-server cluster members: presented both ways on a route
+        return self.dir / "route.crt"
+
+    @property
+    def route_key(self) -> Path:
+        return self.dir / "route.key"
+
+    @property
     def client_cert(self) -> Path:
         return self.dir / "client.crt"
 
@@ -79,11 +89,14 @@ def ensure(dir: Path, hosts: tuple[str, ...] = ()) -> TlsFiles:
         _run(openssl, "req", "-x509", *_new_key(ca_key), "-days", str(DAYS), "-subj", "/CN=SeamlessFlow stack CA",
              "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
              "-out", str(files.ca))
-        for leaf in (files.server_cert, files.client_cert):  # signed by an older CA: make them again
+        for leaf in (files.server_cert, files.route_cert, files.client_cert):  # signed by an older CA: make them again
             leaf.unlink(missing_ok=True)
     names = ["DNS:localhost", "IP:127.0.0.1", f"DNS:{socket.gethostname()}"]
     names += [f"IP:{h}" if h.replace(".", "").isdigit() or ":" in h else f"DNS:{h}" for h in hosts]
     _leaf(openssl, files, files.server_cert, files.server_key, "SeamlessFlow server", "serverAuth",
+          "subjectAltName=" + ",".join(dict.fromkeys(names)))
+    # a cluster member dials its peers' route ports and is dialled by them: one certificate for both
+    _leaf(openssl, files, files.route_cert, files.route_key, "SeamlessFlow NATS route", "serverAuth,clientAuth",
           "subjectAltName=" + ",".join(dict.fromkeys(names)))
     _leaf(openssl, files, files.client_cert, files.client_key, "SeamlessFlow service", "clientAuth", "")
     return files

@@ -249,3 +249,55 @@ async def test_redis_behind_sentinel_over_tls(tmp_path, certs):
                         retry=Retry(NoBackoff(), 0)).ping()
     finally:
         group.stop()
+
+
+async def route_hello(port: int, certs, cert=None) -> bytes:
+    """A TLS connection to a route port presenting `cert` (a TlsFiles certificate; None: none); its first line."""
+    ctx = ssl.create_default_context(cafile=str(certs.ca))
+    if cert is not None:
+        ctx.load_cert_chain(str(cert), str(cert.with_suffix(".key")))
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port, ssl=ctx), 3)
+    try:
+        return await asyncio.wait_for(reader.readline(), 3)
+    finally:
+        writer.close()
+
+
+async def test_a_nats_cluster_speaks_tls_between_its_members_too(tmp_path, certs):
+    """Three nats-servers (NatsCluster(tls=...)): a route port speaks TLS only and verifies the peer,
+    which must present a certificate for client use signed by the CA (the route certificate; the
+    server certificate, serverAuth only, is refused); the members still form one JetStream cluster
+    over those routes (a stream at 3 replicas, every replica current, read back through another member)."""
+    cluster = servers.NatsCluster(tmp_path / "nats", 3, log_dir=tmp_path, tls=certs).start()
+    try:
+        port = cluster.cluster_ports[0]
+        assert (await route_hello(port, certs, certs.route_cert)).startswith(b"INFO ")
+        for cert in (None, certs.server_cert):
+            with pytest.raises((ssl.SSLError, ConnectionError)):
+                await route_hello(port, certs, cert)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        assert await asyncio.wait_for(reader.read(100), 5) == b""  # plain text: closed, not a byte in the clear
+        writer.close()
+        urls = cluster.url.split(",")
+        assert all(u.startswith("tls://") for u in urls)
+        nc = await bus.connect(connections({"SF_NATS_URL": urls[0], **certs.settings(redis=False)}), "tls-r", connect_timeout=3)
+        try:
+            js = nc.jetstream(timeout=5)
+            await js.add_stream(name="TLSR3", subjects=["sf.test.r3"], num_replicas=3)
+            for _ in range(100):  # every replica current: the routes carry the stream's raft traffic
+                info = await js.stream_info("TLSR3")
+                if info.cluster and len(info.cluster.replicas or []) == 2 and all(
+                        r.current for r in info.cluster.replicas):
+                    break
+                await asyncio.sleep(0.1)
+            assert [r.current for r in info.cluster.replicas] == [True, True], info.cluster
+            await js.publish("sf.test.r3", b"over tls routes")
+        finally:
+            await nc.close()
+        nc = await bus.connect(connections({"SF_NATS_URL": urls[2], **certs.settings(redis=False)}), "tls-r2", connect_timeout=3)
+        try:
+            assert (await nc.jetstream(timeout=5).get_msg("TLSR3", seq=1)).data == b"over tls routes"
+        finally:
+            await nc.close()
+    finally:
+        cluster.stop()
