@@ -40,11 +40,21 @@ not collapse). The "small" model from the same warm start gains +0.25 in 60 step
 Flags of `run` mirror TrainerConfig (lr, lr_warmup_steps, beta1, beta2, adam_eps,
 weight_decay, grad_clip, ppo_epochs, group_size, groups_per_step, advantage,
 std_normalize, aggregation, entropy_coef, clip_low, clip_high, ...).
+
+LoRA: `--lora-rank R [--lora-alpha A --lora-targets all]` builds the policy the way the
+trainer does (`build_policy`: a TrainerConfig -> services/trainer/lora.py lora_spec + wrap,
+the same PEFT wrapping, target sets and alpha default of 2 x rank; optim.adamw over the adapter's
+parameters alone; the KL reference is the policy with its adapter disabled). Issue 27's side by
+side (docs/history/benchmarks-log.md, "LoRA against full fine-tune"):
+
+    .venv/bin/python bench/probe_learning.py run --model WARM --group-size 16 --groups-per-step 8 \
+        --lr 2e-4 --lora-rank 8 --lora-targets all --seed 3
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -61,8 +71,10 @@ if str(ROOT) not in sys.path:
 
 from seamlessflow.demo.tasks import REVERSE_SHAPINGS, reverse_prompt, reverse_reward
 from seamlessflow.demo.warmstart import _prompt_ids
+from services.trainer import lora, optim
 from services.trainer.algorithms import AlgoConfig, merge_metrics, policy_loss
 from services.trainer.batching import build_global_batch, micro_batches
+from services.trainer.config import TrainerConfig
 from shared.messages.trajectory import Sample, TrajectoryCompleted
 
 MAX_NEW = 8
@@ -143,6 +155,9 @@ DEFAULTS = {
     "advantage": "grpo", "std_normalize": True, "group_baseline": False, "clip_low": 0.2, "clip_high": 0.2,
     "decoupled": True, "tis": True, "tis_cap": 2.0, "entropy_coef": 0.0, "aggregation": "token-mean",
     "drop_uniform_groups": False, "kl_coef": 0.0,
+    # LoRA, the trainer's own (services/trainer/lora.py via TrainerConfig): rank 0 = full fine-tune;
+    # alpha 0 = 2 x rank; targets: attn, mlp, all or module names separated by commas
+    "lora_rank": 0, "lora_alpha": 0.0, "lora_targets": "all",
     # the reward the trainer sees: "answer" (tasks.answer_reward, what the demo reports) or another
     # shaping of tasks.REVERSE_SHAPINGS; batch_reward, loop_gain and the evals always use answer_reward
     "reward": "answer",
@@ -176,6 +191,48 @@ def rollout(model, tok, rng: random.Random, o: dict, step: int, pad_id: int) -> 
     return groups, rewards, answers
 
 
+def trainer_config(o: dict) -> TrainerConfig:
+    """The TrainerConfig of a run's options (its engine and LoRA knobs), validated as the trainer does."""
+    return TrainerConfig(model_dir=o["model"], lr=o["lr"], lr_warmup_steps=o["lr_warmup_steps"], beta1=o["beta1"],
+                         beta2=o["beta2"], adam_eps=o["adam_eps"], weight_decay=o["weight_decay"],
+                         grad_clip=o["grad_clip"], ppo_epochs=o["ppo_epochs"], lora_rank=o["lora_rank"],
+                         lora_alpha=o["lora_alpha"], lora_targets=o["lora_targets"])
+
+
+def build_policy(o: dict):
+    """(policy, optimizer, lr scheduler, KL reference) as TrainEngine builds them at world size 1:
+    with lora_rank > 0 the model is lora.wrap'ed (base frozen, the adapter alone trained) and the
+    reference is the policy itself, run under `lora.adapter_disabled` (`reference` below); without
+    LoRA a second frozen copy when kl_coef != 0. The optimizer is optim.adamw over the trainable
+    parameters, the lr warm-up the engine's LambdaLR."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = trainer_config(o)
+    model = AutoModelForCausalLM.from_pretrained(o["model"], dtype=torch.float32)
+    spec = lora.lora_spec(cfg)
+    if spec is not None:
+        model = lora.wrap(model, spec, cfg.model_dir)
+    ref = None
+    if o["kl_coef"]:
+        ref = model if spec is not None else \
+            AutoModelForCausalLM.from_pretrained(o["model"], dtype=torch.float32).eval().requires_grad_(False)
+    opt, _sit_out = optim.adamw(cfg, {"": [p for p in model.parameters() if p.requires_grad]})
+    warmup = max(cfg.lr_warmup_steps, 0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+    return model, opt, sched, ref
+
+
+@contextlib.contextmanager
+def reference(model, ref):
+    """The module that computes the KL reference: `ref` itself, or, when it is the (LoRA) policy,
+    the policy with its adapter off, as engine._ref_pass does."""
+    if ref is model:
+        with lora.adapter_disabled(model):
+            yield model
+    else:
+        yield ref
+
+
 def train_step(model, optim: tuple, gb, algo: AlgoConfig, o: dict, pad_id: int,  # noqa: PLR0913  the engine's inputs
                ref=None) -> tuple[list[dict], torch.Tensor]:
     """TrainEngine.train_step at world size 1, without DeepSpeed: (each micro-batch's metrics, the grad norm).
@@ -198,8 +255,8 @@ def train_step(model, optim: tuple, gb, algo: AlgoConfig, o: dict, pad_id: int, 
                 entropy = entropy.detach()
             ref_logp = None
             if ref is not None:
-                with torch.no_grad():
-                    ref_logp = token_logprobs(ref(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits,
+                with torch.no_grad(), reference(model, ref) as base:
+                    ref_logp = token_logprobs(base(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits,
                                               mb.targets, False)[0]
             loss, m = policy_loss(logp, prox[i], mb.behav_logprobs, mb.advantages, mb.loss_mask, algo,
                                   ref_logp=ref_logp, entropy=entropy, num_tokens=norm_tokens, num_seqs=norm_seqs)
@@ -212,7 +269,7 @@ def train_step(model, optim: tuple, gb, algo: AlgoConfig, o: dict, pad_id: int, 
 
 
 def run(opts: dict) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     o = {**DEFAULTS, **opts}
     algo = AlgoConfig(advantage=o["advantage"], std_normalize=o["std_normalize"],
@@ -223,13 +280,9 @@ def run(opts: dict) -> dict:
     torch.manual_seed(o["seed"])
     rng = random.Random(o["task_seed"] * 1000 + o["seed"])
     tok = AutoTokenizer.from_pretrained(o["model"])
-    model = AutoModelForCausalLM.from_pretrained(o["model"], dtype=torch.float32)
+    model, opt, sched, ref = build_policy(o)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    ref = AutoModelForCausalLM.from_pretrained(o["model"], dtype=torch.float32).eval() if o["kl_coef"] else None
-    opt = torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=(o["beta1"], o["beta2"]), eps=o["adam_eps"],
-                            weight_decay=o["weight_decay"])
-    warmup = max(o["lr_warmup_steps"], 0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     evaluate = Evaluator(tok, o["eval_n"])
     log = (lambda *a: None) if o["quiet"] else (lambda *a: print(*a, flush=True))
     evals, batch_rewards, batch_exact, step_metrics = {}, [], [], []
@@ -257,8 +310,8 @@ def run(opts: dict) -> dict:
         eos = sum(tok.eos_token_id in a for a in answers) / len(answers)
         log(f"step {step:3d} reward {batch_rewards[-1]:.3f} adv_std {m['adv_std']:.2f} "
             f"ent {m.get('entropy', 0):.3f} clip {m['clip_frac']:.3f} gnorm {float(gn):.2f} eos {eos:.2f} {dt:.2f}s")
-    if o["save"]:
-        model.save_pretrained(o["save"], safe_serialization=True)
+    if o["save"]:  # a LoRA run saves base + adapter merged: a plain HF model, a warm start like any other
+        (model.merge_and_unload() if o["lora_rank"] else model).save_pretrained(o["save"], safe_serialization=True)
         tok.save_pretrained(o["save"])
     res = {
         "name": o["name"], "opts": {k: v for k, v in o.items() if k in opts},
@@ -273,6 +326,7 @@ def run(opts: dict) -> dict:
         if len(batch_rewards) >= 8 else 0.0,
         "groups_dropped": sum(m.get("groups_dropped", 0) for m in step_metrics),
         "sec_per_step": round(t_steps / max(o["steps"], 1), 3),
+        "trainable_params": trainable,
         "final_entropy": step_metrics[-1].get("entropy") if step_metrics else None,
         "entropy": [m.get("entropy") for m in step_metrics],
         "grad_norm": [m["grad_norm"] for m in step_metrics],

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -30,7 +31,7 @@ from rich.console import Console
 from seamlessflow.ops.export import export_file
 from seamlessflow.demo.live import DemoView
 from seamlessflow.demo.report import ReportData, build_report, margin, rolling
-from seamlessflow.demo.rl import RLResult, Round, Rounds, run_rounds, trainer_settings
+from seamlessflow.demo.rl import RLResult, Round, Rounds, lora_on, run_rounds, trainer_settings
 from seamlessflow.stack import Stack, StackError, StackOptions
 from seamlessflow.demo.telemetry import Telemetry
 from shared.config import Connections
@@ -114,7 +115,7 @@ def run_demo(opts: StackOptions, plan: Rounds = Rounds(), command: str = "seamle
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     # the trainer tells admission control its batch (sessions per version) in its consumer's metadata
     opts.extra_env.update(SF_TRAJECTORY_MAX_STALENESS="2")
-    settings = trainer_settings(task)
+    settings = trainer_settings(task, lora=lora_on(os.environ | opts.extra_env))  # the stack's env (processes.py)
     trainer = dict(group_size=group_size, groups_per_step=groups, seed=seed, **settings)
     if opts.policy:
         opts.train, opts.trainer_settings = True, {k: str(v) for k, v in trainer.items()}

@@ -156,3 +156,16 @@ def test_demo_takes_the_tasks_recipe_unless_told():
     assert (demo_plan(told).groups, demo_plan(told).group_size, told.groups) == (2, 4, 2)
     assert trainer_settings("reverse")["lr"] == 2e-4 and trainer_settings("calc")["lr"] == 1e-4
     assert trainer_settings("reverse")["drop_uniform_groups"] is True
+
+
+def test_demo_takes_the_lora_lr_when_the_trainer_trains_an_adapter():
+    """With SF_TRAINER_LORA_RANK > 0 the demo's trainer runs at the task's LoRA lr (reverse: 2e-3,
+    10x the full fine-tune's, issue 27); a task with none keeps its lr. The demo's settings win over
+    SF_TRAINER_LR, so the choice has to be made here."""
+    from seamlessflow.demo.rl import lora_on, trainer_settings
+
+    assert lora_on({"SF_TRAINER_LORA_RANK": "8"}) and not lora_on({"SF_TRAINER_LORA_RANK": "0"})
+    assert not lora_on({}) and not lora_on({"SF_TRAINER_LORA_RANK": " "})
+    assert trainer_settings("reverse", lora=True)["lr"] == 2e-3
+    assert trainer_settings("reverse", lora=False)["lr"] == 2e-4
+    assert trainer_settings("calc", lora=True)["lr"] == 1e-4
