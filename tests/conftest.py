@@ -27,6 +27,12 @@ for key, value in {
     "DS_ACCELERATOR": "cpu",
     "OMP_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # vLLM's sampler torch.compiles a helper (logprobs.batched_count_greater_than, an exact count):
+    # every engine start (the rollout worker's warm-up request) paid its inductor compile, ~25 s cold
+    # and 5-15 s from the cache on this box, some 25 times per `just test`. Eager here gives the same
+    # tokens and logprobs. test_compose's services do not inherit it (their environment is the
+    # image's), so the compiled path still runs in the suite, as it does in `just demo` and `up`.
+    "TORCHDYNAMO_DISABLE": "1",
 }.items():
     os.environ.setdefault(key, value)
 
