@@ -27,6 +27,13 @@ for key, value in {
     "DS_ACCELERATOR": "cpu",
     "OMP_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # vLLM's sampler torch.compiles a helper (logprobs.batched_count_greater_than, an exact count):
+    # every engine start (the rollout worker's warm-up request) paid its inductor compile, 10.7 s with
+    # a cold cache and 2.3 s from a warm one on this box (0.0 s eager), some 25 starts per `just test`
+    # (benchmarks-log.md, "CI time, session 19"). Eager gives the same tokens and logprobs.
+    # test_compose's services do not inherit it (their environment is the image's), so the compiled
+    # path still runs in the suite, as it does in `just demo` and `up`.
+    "TORCHDYNAMO_DISABLE": "1",
 }.items():
     os.environ.setdefault(key, value)
 

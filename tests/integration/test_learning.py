@@ -65,10 +65,12 @@ def test_mean_reward_rises(tmp_path, warm_model, nats_url, redis_url):
     # its own NATS: the trainer consumes the whole TRAJECTORIES stream
     nats_port = servers.free_port()
     nats = servers.start_nats(nats_port, tmp_path / "nats")
+    # the trainer starts with the stack (train=True), its DeepSpeed start beside vLLM's instead of after it
     stack = make_stack(tmp_path, warm_model, f"nats://127.0.0.1:{nats_port}", redis_url, workers=1,
-                       extra_env={"SF_TRAJECTORY_MAX_STALENESS": "2"})  # the trainer declares its batch
+                       extra_env={"SF_TRAJECTORY_MAX_STALENESS": "2"},  # the trainer declares its batch
+                       train=True, trainer_settings={"group_size": GROUP_SIZE, "groups_per_step": GROUPS,
+                                                     **TRAINER_SETTINGS})
     try:
-        stack.wait_ready(stack.spawn_trainer(group_size=GROUP_SIZE, groups_per_step=GROUPS, **TRAINER_SETTINGS))
         result = asyncio.run(run_rounds(stack, Rounds(ROUNDS, GROUPS, GROUP_SIZE, seed=1)))
         last_version = versions_on_disk(stack.weights_dir)[-1]
         page = status_with_trainer_metrics(stack, timeout=60)

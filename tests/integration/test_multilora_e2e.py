@@ -45,10 +45,12 @@ def test_two_agents_train_two_adapters_in_one_run(tmp_path, tiny_model, redis_ur
     nats = servers.start_nats(nats_port, tmp_path / "nats")
     stack = make_stack(tmp_path, tiny_model, f"nats://127.0.0.1:{nats_port}", redis_url, workers=1,
                        extra_env={"SF_TRAINER_LORA_RANK": "4", "SF_ROLLOUT_MAX_LORAS": "8",
-                                  "SF_ROLLOUT_MAX_LORA_RANK": "8"})
+                                  "SF_ROLLOUT_MAX_LORA_RANK": "8"},
+                       # the trainer starts with the stack: its DeepSpeed start beside vLLM's, not after it
+                       train=True, trainer_settings={"group_size": 2, "groups_per_step": 2, "publish_every": 1,
+                                                     "checkpoint_every": 2, "lr": "1e-2", "lora_rank": 4,
+                                                     "lora_roles": ",".join(ROLES)})
     try:
-        stack.wait_ready(stack.spawn_trainer(group_size=2, groups_per_step=2, publish_every=1, checkpoint_every=2,
-                                             lr="1e-2", lora_rank=4, lora_roles=",".join(ROLES)))
         run_example(stack, rounds=4)  # 4 reward groups of a solver and a critic: 2 steps, versions 1 and 2
         deadline = time.monotonic() + 180
         while versions_on_disk(stack.weights_dir)[-1:] != [2]:
