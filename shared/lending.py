@@ -160,8 +160,8 @@ def rebalanced(busy: float, busy_slots: float, got: float, new_slots: float, thr
     bs, ns = max(busy_slots, 1.0), max(new_slots, 1.0)
     if busy <= 0 or busy / bs - got / ns <= threshold:
         return 0
-    level = (busy + got) / (bs + ns)  # the load both end at
-    return max(0, min(math.floor(busy - level * bs), math.floor(ns - got)))
+    even = (busy + got) / (bs + ns)  # the load both end at
+    return max(0, min(math.floor(busy - even * bs), math.floor(ns - got)))
 
 
 class LendHistory:
@@ -187,6 +187,12 @@ class LendHistory:
         return end - now
 
 
+def level(busy: float, busy_slots: float, got: float, new_slots: float) -> float:
+    """The batch a worker that has begun serving (`got` running of `new_slots`) ends at once a busier
+    one (`busy` of `busy_slots`) has evened their loads: `rebalanced`'s level, in its sequences."""
+    return (busy + got) / max(busy_slots + new_slots, 1.0) * new_slots
+
+
 @dataclass(frozen=True, slots=True)
 class Move:
     """One request a worker that has just begun serving (a lend) might take from a busier one:
@@ -195,10 +201,11 @@ class Move:
     is, it decodes at `busy_step_s` a token after `wait_s` for a slot (a request queued in a full
     engine), beside `busy_running` others; moved, at `lent_step_s` (the new worker's step with it
     added), once the new worker has done the `lent_stall_s` of prefill it owes before this one's
-    (the requests moved to it before this one). Its re-prefill there delays whatever the new
-    worker runs meanwhile, counted as its `lent_slots` (a lend is made for turns waiting, which
-    fill them; counting only the sequences it runs at the move left one-gpu at split 60 with 38%
-    re-prefilled against 30% without rebalance, and 1.22x against 1.26x at a dear re-prefill)."""
+    (the requests moved to it before this one). Its re-prefill there delays the `lent_batch`
+    sequences the new worker runs meanwhile: its batch once the rebalance has evened the loads
+    (`level`). Counting only those it runs at the move left one-gpu at split 60 with 38% of the
+    generated tokens re-prefilled against 30% without rebalance, and 1.22x against 1.26x at a dear
+    re-prefill (bench/pipeline.py --rebalance)."""
 
     remaining: float | None
     context: float
@@ -207,7 +214,7 @@ class Move:
     prefill_s: float
     wait_s: float = 0.0
     busy_running: int = 0
-    lent_slots: int = 0
+    lent_batch: float = 0.0
     lent_stall_s: float = 0.0
 
 
@@ -218,7 +225,7 @@ def move_worth(m: Move, window_s: float) -> float:
     Saved: how much sooner the request finishes (on the lent worker after the prefill owed there and
     its own), counted within `window_s` (the rest of the lend: LendHistory.window; inf where no
     reclaim is predicted), since what still runs on the lent worker at the reclaim moves again.
-    Cost: its re-prefill delays the `lent_slots` sequences there; and where it would not finish
+    Cost: its re-prefill delays the `lent_batch` sequences there; and where it would not finish
     before the reclaim, the reclaim's re-prefill of its context and what it decoded there delays
     it and the `busy_running` others on a busy worker again.
 
@@ -232,7 +239,7 @@ def move_worth(m: Move, window_s: float) -> float:
     starts = m.lent_stall_s + prefill  # when it decodes its first token there
     there = starts + m.remaining * m.lent_step_s
     saved = min(here, window_s) - min(there, window_s)
-    cost = prefill * m.lent_slots
+    cost = prefill * m.lent_batch
     if there > window_s:  # still running at the reclaim: moved again, with what it decoded there
         decoded = max(0.0, window_s - starts) / max(m.lent_step_s, 1e-12)
         cost += (m.context + decoded) * m.prefill_s * (1 + m.busy_running)

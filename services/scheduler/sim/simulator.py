@@ -87,7 +87,7 @@ from services.scheduler.sim.result import Result, Totals
 from services.scheduler.sim.workload import Calibration, Workload
 from shared.admission import Admission, Backlog
 from shared.lending import (DEFAULT_RULE, REBALANCE, DecodeSpeed, LendHistory, LengthHistory, Move, Offer,
-                            lent_offer, move_worth, rebalanced)
+                            lent_offer, level, move_worth, rebalanced)
 
 MODES = ("idle", "rollout", "train")  # array codes 0, 1, 2
 _MODE = {m: i for i, m in enumerate(MODES)}
@@ -435,6 +435,7 @@ class Simulator:
         busy = int(self.k_run[j])
         stall = float(self.stall[i])  # prefill and weight loads host i owes, then each move's re-prefill
         pf = cal.prefill_s_per_token * self.w / (self.cap[i] * self.m)  # a simulated turn's, as _start charges it
+        batch = level(busy, self.K, got, self.K) * wm  # host i's, in real sequences, once the two are even
         for s in on.tolist():
             if len(out) >= k:
                 break
@@ -443,7 +444,7 @@ class Simulator:
                 ahead = min(ahead, self.wl.length_cap - float(self.s_gen[s]))
             m = Move(ahead, float(self.s_ctx[s]), (cal.decode_a_s + cal.decode_b_s * busy * wm) / self.cap[j],
                      (cal.decode_a_s + cal.decode_b_s * (got + 1) * wm) / self.cap[i], pf,
-                     busy_running=round((busy - 1) * wm), lent_slots=round(self.K * wm), lent_stall_s=stall)
+                     busy_running=round((busy - 1) * wm), lent_batch=batch, lent_stall_s=stall)
             if move_worth(m, window) > 0:
                 out.append(s)
                 stall += float(self.s_ctx[s]) * pf
