@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/pipeline.py [--steps 30] [--sweep-steps 10] [--out var/bench/pipeline]
                                        [--reclaim-grace 0] [--drain-margin 0] [--skip-scale] [--skip-drain]
-                                       [--rebalance] [--only-one-gpu]
+                                       [--rebalance [--move-all]] [--only-one-gpu]
 
 No GPU and no model: services/scheduler/sim/simulator.py drives the scheduler's own policy module
 (services/scheduler/policy.py) in virtual time on calibrated 8-accelerator hosts
@@ -31,7 +31,8 @@ One run measures, on the same workload and cluster for every policy:
 and prints the goals as ratios (markdown), writing results.json and the PNGs under --out.
 `--reclaim-grace` / `--drain-margin` set the drain of every seamless run in 1-5. `--rebalance`
 models the live router's rebalance on a lend (SF_TRAJECTORY_REBALANCE, on live by default; off
-here by default, as the recorded planning runs were made) in every run.
+here by default, as the recorded planning runs were made) in every run, each move under the
+per-request worth test (shared/lending.py `move_worth`); `--move-all` without it, as before.
 """
 
 from __future__ import annotations
@@ -215,6 +216,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--drain-margin", type=float, default=0.0, help="drain_margin_s of every seamless run in 1-5")
     ap.add_argument("--rebalance", action="store_true",
                     help="model the live router's rebalance on a lend (SF_TRAJECTORY_REBALANCE) in every run")
+    ap.add_argument("--move-all", action="store_true",
+                    help="with --rebalance: move the `rebalanced` share, youngest first, without the per-request worth "
+                         "test (SF_TRAJECTORY_REBALANCE_WORTH=0; the behaviour before it)")
     ap.add_argument("--only-one-gpu", action="store_true", help="run 7 alone (its goals only)")
     return ap.parse_args()
 
@@ -222,7 +226,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     a = parse_args()
     DRAIN.update(reclaim_grace_s=a.reclaim_grace, drain_margin_s=a.drain_margin)
-    ROUTER.update(rebalance=a.rebalance)
+    ROUTER.update(rebalance=a.rebalance, rebalance_worth=not a.move_all)
     a.out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
     dh, th = CALIBRATIONS["decode-heavy"], CALIBRATIONS["train-heavy"]
@@ -230,7 +234,8 @@ def main() -> None:
     md: list[str] = [("SIMULATED (services/scheduler/sim/simulator.py driving services/scheduler/policy.py); "
                       f"`.venv/bin/python bench/pipeline.py --steps {a.steps} --sweep-steps {a.sweep_steps}"
                       f" --reclaim-grace {a.reclaim_grace:g} --drain-margin {a.drain_margin:g}"
-                      + " --rebalance" * a.rebalance + " --only-one-gpu" * a.only_one_gpu + "`"), ""]
+                      + " --rebalance" * a.rebalance + " --move-all" * a.move_all + " --only-one-gpu" * a.only_one_gpu
+                      + "`"), ""]
     if a.only_one_gpu:
         return only_one_gpu(a, md, t_all)
 

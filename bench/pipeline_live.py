@@ -16,8 +16,9 @@ Everything that computes is SIMULATED; everything that coordinates is real.
   the train cost per token (the trainer's measured compute per token) taken from the live
   run; WORKLOADS["live-mini"] with the live prompt length; dt = the live scheduler tick. Its lend
   verdict and routing are the live stack's: the offer only with SF_SCHEDULER_LIVE_OFFER, the renewal
-  SF_SCHEDULER_RENEW_S, rebalance on a lend SF_TRAJECTORY_REBALANCE (sim.Options offer, renew_s,
-  rebalance; without them the simulator's policy read an offer the live one did not, and never lent).
+  SF_SCHEDULER_RENEW_S, rebalance on a lend SF_TRAJECTORY_REBALANCE and its worth test
+  SF_TRAJECTORY_REBALANCE_WORTH (sim.Options offer, renew_s, rebalance, rebalance_worth; without them
+  the simulator's policy read an offer the live one did not, and never lent).
 
 Compared over the same steps (warmup+1 .. steps; the simulator is run to `warmup` and to
 `steps` with one seed, and the difference taken): trained tokens/s (prompt + generated
@@ -429,7 +430,7 @@ def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0), latency: fl
         opt = Options(steps=n, dt=a.tick, seed=0, backlog=a.backlog, control_s_per_turn=control[0],
                       control_cores=control[1], route=a.route, turn_latency_s=latency, turn_latency_after_s=after,
                       turn_latency_cv=cv, max_time_s=limit, offer=LIVE.live_offer, renew_s=LIVE.renew_s,
-                      rebalance=TRAJ.rebalance)
+                      rebalance=TRAJ.rebalance, rebalance_worth=TRAJ.rebalance_worth)
         sim = Simulator(Cluster.uniform(a.hosts, 1), cal, wl, a.policy, opt)
         runs[n] = sim.run()
         if sim.step < n:

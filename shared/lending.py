@@ -81,6 +81,16 @@ class LengthHistory:
         return self._recent_q
 
 
+    def remaining(self, group: Hashable | None, done: float) -> float | None:
+        """Tokens a reply that has `done` so far still has to go: the `quantile` of the recent replies
+        longer than `done` (its group's, else all), less `done`. A reply that has run long is predicted
+        to run longer where lengths have a tail, and nearly done where they do not. None: no recent
+        reply was that long (nothing to predict from)."""
+        lengths = self.by_group.get(group) if group is not None else None
+        above = [x for x in (lengths or self.recent) if x > done]
+        return quantile(above, self.quantile) - done if above else None
+
+
 def quantile(values, q: float) -> float:
     ordered = sorted(values)
     return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
@@ -150,8 +160,90 @@ def rebalanced(busy: float, busy_slots: float, got: float, new_slots: float, thr
     bs, ns = max(busy_slots, 1.0), max(new_slots, 1.0)
     if busy <= 0 or busy / bs - got / ns <= threshold:
         return 0
-    level = (busy + got) / (bs + ns)  # the load both end at
-    return max(0, min(math.floor(busy - level * bs), math.floor(ns - got)))
+    even = (busy + got) / (bs + ns)  # the load both end at
+    return max(0, min(math.floor(busy - even * bs), math.floor(ns - got)))
+
+
+class LendHistory:
+    """How long recent lends lasted (a worker's serving from the lend to the reclaim), to check the
+    scheduler's predicted reclaim (`lent_until`) against. The prediction divides the samples still
+    missing by the recent completion rate, which right after a publish still measures the previous
+    batch's tail: one-gpu at split 60, 80 s predicted at the lend's start (median) for 22 s lent."""
+
+    def __init__(self, keep: int = 16):
+        self.recent: deque[float] = deque(maxlen=keep)
+
+    def record(self, seconds: float) -> None:
+        if seconds > 0:
+            self.recent.append(seconds)
+
+    def window(self, now: float, lent_until: float, began: float) -> float:
+        """The rest of a lend that began at `began`, predicted to end at `lent_until` (0: no reclaim
+        predicted): the sooner of the prediction and the median of recent lends' measured length.
+        inf when neither predicts an end."""
+        end = lent_until if lent_until > 0 else math.inf
+        if self.recent:
+            end = min(end, began + quantile(self.recent, 0.5))
+        return end - now
+
+
+def level(busy: float, busy_slots: float, got: float, new_slots: float) -> float:
+    """The batch a worker that has begun serving (`got` running of `new_slots`) ends at once a busier
+    one (`busy` of `busy_slots`) has evened their loads: `rebalanced`'s level, in its sequences."""
+    return (busy + got) / max(busy_slots + new_slots, 1.0) * new_slots
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One request a worker that has just begun serving (a lend) might take from a busier one:
+    `remaining` tokens to go (LengthHistory.remaining; None: unknown), `context` tokens so far
+    (prompt and generated: what is prefilled again where it lands, at `prefill_s` a token). Where it
+    is, it decodes at `busy_step_s` a token after `wait_s` for a slot (a request queued in a full
+    engine), beside `busy_running` others; moved, at `lent_step_s` (the new worker's step with it
+    added), once the new worker has done the `lent_stall_s` of prefill it owes before this one's
+    (the requests moved to it before this one). Its re-prefill there delays the `lent_batch`
+    sequences the new worker runs meanwhile: its batch once the rebalance has evened the loads
+    (`level`). Counting only those it runs at the move left one-gpu at split 60 with 38% of the
+    generated tokens re-prefilled against 30% without rebalance, and 1.22x against 1.26x at a dear
+    re-prefill (bench/pipeline.py --rebalance)."""
+
+    remaining: float | None
+    context: float
+    busy_step_s: float
+    lent_step_s: float
+    prefill_s: float
+    wait_s: float = 0.0
+    busy_running: int = 0
+    lent_batch: float = 0.0
+    lent_stall_s: float = 0.0
+
+
+def move_worth(m: Move, window_s: float) -> float:
+    """Seconds that a move saves, net of its re-prefill: worth moving when > 0. `rebalanced` says
+    how many requests a worker takes at most; this says which.
+
+    Saved: how much sooner the request finishes (on the lent worker after the prefill owed there and
+    its own), counted within `window_s` (the rest of the lend: LendHistory.window; inf where no
+    reclaim is predicted), since what still runs on the lent worker at the reclaim moves again.
+    Cost: its re-prefill delays the `lent_batch` sequences there; and where it would not finish
+    before the reclaim, the reclaim's re-prefill of its context and what it decoded there delays
+    it and the `busy_running` others on a busy worker again.
+
+    Short turns on an idle lent worker are worth moving (live, 2 hosts: each decodes several times
+    faster there); the long requests a rebalance finds running under a long tail of lengths are not
+    (bench/pipeline.py --rebalance, one-gpu: they outlast the lend and pay twice)."""
+    if m.remaining is None or window_s <= 0:
+        return -math.inf
+    prefill = m.context * m.prefill_s
+    here = m.wait_s + m.remaining * m.busy_step_s
+    starts = m.lent_stall_s + prefill  # when it decodes its first token there
+    there = starts + m.remaining * m.lent_step_s
+    saved = min(here, window_s) - min(there, window_s)
+    cost = prefill * m.lent_batch
+    if there > window_s:  # still running at the reclaim: moved again, with what it decoded there
+        decoded = max(0.0, window_s - starts) / max(m.lent_step_s, 1e-12)
+        cost += (m.context + decoded) * m.prefill_s * (1 + m.busy_running)
+    return saved - cost
 
 
 @dataclass(frozen=True, slots=True)

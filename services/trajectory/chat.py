@@ -28,7 +28,7 @@ from services.trajectory.messagelist import InvalidMessage
 from services.trajectory.prompts import PromptBuilder, request_digests
 from services.trajectory.record import Prompt, last_worker, record
 from services.trajectory.rendering import Renderer, RenderError
-from services.trajectory.routing import LengthHistory, Picker, WorkerTable
+from services.trajectory.routing import Picker, WorkerTable
 from services.trajectory.store import Alias, DeltaRecord, InFlight, Lookup, SessionNotFound, Store
 from services.trajectory.turns import Turn
 from services.trajectory.turnstream import TurnStream
@@ -82,7 +82,7 @@ class TurnHandler:
         self.cfg, self.store, self.renderer, self.table, self.call = cfg, store, renderer, table, call
         self.prompts = PromptBuilder(store, renderer)
         self.owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-        self.lengths = LengthHistory()  # recent reply lengths per GRPO group, for predicted lending
+        self.lengths = table.lengths  # recent reply lengths per GRPO group: predicted lending, rebalance's worth test
         self.live: set[_Lease] = set()  # every handling in flight here: each gets keepalives (_tick)
         self._ticker: asyncio.Task | None = None
 

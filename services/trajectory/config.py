@@ -14,6 +14,9 @@ class TrajectoryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # a worker that begins serving (a lend) takes a share of the requests running on busier workers
     # (routing.WorkerTable.moves): they move with their partial tokens
     rebalance: bool = True
+    # ... but only the requests that shared/lending.py `move_worth` says finish sooner, within the rest of the
+    # lend, by more than their re-prefill costs (routing.WorkerTable.moves); False: the whole share, youngest first
+    rebalance_worth: bool = True
     first_token_timeout: float = timeouts.WORKER_FIRST_REPLY  # a worker's first reply (vLLM warms up on first use)
     token_timeout: float = timeouts.WORKER_IDLE  # between replies of one generation
     resume_wait: float = 600.0  # a re-sent request waits this long for the replica still serving it

@@ -29,7 +29,14 @@ a quarter of the lend window). So when a worker comes back to serving, each work
 requests on the busy worker (`RolloutControl(op="abort", scheduled=True)`: no failure counted) and they
 re-dispatch with their partial tokens to the least loaded worker, the new one. The youngest requests
 move (the least context to prefill again, the most tokens left to decode). Each replica moves only its
-own requests, in proportion to its share of the busy worker's load.
+own requests, in proportion to its share of the busy worker's load. With the worth test
+(SF_TRAJECTORY_REBALANCE_WORTH, on by default) that share is an upper bound: a request moves only
+where shared/lending.py `move_worth` says it finishes sooner, within the rest of the lend, by more than
+its re-prefill costs (the simulator runs the same test): its remaining length from `LengthHistory`
+(given what it has generated), the two workers' measured speeds at their batches, a re-prefilled token
+at REPREFILL_RATIO of a token decoded at full batch, and the rest of the lend the sooner of `lent_until`
+and the recent lends' measured length (`LendHistory`, from heartbeats: serving with `lent_until` set,
+then not serving).
 """
 
 from __future__ import annotations
@@ -41,10 +48,22 @@ from dataclasses import dataclass
 
 from shared.heartbeats import WorkerHeartbeats
 from shared import lending
-from shared.lending import DEFAULT_RULE, REBALANCE, REPREFILL_RATIO, DecodeSpeed, LengthHistory, Rule
+from shared.lending import (DEFAULT_RULE, REBALANCE, REPREFILL_RATIO, DecodeSpeed, LendHistory, LengthHistory, Move,
+                            Rule)
 from shared.messages import WorkerStatus
 
-__all__ = ["LengthHistory", "Picker", "WorkerTable"]  # LengthHistory lives in shared/lending.py
+__all__ = ["LengthHistory", "Picker", "Running", "WorkerTable"]  # LengthHistory lives in shared/lending.py
+
+
+@dataclass(slots=True)
+class Running:
+    """One request this replica runs on a worker: the tokens it was dispatched with (`context`: the
+    prompt, and on a re-dispatch what it had generated before), the tokens it has generated there
+    since, and its budget (max_tokens of the dispatch). What the rebalance's worth test reads."""
+
+    context: int = 0
+    generated: int = 0
+    budget: int = 0
 
 PREFER_OTHER_WORKER_S = 2.0  # after a preemption, how long to wait for a worker other than the preempter
 RATE_EWMA = 0.3  # weight of the newest heartbeat interval in a worker's token rate
@@ -59,9 +78,17 @@ class WorkerTable(WorkerHeartbeats):
         self.inflight: Counter[str] = Counter()
         self.rates: dict[str, float] = {}  # worker id -> generated tokens/s, a running mean of heartbeats
         self.reprefill_ratio = REPREFILL_RATIO if rule == "migrate" else None  # shared/lending.py's rule
+        self.lengths = LengthHistory()  # replies this replica saw (chat.py records them): predicted lending
+        self.lends = LendHistory()  # how long lends lasted, by heartbeats: the rebalance's worth test
+        self.serving_since: dict[str, float] = {}  # worker id -> when its heartbeats began saying "serving"
 
     def update(self, status: WorkerStatus) -> None:
         prev = self.get(status.worker_id)
+        was = prev is not None and prev.state == "serving"
+        if status.state == "serving" and not was:
+            self.serving_since[status.worker_id] = status.ts
+        elif was and status.state != "serving" and prev.lent_until > 0:  # a lent worker stopped: a reclaim
+            self.lends.record(status.ts - self.serving_since.pop(status.worker_id, status.ts))
         # only intervals where it generated: an idle or sleeping worker's rate is not its speed (a worker
         # lent after sleeping would otherwise look slow, and takes_turn would give it nothing)
         if prev is not None:
@@ -111,11 +138,13 @@ class WorkerTable(WorkerHeartbeats):
                 return sticky
         return best.worker_id
 
-    def moves(self, now: float, worker: str, mine: Mapping[str, Sequence[str]]) -> list[tuple[str, str]]:
+    def moves(self, now: float, worker: str, mine: Mapping[str, Sequence[str]],
+              running: Mapping[str, Running] | None = None) -> list[tuple[str, str]]:
         """`worker` has just begun serving: the (worker, request id) pairs to move to it, taken from
         `mine` (this replica's requests on each worker, oldest first). Each serving worker at the newest
-        version more than REBALANCE more loaded gives up the running sequences that even the two out
-        (by load: running / capacity), this replica its share of them, its youngest first."""
+        version more than REBALANCE more loaded gives up at most the running sequences that even the two
+        out (by load: running / capacity), this replica its share of them, its youngest first. With
+        `running` (what each request has done: the worth test) only those `move_worth` approves."""
         new = self.get(worker)
         serving = {s.worker_id: s for s in self.serving(now)}
         if new is None or worker not in serving:
@@ -124,15 +153,55 @@ class WorkerTable(WorkerHeartbeats):
         out: list[tuple[str, str]] = []
         got = max(new.running, self.inflight[worker])
         for s in sorted(serving.values(), key=lambda s: s.worker_id):
-            ids = mine.get(s.worker_id) or ()
+            ids = list(mine.get(s.worker_id) or ())
             if s.worker_id == worker or not ids or s.version < newest:
                 continue
             busy = max(s.running, self.inflight[s.worker_id], len(ids))
             k = lending.rebalanced(busy, s.capacity, got, new.capacity, REBALANCE)
             k = min(math.floor(k * len(ids) / busy), len(ids))  # this replica's share
-            out += [(s.worker_id, rid) for rid in list(ids)[len(ids) - k:]]
-            got += k
+            if k <= 0:
+                continue
+            took = ids[len(ids) - k:] if running is None else self._worth(now, s, new, ids, busy, got, k, running)
+            out += [(s.worker_id, rid) for rid in took]
+            got += len(took)
         return out
+
+    def _worth(self, now: float, busy_w: WorkerStatus, new: WorkerStatus, ids: list[str], busy: int, got: int,  # noqa: PLR0913 - the two workers' state and the share, as moves has them
+               k: int, running: Mapping[str, Running]) -> list[str]:
+        """Of this replica's requests `ids` on `busy_w` (oldest first), the first `k` from the youngest
+        that shared/lending.py's `move_worth` approves, each at the batches the moves before it left;
+        returned oldest first. Requests past the busy worker's slots wait in its engine for one. With no
+        speed measured on either worker nothing can be predicted: the share moves, as without the test."""
+        rate_b = self.rates.get(busy_w.worker_id, 0.0)
+        rate_n = self.rates.get(new.worker_id, 0.0) or rate_b  # a worker never measured: taken as the busy one
+        if rate_b <= 0 or rate_n <= 0:
+            return ids[len(ids) - k:]
+        fast, slow = DecodeSpeed(0.0, 1.0 / rate_n), DecodeSpeed(0.0, 1.0 / rate_b)  # DecodeSpeed.measured
+        cap = max(busy_w.capacity, 1)
+        window = self.lends.window(now, new.lent_until, self.serving_since.get(new.worker_id, now))
+        expected = self.lengths.expected(None)
+        waiting = max(0, busy - cap)  # the youngest wait for a slot in the busy worker's engine
+        pf = REPREFILL_RATIO / rate_n  # a re-prefilled token, against one decoded at full batch (1 / rate)
+        batch = lending.level(busy, cap, got, new.capacity)  # the new worker's, once the two are even
+        took: list[int] = []
+        stall = 0.0
+        for idx in range(len(ids) - 1, -1, -1):
+            if len(took) >= k:
+                break
+            r = running.get(ids[idx]) or Running()
+            left = max(0, r.budget - r.generated) if r.budget else None
+            ahead = self.lengths.remaining(None, r.generated)
+            ahead = left if ahead is None else (ahead if left is None else min(ahead, left))
+            queued = idx - (len(ids) - waiting) + 1  # its place in the busy worker's queue (<= 0: running)
+            wait = queued * (expected or ahead or 0.0) * slow.step_s(cap) / cap if queued > 0 else 0.0
+            m = Move(ahead, r.context + r.generated, slow.step_s(min(busy, cap)), fast.step_s(got + 1), pf, wait,
+                     busy_running=min(busy, cap) - 1, lent_batch=batch, lent_stall_s=stall)
+            if lending.move_worth(m, window) > 0:
+                took.append(idx)
+                stall += (r.context + r.generated) * pf
+                busy -= 1
+                got += 1
+        return [ids[i] for i in sorted(took)]
 
     def others(self, now: float, exclude: frozenset[str]) -> bool:
         """Is any worker outside `exclude` alive (heartbeat fresh), serving or not?"""

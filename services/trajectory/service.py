@@ -32,7 +32,7 @@ from services.trajectory.config import TrajectoryConfig
 from services.trajectory.finishing import Publisher
 from services.trajectory.messagelist import ChatRequestIn
 from services.trajectory.rendering import Renderer
-from services.trajectory.routing import WorkerTable
+from services.trajectory.routing import Running, WorkerTable
 from services.trajectory.sessions import SessionOps
 from services.trajectory.store import Store
 from shared import backpressure, bus, subjects
@@ -55,6 +55,7 @@ from shared.messages import (
     RolloutReply,
     SessionReply,
     SessionRequest,
+    TokenDelta,
     WeightsPublished,
     WorkerStatus,
 )
@@ -69,7 +70,8 @@ class TrajectoryService:
         self.cfg, self.conn = cfg, conn
         self.table = WorkerTable(cfg.worker_stale_after)
         self.running: dict[str, asyncio.Task] = {}
-        self.on_worker: dict[str, dict[str, None]] = {}  # worker -> the Generate ids this replica runs there, oldest first
+        # worker -> the Generate ids this replica runs there, oldest first, with what each has done (rebalance)
+        self.on_worker: dict[str, dict[str, Running | None]] = {}
         self.session_ops: set[asyncio.Task] = set()
         self.policy_version = -1  # newest WeightsPublished; -1 until one is seen
         self.limits = backpressure.limits_from_env()
@@ -229,7 +231,9 @@ class TrajectoryService:
     async def _rebalance(self, worker: str) -> None:
         """`worker` has begun serving (a lend): move it its share of the busier workers' requests
         (routing.WorkerTable.moves); each ends "preempted", scheduled, and re-dispatches to it."""
-        moves = self.table.moves(time.time(), worker, {w: list(ids) for w, ids in self.on_worker.items()})
+        running = {rid: r for ids in self.on_worker.values() for rid, r in ids.items() if r is not None}
+        moves = self.table.moves(time.time(), worker, {w: list(ids) for w, ids in self.on_worker.items()},
+                                 running if self.cfg.rebalance_worth else None)
         if moves:
             log.info("worker %s serves: moving %d request(s) to it from %s", worker, len(moves),
                      ", ".join(sorted({w for w, _ in moves})))
@@ -243,7 +247,8 @@ class TrajectoryService:
     async def _call(self, worker: str, cmd: Generate) -> AsyncIterator[RolloutReply]:
         """Stream one Generate to `worker`. A worker that vanishes counts as a preemption."""
         self.table.inflight[worker] += 1
-        self.on_worker.setdefault(worker, {})[cmd.request_id] = None
+        run = Running(tokenpath.count(cmd.prompt_ids), 0, cmd.sampling.max_tokens)
+        self.on_worker.setdefault(worker, {})[cmd.request_id] = run
         finished = timed_out = False
         instance = self.table.instance(worker)
         try:
@@ -260,6 +265,8 @@ class TrajectoryService:
                     for reply in merge_deltas(got):
                         if isinstance(reply, GenerateDone):
                             finished = True
+                        elif isinstance(reply, TokenDelta):
+                            run.generated += len(reply.token_ids)
                         yield reply
                         if finished:
                             return

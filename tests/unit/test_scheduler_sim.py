@@ -333,6 +333,24 @@ def test_a_lent_host_takes_its_share_of_the_running_turns_with_rebalance():
     assert abs(moved.unaccounted_generated) < 1e-6 * moved.generated
 
 
+def test_the_worth_test_keeps_rebalance_from_moving_long_requests_that_outlast_the_lend():
+    """The one-gpu calibration's long tail on 16 hosts, 15 of them the train pool: a lend finds the
+    rollout host full of long requests. Moving its share of them (Options.rebalance_worth False, as
+    before) re-prefills three times the tokens for nothing; shared/lending.py `move_worth` moves only
+    those that finish sooner by more than their re-prefill, and stays at the re-prefill and the
+    trained tok/s of no rebalance."""
+    wl = replace(WORKLOADS["one-gpu-reasoning"], groups_per_step=128)
+    kw = {"steps": 8}
+    off = simulate(Cluster.uniform(16, 15), CALIBRATIONS["one-gpu"], wl, "seamless", **kw)
+    share = simulate(Cluster.uniform(16, 15), CALIBRATIONS["one-gpu"], wl, "seamless", rebalance=True,
+                     rebalance_worth=False, **kw)
+    worth = simulate(Cluster.uniform(16, 15), CALIBRATIONS["one-gpu"], wl, "seamless", rebalance=True, **kw)
+    assert share.reprefilled > 2.5 * off.reprefilled  # measured 1.04 against 0.32 of generated
+    assert worth.reprefilled < 1.1 * off.reprefilled  # measured 0.317
+    assert worth.trained_tokens_per_s > 0.98 * off.trained_tokens_per_s  # measured 0.997
+    assert abs(worth.unaccounted_generated) < 1e-6 * worth.generated
+
+
 def test_with_turns_waiting_for_a_slot_rebalance_moves_nothing():
     """A lent host that the queue fills takes nothing from the others: moving a running turn there
     would prefill its context again for a slot a waiting turn takes anyway. (Before, the one-gpu

@@ -104,3 +104,65 @@ def test_rebalanced_evens_the_load_out_between_a_busy_worker_and_one_that_begins
     assert rebalanced(20, 64, 10, 64, REBALANCE) == 0  # within REBALANCE (a quarter) of each other
     assert rebalanced(0, 64, 0, 64, REBALANCE) == 0
     assert rebalanced(80, 64, 30, 32, 0.0) == 2  # over its slots (queued turns counted): no more than fit
+
+
+def test_a_reply_that_has_run_long_is_predicted_by_the_longer_replies_only():
+    from shared.lending import LengthHistory
+    h = LengthHistory()
+    h.record_recent([100.0] * 18 + [1000.0, 4000.0])
+    assert h.remaining(None, 0) == 1000.0  # the 90th percentile of all twenty
+    assert h.remaining(None, 50) == 950.0
+    assert h.remaining(None, 500) == 3500.0  # past 100: only 1,000 and 4,000 were that long
+    assert h.remaining(None, 4000) is None  # none was longer: nothing to predict from
+    h.record("g", 96.0)
+    assert h.remaining("g", 48) == 48.0  # its group's, where it has one
+
+
+def test_the_rest_of_a_lend_is_the_sooner_of_the_prediction_and_the_lends_measured():
+    from shared.lending import LendHistory
+    h = LendHistory()
+    assert h.window(100.0, 180.0, 95.0) == 80.0  # nothing measured: the prediction (lent_until)
+    assert h.window(100.0, 0.0, 95.0) == float("inf")  # no reclaim predicted
+    for s in (20.0, 22.0, 30.0):
+        h.record(s)
+    assert h.window(100.0, 180.0, 95.0) == 17.0  # began at 95, lends last 22 s: 17 s left
+    assert h.window(100.0, 110.0, 95.0) == 10.0  # a prediction sooner than that stands
+    assert h.window(100.0, 0.0, 95.0) == 17.0
+
+
+def test_level_is_where_rebalanced_leaves_the_new_worker():
+    from shared.lending import REBALANCE, level, rebalanced
+    assert level(64, 64, 0, 64) == 32.0 == rebalanced(64, 64, 0, 64, REBALANCE)
+    assert level(60, 64, 10, 64) == 35.0
+
+
+def test_a_short_turn_moves_to_an_idle_lent_worker_and_a_long_one_that_outlasts_the_lend_does_not():
+    from shared.lending import Move, move_worth
+    # live, 2 hosts: 48 of 96 tokens to go at 18 ms a token beside 63 others, against 2.25 ms on the lent
+    # worker; 80 tokens of context at 0.07 ms each delay the 32 it runs once even: 0.86 s - 0.11 s - 0.18 s
+    short = Move(48, 80, 0.018, 0.00225, 0.00007, busy_running=63, lent_batch=32)
+    assert move_worth(short, 2.0) > 0.5
+    assert move_worth(short, float("inf")) == move_worth(short, 2.0)  # both finish within the window
+    # one-gpu at split 60: 3,800 tokens in, 6,000 to go, at 24.8 ms against 12.2 ms, in a lend of 22 s: it
+    # finishes in neither place before the reclaim (saves nothing counted) and pays the re-prefill twice
+    long = Move(6000, 3800, 0.0248, 0.0122, 1 / 15_000, busy_running=63, lent_batch=32)
+    assert move_worth(long, 22.0) < 0
+    # ... but where the lend lasts long enough for it to finish there, it is worth moving
+    assert move_worth(long, 100.0) > 0
+    # nothing to predict its length from: never moved; a lend already over: never
+    assert move_worth(Move(None, 80, 0.018, 0.00225, 0.00007), 2.0) == float("-inf")
+    assert move_worth(short, 0.0) == float("-inf")
+    # a request waiting for a slot in a full engine saves its wait too
+    queued = Move(96, 32, 0.018, 0.018, 0.00007, wait_s=1.0, busy_running=63, lent_batch=32)
+    assert move_worth(queued, 5.0) > 0.9
+    # prefill owed on the lent worker before it (the moves before this one) delays it there
+    assert move_worth(Move(48, 80, 0.018, 0.00225, 0.00007, lent_stall_s=0.5), 2.0) < move_worth(short, 2.0)
+
+
+@given(st.floats(1, 1e4), st.floats(0, 1e4), st.floats(1e-4, 0.1), st.floats(1e-4, 0.1), st.floats(0.1, 1e3))
+def test_moving_to_a_worker_no_faster_never_pays(remaining, context, busy_step, lent_step, window):
+    """Property: a request whose step on the lent worker is no shorter than where it is saves nothing
+    that its re-prefill does not cost."""
+    from shared.lending import Move, move_worth
+    m = Move(remaining, context, busy_step, max(lent_step, busy_step), 1e-5, busy_running=7, lent_batch=4)
+    assert move_worth(m, window) <= 0

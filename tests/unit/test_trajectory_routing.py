@@ -210,3 +210,47 @@ def test_a_worker_that_begins_serving_takes_its_share_of_the_busier_workers_requ
     t.update(WorkerStatus("new", "vacated", 0, 0, 8, "m", 2048, 100.0))
     assert t.moves(101, "new", mine) == []
     assert t.moves(101, "nobody", mine) == []
+
+
+def _measured(t, wid, running, cap, rate, lent_until=0.0):
+    """Two heartbeats 1 s apart at `rate` tokens/s (what WorkerTable.rates reads), the second at ts 100."""
+    t.update(WorkerStatus(wid, "serving", 0, running, cap, "m", 2048, 99.0, lent_until=lent_until))
+    t.update(WorkerStatus(wid, "serving", 0, running, cap, "m", 2048, 100.0, generated_tokens=int(rate),
+                          lent_until=lent_until))
+
+
+def test_the_worth_test_moves_short_turns_to_a_lent_worker_and_keeps_long_ones_that_outlast_the_lend():
+    """routing.WorkerTable.moves with what each request has done (SF_TRAJECTORY_REBALANCE_WORTH): the
+    share `rebalanced` allows is an upper bound; a request moves only where shared/lending.py's
+    `move_worth` approves (without the test, the whole share moves whatever the requests are)."""
+    from services.trajectory.routing import Running
+    t = WorkerTable(stale_after=5)
+    _measured(t, "busy", 8, 8, 800.0)  # 10 ms a token for each of 8
+    t.update(_lent("new", cap=8, lent_until=110.0))
+    ids = [f"r{i}" for i in range(8)]
+    t.lengths.record_recent([96.0] * 20)
+    # 88 tokens to go: 0.88 s here, 0.12-0.49 s there (its batch 1-4, the earlier moves' prefill first):
+    # the whole share is worth it, as without the test
+    short = {rid: Running(context=32, generated=8, budget=96) for rid in ids}
+    assert t.moves(101, "new", {"busy": ids}, short) == [("busy", f"r{i}") for i in range(4, 8)]
+    assert t.moves(101, "new", {"busy": ids}) == [("busy", f"r{i}") for i in range(4, 8)]
+    # replies of 4,000 tokens, a lend of 3 s more: 3,992 tokens take 40 s here and 5.3 s there at the
+    # least; neither finishes before the reclaim, which would move it again with its context re-prefilled
+    t.lengths.record_recent([4000.0] * 256)
+    t.update(_lent("new", cap=8, lent_until=104.0))
+    long = {rid: Running(context=1024, generated=8, budget=8000) for rid in ids}
+    assert t.moves(101, "new", {"busy": ids}, long) == []
+    assert len(t.moves(101, "new", {"busy": ids})) == 4  # without the test: the share, whatever it costs
+    # the same requests with a lend that lasts: worth it
+    t.update(_lent("new", cap=8, lent_until=200.0))
+    assert len(t.moves(101, "new", {"busy": ids}, long)) > 0
+
+
+def test_a_lend_is_measured_from_heartbeats_and_shortens_the_window():
+    t = WorkerTable(stale_after=50)
+    t.update(_lent("new", lent_until=200.0, ts=100.0))  # serving, lent
+    t.update(_lent("new", lent_until=200.0, ts=101.0))
+    t.update(WorkerStatus("new", "vacated", 0, 0, 4, "m", 2048, 112.0))  # reclaimed: 12 s lent
+    assert list(t.lends.recent) == [12.0]
+    t.update(_lent("new", lent_until=300.0, ts=120.0))  # lent again at 120, predicted until 300
+    assert t.lends.window(125.0, 300.0, t.serving_since["new"]) == 7.0

@@ -4,6 +4,7 @@ closed, and best-effort failures are logged once per cause (not swallowed)."""
 from __future__ import annotations
 
 import logging
+import time
 import types
 
 import pytest
@@ -167,6 +168,19 @@ async def test_a_done_carrying_the_held_tail_comes_with_it():
     assert got[-1].finish_reason == "stop" and got[-1].tail_ids == [2, 3] and got[-1].version == 4
 
 
+async def test_a_call_records_what_its_request_has_done_for_the_rebalance():
+    # routing.Running: the tokens it was dispatched with, those generated since, its budget (the worth test)
+    from dataclasses import replace as copy
+
+    from services.trajectory.routing import Running
+    s = service(None)
+    s.nc = HeldTailNC()
+    seen = [copy(s.on_worker["w0"]["r.0"]) async for _ in s._call("w0", Generate("r.0", [1, 2], Sampling(max_tokens=50),
+                                                                                   hold_s=0.1))]
+    assert seen[0] == Running(2, 1, 50)
+    assert "r.0" not in s.on_worker["w0"]  # gone with the call
+
+
 async def test_a_turn_or_session_op_that_waited_out_its_place_in_the_redis_line_is_a_503_overloaded():
     # not `redis_unavailable`: Redis answers, this replica is behind (shared/redispool.PoolExhausted)
     from shared.codec import decode
@@ -235,3 +249,26 @@ async def test_a_worker_that_begins_serving_is_moved_its_share_of_this_replicas_
             assert moved == []
         await status(s, "lent", "serving", 0)  # a heartbeat of a worker that serves already moves nothing
         assert len(s.nc.ctl) == len(moved)
+
+
+async def test_the_worth_test_reads_what_each_request_has_done():
+    """SF_TRAJECTORY_REBALANCE_WORTH: the requests _call records (routing.Running: context, tokens
+    generated, budget) go to routing.WorkerTable.moves; a lend that ends before any of them would finish
+    moves none of them. Without the test, the share moves."""
+    from services.trajectory.routing import Running
+    from shared.messages import WorkerStatus
+
+    def status(s, wid, running, ts, tokens=0, lent_until=0.0):
+        st = WorkerStatus(wid, "serving", 0, running, 8, "m", 2048, ts, generated_tokens=tokens, lent_until=lent_until)
+        return s._on_status(types.SimpleNamespace(data=encode(st), subject=subjects.ROLLOUT_STATUS, headers=None))
+
+    now = time.time()
+    for worth in (True, False):
+        s = TrajectoryService(TrajectoryConfig(rebalance_worth=worth), Connections())
+        s.nc = CtlNC()
+        await status(s, "busy", 8, now - 1, 0)
+        await status(s, "busy", 8, now, 800)  # 800 tokens/s
+        s.table.lengths.record_recent([4000.0] * 20)
+        s.on_worker["busy"] = {f"r{i}.0": Running(1024, 8, 8000) for i in range(8)}
+        await status(s, "lent", 0, now, lent_until=now + 2.0)  # begins serving, lent for 2 s more
+        assert len(s.nc.ctl) == (0 if worth else 4)

@@ -86,7 +86,8 @@ from services.scheduler import policy as P
 from services.scheduler.sim.result import Result, Totals
 from services.scheduler.sim.workload import Calibration, Workload
 from shared.admission import Admission, Backlog
-from shared.lending import DEFAULT_RULE, REBALANCE, DecodeSpeed, LengthHistory, Offer, lent_offer, rebalanced
+from shared.lending import (DEFAULT_RULE, REBALANCE, DecodeSpeed, LendHistory, LengthHistory, Move, Offer,
+                            lent_offer, level, move_worth, rebalanced)
 
 MODES = ("idle", "rollout", "train")  # array codes 0, 1, 2
 _MODE = {m: i for i, m in enumerate(MODES)}
@@ -165,6 +166,10 @@ class Options:
     # with their partial tokens (prefilled again): the live router's SF_TRAJECTORY_REBALANCE, shared/lending.py
     # `rebalanced`. Off by default (the planning runs predate it)
     rebalance: bool = False
+    # with rebalance: move a running turn only where shared/lending.py `move_worth` says it saves more time
+    # than its re-prefill costs (the live router's SF_TRAJECTORY_REBALANCE_WORTH); False: the first
+    # `rebalanced` of them, youngest first, as before
+    rebalance_worth: bool = True
 
 
 def host_id(i: int) -> str:
@@ -204,6 +209,8 @@ class Simulator:
         self.stall = np.zeros(n)  # seconds of prefill / weight load a host owes before decoding
         self.hversion = np.zeros(n, np.int64)
         self.lent_until = np.zeros(n)
+        self.rolled_since = np.zeros(n)  # when each host last began rolling out
+        self.lends_measured = LendHistory()  # how long lends of pool hosts lasted (the rebalance worth test)
         self.k_run = np.zeros(n, np.int64)  # running sequences per host, kept as they start and stop
         self.hosts = [P.Host(host_id(i), cluster.tags[i], cluster.capacity[i]) for i in range(n)]
         self.index = {h.id: i for i, h in enumerate(self.hosts)}
@@ -360,6 +367,7 @@ class Simulator:
                     vacate.append(i)
                 if new == 2:
                     self.tot.reclaims += 1
+                    self.lends_measured.record(self.t - float(self.rolled_since[i]))
             elif new == 1 and i in self.pool:
                 self.tot.lends += 1
         if vacate:
@@ -374,6 +382,7 @@ class Simulator:
             i = int(i)
             if self.target[i] == 1 and self.mode[i] != 1:
                 began.append(i)
+                self.rolled_since[i] = self.t
             self.mode[i] = self.target[i]
             self.switch_end[i] = math.inf
             h = self.hosts[i]
@@ -407,10 +416,41 @@ class Simulator:
             if k <= 0:
                 continue
             on = np.nonzero((self.s_state == RUNNING) & (self.s_host == j))[0]
-            moved = on[np.argsort(self.s_gen[on], kind="stable")][:k]
+            on = on[np.argsort(self.s_gen[on], kind="stable")]
+            moved = self._worth_moving(i, j, on, k, got) if self.opt.rebalance_worth else on[:k]
+            if not len(moved):
+                continue
             self._migrate(moved)
             self.k_run[j] -= len(moved)
             got += len(moved)
+
+    def _worth_moving(self, i: int, j: int, on: np.ndarray, k: int, got: int) -> np.ndarray:
+        """Of the turns `on` running on host j (youngest first), the first `k` that shared/lending.py's
+        `move_worth` says are worth moving to host i (which runs `got`): each at the two hosts'
+        batches as the moves before it left them, its remaining length from the live router's
+        predictor, its context prefilled again at the calibration's prefill rate."""
+        cal, wm = self.cal, self.w / self.m
+        window = self.lends_measured.window(self.t, float(self.lent_until[i]), float(self.rolled_since[i]))
+        out: list[int] = []
+        busy = int(self.k_run[j])
+        stall = float(self.stall[i])  # prefill and weight loads host i owes, then each move's re-prefill
+        pf = cal.prefill_s_per_token * self.w / (self.cap[i] * self.m)  # a simulated turn's, as _start charges it
+        batch = level(busy, self.K, got, self.K) * wm  # host i's, in real sequences, once the two are even
+        for s in on.tolist():
+            if len(out) >= k:
+                break
+            ahead = self.lengths.remaining(None, float(self.s_gen[s]))
+            if ahead is not None:  # never past the workload's cap on a reply
+                ahead = min(ahead, self.wl.length_cap - float(self.s_gen[s]))
+            m = Move(ahead, float(self.s_ctx[s]), (cal.decode_a_s + cal.decode_b_s * busy * wm) / self.cap[j],
+                     (cal.decode_a_s + cal.decode_b_s * (got + 1) * wm) / self.cap[i], pf,
+                     busy_running=round((busy - 1) * wm), lent_batch=batch, lent_stall_s=stall)
+            if move_worth(m, window) > 0:
+                out.append(s)
+                stall += float(self.s_ctx[s]) * pf
+                busy -= 1
+                got += 1
+        return np.array(out, np.int64)
 
     # -- sessions ----------------------------------------------------------------------------
 
