@@ -10,6 +10,7 @@ import pytest
 from services.trajectory import chat
 from services.trajectory.chat import TurnError, TurnHandler
 from services.trajectory.config import TrajectoryConfig
+from services.trajectory.routing import WorkerTable
 from services.trajectory.store import DeltaRecord, InFlight, Store
 from tests.integration.conftest import begin_request
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.integration
 
 
 def handler(store: Store, resume_wait: float = 5.0) -> TurnHandler:
-    return TurnHandler(TrajectoryConfig(resume_wait=resume_wait), store, renderer=None, table=None, call=None)
+    return TurnHandler(TrajectoryConfig(resume_wait=resume_wait), store, renderer=None, table=WorkerTable(5.0), call=None)
 
 
 def state() -> InFlight:
