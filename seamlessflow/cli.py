@@ -45,6 +45,9 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
                         "SF_NATS_TLS_* and SF_REDIS_TLS_*")
     p.add_argument("--served-model", default="seamlessflow-tiny")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences one rollout worker's vLLM engine batches (default 16; the demo: a round's "
+                        "sessions, groups x group size, at most 256)")
     p.add_argument("--policy", choices=["colocated", "disaggregated", "seamless"],
                    help="run the tag scheduler and one host agent per --hosts entry instead of plain workers")
     p.add_argument("--hosts", default="train+rollout,rollout",
@@ -86,6 +89,7 @@ def _stack_options(a: argparse.Namespace):
         model=model.resolve(), data_dir=a.data_dir, workers=a.workers, trajectory_replicas=a.trajectory_replicas,
         gateway_port=a.gateway_port, admin_port=a.admin_port, nats_port=a.nats_port, redis_port=a.redis_port,
         served_model=a.served_model, max_model_len=a.max_model_len,
+        **({"max_num_seqs": a.max_num_seqs} if getattr(a, "max_num_seqs", None) else {}),
         policy=a.policy or "", hosts=parse_hosts(a.hosts) if a.policy else [], train=bool(a.train),
         worker_cmd=a.worker_cmd, pin=a.pin, external_nats=getattr(a, "nats_url", ""),
         external_redis=getattr(a, "redis_url", ""), tls=a.tls,
@@ -198,11 +202,13 @@ def cmd_demo(a: argparse.Namespace) -> None:
 def demo_plan(a: argparse.Namespace):
     """The demo's rounds: --groups and --group-size, where not given, are the task's recipe
     (seamlessflow/demo/rl.py TASK_RECIPES); `a` gets them too, for the command line it reports."""
-    from seamlessflow.demo.rl import TASK_RECIPES, Rounds
+    from seamlessflow.demo.rl import TASK_RECIPES, Rounds, demo_max_num_seqs
 
     recipe = TASK_RECIPES[a.task]
     a.groups = a.groups or recipe.groups
     a.group_size = a.group_size or recipe.group_size
+    # the rollout worker batches a whole round (--max-num-seqs wins where given)
+    a.max_num_seqs = a.max_num_seqs or demo_max_num_seqs(a.groups, a.group_size)
     return Rounds(a.rounds, a.groups, a.group_size, a.task, a.seed)
 
 
@@ -210,11 +216,15 @@ def _demo_command(a: argparse.Namespace) -> str:
     """The command line that reproduces this demo run (for the report's summary.md)."""
     import shlex
 
+    from seamlessflow.demo.rl import demo_max_num_seqs
+
     # the venv's console script: a newcomer who copies the line has not activated the venv
     args = [".venv/bin/seamlessflow", "demo", "--task", a.task, "--seed", str(a.seed), "--rounds", str(a.rounds),
             "--groups", str(a.groups), "--group-size", str(a.group_size), "--data-dir", str(a.data_dir)]
     if a.model is not None:
         args += ["--model", str(a.model)]
+    if a.max_num_seqs != demo_max_num_seqs(a.groups, a.group_size):  # given, not derived
+        args += ["--max-num-seqs", str(a.max_num_seqs)]
     if a.policy:
         args += ["--policy", a.policy, "--hosts", a.hosts] + ["--train"] * bool(a.train) + ["--pin"] * bool(a.pin)
     return shlex.join(args)

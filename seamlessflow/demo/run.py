@@ -139,7 +139,7 @@ def run_demo(opts: StackOptions, plan: Rounds = Rounds(), command: str = "seamle
         task=task, rounds=result.rounds, staleness=run.staleness, newest_version=run.newest,
         started_at=run.started_at, samples=run.telemetry.samples, host_timeline=run.host_timeline,
         settings={"task": task, "seed": seed, "rounds": rounds, "groups per round": groups, "group size": group_size,
-                  "model": str(opts.model), "policy": opts.policy or "(none: plain rollout workers)",
+                  "rollout max_num_seqs": opts.max_num_seqs, "model": str(opts.model), "policy": opts.policy or "(none: plain rollout workers)",
                   **{f"trainer {k}": v for k, v in settings.items()}, "max staleness": 2},
         commands=["bash scripts/bootstrap.sh", command], trajectories=out,
         notes=[f"{n} samples exported ({sum(sum(r['loss_mask']) for r in rows)} generated tokens with "

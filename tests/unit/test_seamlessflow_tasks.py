@@ -156,3 +156,39 @@ def test_demo_takes_the_tasks_recipe_unless_told():
     assert (demo_plan(told).groups, demo_plan(told).group_size, told.groups) == (2, 4, 2)
     assert trainer_settings("reverse")["lr"] == 2e-4 and trainer_settings("calc")["lr"] == 1e-4
     assert trainer_settings("reverse")["drop_uniform_groups"] is True
+
+
+def test_demo_rollout_worker_batches_a_whole_round(tmp_path, monkeypatch):
+    """The demo's vLLM engine takes a round's sessions in one batch (issue 26: at the old 16, the
+    reverse recipe's 128 sessions decoded in 8 waves): max_num_seqs = groups x group_size, capped,
+    reaches the rollout worker's environment; --max-num-seqs wins; `up` keeps its 16."""
+    import argparse
+
+    from seamlessflow import cli
+    from seamlessflow.demo.rl import MAX_DEMO_SEQS, demo_max_num_seqs
+    from seamlessflow.stack import Stack
+
+    assert (demo_max_num_seqs(8, 16), demo_max_num_seqs(4, 8), demo_max_num_seqs(64, 64)) == (128, 32, MAX_DEMO_SEQS)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+
+    def demo_opts(*argv):
+        p = argparse.ArgumentParser()
+        cli._demo_args(p)
+        a = p.parse_args(["--model", str(model), "--data-dir", str(tmp_path / "var"), *argv])
+        cli.demo_plan(a)
+        return a, cli._stack_options(a)
+
+    a, opts = demo_opts()
+    assert opts.max_num_seqs == 128 and "--max-num-seqs" not in cli._demo_command(a)
+    seen = {}
+    monkeypatch.setattr(Stack, "_spawn", lambda self, name, argv, env, **k: seen.update(env))
+    Stack(opts).spawn_rollout("rollout-0")
+    assert seen["SF_ROLLOUT_MAX_NUM_SEQS"] == "128"
+    assert demo_opts("--task", "calc")[1].max_num_seqs == 32
+    a, opts = demo_opts("--max-num-seqs", "24")
+    assert opts.max_num_seqs == 24 and "--max-num-seqs 24" in cli._demo_command(a)
+    p = argparse.ArgumentParser()
+    cli._up_args(p)
+    assert cli._stack_options(p.parse_args(["--model", str(model)])).max_num_seqs == 16
