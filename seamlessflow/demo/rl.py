@@ -195,13 +195,17 @@ def uniform_groups(rewards: list[float], group_size: int) -> int:
     return sum(len(set(rewards[k:k + group_size])) == 1 for k in range(0, len(rewards), group_size))
 
 
-async def one_agent(base_url: str, key: str, task_name: str, task: str, target: str, max_tokens: int) -> Episode:
-    """Only base_url and api_key point at SeamlessFlow."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=key, timeout=180, max_retries=0)
+async def one_agent(base_url: str, key: str, task_name: str, task: str, target: str, max_tokens: int,  # noqa: PLR0913  the agent's inputs
+                    http_client: httpx.AsyncClient | None = None) -> Episode:
+    """Only base_url and api_key point at SeamlessFlow. `http_client`: a connection pool the
+    agents share (the SDK's own default builds an SSL context per client: ~40 ms of CPU each,
+    which at 128 sessions a round cost seconds of every round, issue 26); the caller closes it."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=key, timeout=180, max_retries=0, http_client=http_client)
     try:
         return await AGENTS[task_name](client, task, target, max_tokens)
     finally:
-        await client.close()
+        if http_client is None:  # the SDK's close() would close a shared pool too
+            await client.close()
 
 
 @dataclass(frozen=True)
@@ -225,7 +229,8 @@ async def run_rounds(stack: Stack, plan: Rounds, log: Callable[[str], None] = pr
     rng = random.Random(plan.seed)
     out = RLResult()
     headers = {"Authorization": f"Bearer {stack.api_key}"}
-    async with httpx.AsyncClient(base_url=stack.gateway_url, headers=headers, timeout=120) as http:
+    async with (httpx.AsyncClient(base_url=stack.gateway_url, headers=headers, timeout=120) as http,
+                openai.DefaultAsyncHttpxClient(timeout=180) as agents_http):
 
         async def session(gid: str, prompt: str, target: str) -> Episode:
             for _ in range(60):  # admission control may ask us to wait (429)
@@ -235,7 +240,7 @@ async def run_rounds(stack: Stack, plan: Rounds, log: Callable[[str], None] = pr
                 await asyncio.sleep(0.5)
             r.raise_for_status()
             s = r.json()
-            ep = await one_agent(stack.gateway_url, s["api_key"], task, prompt, target, max_tokens)
+            ep = await one_agent(stack.gateway_url, s["api_key"], task, prompt, target, max_tokens, agents_http)
             f = await http.post(f"/sessions/{s['id']}/finish", json={"reward": ep.reward})
             f.raise_for_status()
             return ep

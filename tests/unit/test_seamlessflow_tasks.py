@@ -192,3 +192,31 @@ def test_demo_rollout_worker_batches_a_whole_round(tmp_path, monkeypatch):
     p = argparse.ArgumentParser()
     cli._up_args(p)
     assert cli._stack_options(p.parse_args(["--model", str(model)])).max_num_seqs == 16
+
+
+def test_demo_agents_share_one_connection_pool_each_with_its_own_key():
+    """The demo's agents share one HTTP pool (the SDK's default builds an SSL context per client,
+    ~40 ms of CPU: seconds of every 128-session round, issue 26): each still sends its session's
+    own key, and no agent closes the shared pool."""
+    from seamlessflow.demo.rl import one_agent
+
+    keys = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        keys.append(request.headers["authorization"])
+        return httpx.Response(200, json={
+            "id": "c", "object": "chat.completion", "created": 0, "model": "m",
+            "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
+                         "message": {"role": "assistant", "content": "21"}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+
+    async def main() -> list:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as pool:
+            eps = await asyncio.gather(*(one_agent("http://gw/v1", f"sk-{i}", "reverse", "reverse 12", "21", 8, pool)
+                                         for i in range(3)))
+            assert not pool.is_closed
+            return eps
+
+    eps = asyncio.run(main())
+    assert sorted(keys) == ["Bearer sk-0", "Bearer sk-1", "Bearer sk-2"]
+    assert [e.reward for e in eps] == [1.0, 1.0, 1.0]
