@@ -196,6 +196,7 @@ def cmd_demo(a: argparse.Namespace) -> None:
         a.model = prepare_model(a.data_dir, task=a.task, seed=a.seed, log=lambda m: print(m, file=sys.stderr, flush=True))
     opts = _stack_options(a)
     opts.ready_timeout = a.ready_timeout
+    opts.extra_env["SF_TRAJECTORY_MAX_STALENESS"] = str(a.max_staleness)
     sys.exit(run_demo(opts, plan, command=command))
 
 
@@ -225,6 +226,8 @@ def _demo_command(a: argparse.Namespace) -> str:
         args += ["--model", str(a.model)]
     if a.max_num_seqs != demo_max_num_seqs(a.groups, a.group_size):  # given, not derived
         args += ["--max-num-seqs", str(a.max_num_seqs)]
+    if a.max_staleness != 2:  # noqa: PLR2004  the flag's default
+        args += ["--max-staleness", str(a.max_staleness)]
     if a.policy:
         args += ["--policy", a.policy, "--hosts", a.hosts] + ["--train"] * bool(a.train) + ["--pin"] * bool(a.pin)
     return shlex.join(args)
@@ -384,6 +387,9 @@ def _up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart-limit", type=int, default=5,
                    help="give a service up after this many restarts within --restart-window seconds")
     p.add_argument("--restart-window", type=float, default=60.0)
+    p.add_argument("--max-staleness", type=int, default=2,
+                   help="admission control: a token is trained at most this many policy versions after it was "
+                        "generated (the trajectory manager holds new sessions back beyond it); -1 = off")
     p.add_argument("--ready-timeout", type=float, default=240.0,
                    help="seconds a service may take to get ready (a vLLM engine on a busy CPU takes minutes)")
 
@@ -407,6 +413,9 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", choices=["reverse", "calc"], default="reverse",
                    help="reverse: reverse the digits (one turn); calc: a calculator tool call, its result, the answer")
     p.add_argument("--seed", type=int, default=0, help="prompts, warm start and trainer seed")
+    p.add_argument("--max-staleness", type=int, default=2,
+                   help="admission control: a token is trained at most this many policy versions after it was "
+                        "generated (the trajectory manager holds new sessions back beyond it); -1 = off")
     p.add_argument("--ready-timeout", type=float, default=240.0,
                    help="seconds a service may take to get ready (a vLLM engine on a busy CPU takes minutes)")
 
