@@ -387,9 +387,6 @@ def _up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart-limit", type=int, default=5,
                    help="give a service up after this many restarts within --restart-window seconds")
     p.add_argument("--restart-window", type=float, default=60.0)
-    p.add_argument("--max-staleness", type=int, default=2,
-                   help="admission control: a token is trained at most this many policy versions after it was "
-                        "generated (the trajectory manager holds new sessions back beyond it); -1 = off")
     p.add_argument("--ready-timeout", type=float, default=240.0,
                    help="seconds a service may take to get ready (a vLLM engine on a busy CPU takes minutes)")
 

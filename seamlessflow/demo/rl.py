@@ -81,8 +81,9 @@ MAX_DEMO_SEQS = 256
 
 def demo_max_num_seqs(groups: int, group_size: int, cap: int = MAX_DEMO_SEQS) -> int:
     """vLLM's max_num_seqs for the demo's rollout worker: a round's sessions (`groups` x
-    `group_size`), so they decode in one batch rather than in waves (issue 26: at 16, the reverse
-    recipe's 128 sessions ran in 8 waves), at most `cap`."""
+    `group_size`), at most `cap`, so a round decodes in one batch rather than in waves of 16. Issue
+    26's A/B (docs/history/benchmarks-log.md): the first round, with the engine alone, is faster;
+    once the trainer steps beside it the rounds wait on the trainer and 16 is as fast."""
     return max(1, min(groups * group_size, cap))
 
 

@@ -193,7 +193,8 @@ def test_demo_rollout_worker_batches_a_whole_round(tmp_path, monkeypatch):
     assert "--max-staleness 1" in cli._demo_command(demo_opts("--max-staleness", "1")[0])
     p = argparse.ArgumentParser()
     cli._up_args(p)
-    assert cli._stack_options(p.parse_args(["--model", str(model)])).max_num_seqs == 16
+    up = p.parse_args(["--model", str(model)])
+    assert cli._stack_options(up).max_num_seqs == 16 and not hasattr(up, "max_staleness")  # a demo flag only
 
 
 def test_demo_agents_share_one_connection_pool_each_with_its_own_key():
