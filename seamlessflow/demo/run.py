@@ -114,8 +114,8 @@ def run_demo(opts: StackOptions, plan: Rounds = Rounds(), command: str = "seamle
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     # the trainer tells admission control its batch (sessions per version) in its consumer's metadata
     # admission control: a token is trained at most this many versions after it was generated
-    # (`demo --max-staleness` sets it, 1 by default: seamlessflow/cli.py DEMO_MAX_STALENESS)
-    opts.extra_env.setdefault("SF_TRAJECTORY_MAX_STALENESS", "1")
+    # (`demo --max-staleness` sets it, 2 by default: seamlessflow/cli.py DEMO_MAX_STALENESS)
+    opts.extra_env.setdefault("SF_TRAJECTORY_MAX_STALENESS", "2")
     settings = trainer_settings(task)
     trainer = dict(group_size=group_size, groups_per_step=groups, seed=seed, **settings)
     if opts.policy:

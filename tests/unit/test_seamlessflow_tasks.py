@@ -189,8 +189,8 @@ def test_demo_rollout_worker_batches_a_whole_round(tmp_path, monkeypatch):
     assert demo_opts("--task", "calc")[1].max_num_seqs == 32
     a, opts = demo_opts("--max-num-seqs", "24")
     assert opts.max_num_seqs == 24 and "--max-num-seqs 24" in cli._demo_command(a)
-    assert a.max_staleness == 1 and "--max-staleness" not in cli._demo_command(a)  # issue 26: 1, not 2
-    assert "--max-staleness 2" in cli._demo_command(demo_opts("--max-staleness", "2")[0])
+    assert a.max_staleness == 2 and "--max-staleness" not in cli._demo_command(a)
+    assert "--max-staleness 1" in cli._demo_command(demo_opts("--max-staleness", "1")[0])
     p = argparse.ArgumentParser()
     cli._up_args(p)
     up = p.parse_args(["--model", str(model)])
