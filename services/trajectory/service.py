@@ -35,7 +35,7 @@ from services.trajectory.rendering import Renderer
 from services.trajectory.routing import Running, WorkerTable
 from services.trajectory.sessions import SessionOps
 from services.trajectory.store import Store
-from shared import backpressure, bus, subjects
+from shared import admission, backpressure, bus, subjects
 from shared.admission import Backlog, BacklogUnknown
 from shared.backpressure import Fill, HighWater
 from shared.codec import decode, encode
@@ -56,6 +56,7 @@ from shared.messages import (
     SessionReply,
     SessionRequest,
     TokenDelta,
+    TrainerStatus,
     WeightsPublished,
     WorkerStatus,
 )
@@ -74,6 +75,7 @@ class TrajectoryService:
         self.on_worker: dict[str, dict[str, Running | None]] = {}
         self.session_ops: set[asyncio.Task] = set()
         self.policy_version = -1  # newest WeightsPublished; -1 until one is seen
+        self.trainer: tuple[TrainerStatus, float] | None = None  # its newest heartbeat, when received (monotonic)
         self.limits = backpressure.limits_from_env()
         self.fill: Fill | None = None  # the newest reading of the TRAJECTORIES stream
         self._upkeep: asyncio.Task | None = None  # trim and sweep (_watch_stream)
@@ -105,6 +107,7 @@ class TrajectoryService:
             stack.callback(keeper.cancel)
 
             await self.nc.subscribe(subjects.ROLLOUT_STATUS, cb=self._on_status)
+            await self.nc.subscribe(subjects.TRAINER_STATUS, cb=self._on_trainer)
             await self.nc.subscribe(subjects.CHAT_CANCEL, cb=self._on_cancel)
             queue_subs = [
                 await self.nc.subscribe(subjects.CHAT, queue=subjects.TRAJECTORY_QUEUE, cb=self._on_chat),
@@ -134,12 +137,27 @@ class TrajectoryService:
             self.policy_version = newest.version
             log.info("policy version %d", newest.version)
 
+    async def _on_trainer(self, msg: Msg) -> None:
+        st = self.malformed.decode(msg, TrainerStatus, subjects.TRAINER_STATUS)
+        if st is not None:
+            self.trainer = (st, time.monotonic())
+
+    def _held_by_trainer(self) -> int:
+        """Sessions the trainer holds untrained, by its newest heartbeat; 0 without a fresh one (a
+        trainer that died hands its deliveries back to the consumer's backlog after ack_wait)."""
+        if self.trainer is None or time.monotonic() - self.trainer[1] > self.cfg.worker_stale_after:
+            return 0
+        st = self.trainer[0]
+        return admission.held_by_trainer(st.ready_groups, st.group_size, st.groups_per_step, st.state)
+
     async def _backlog(self) -> Backlog:
-        """Completed sessions not yet delivered to the trainer, and how many it trains per version
+        """Completed sessions the trainer has not trained yet, and how many it trains per version
         (its consumer's metadata). Raises BacklogUnknown if either cannot be read.
 
-        Delivered-but-unacked ones do not count: the trainer holds trained messages unacked
-        until a checkpoint covers them, and counting those would close admission for good."""
+        Not trained yet: not delivered (the consumer's num_pending), or delivered and held in
+        complete groups or the batch in hand (its heartbeat: `admission.held_by_trainer`). The
+        consumer's delivered-but-unacked count would not do: the trainer holds trained messages
+        unacked until a checkpoint covers them, and counting those would close admission for good."""
         consumer = f"consumer {self.cfg.trainer_consumer!r} on {subjects.TRAJECTORIES_STREAM}"
         try:
             info = await self.js.consumer_info(subjects.TRAJECTORIES_STREAM, self.cfg.trainer_consumer, timeout=2)
@@ -152,7 +170,7 @@ class TrajectoryService:
             why = f"{consumer} does not say how many sessions it trains per version ({subjects.SESSIONS_PER_VERSION})"
             _warn("backlog:no-batch-size", "admission refuses sessions: %s", why)
             raise BacklogUnknown(why)
-        return Backlog(int(info.num_pending or 0), per_version)
+        return Backlog(int(info.num_pending or 0) + self._held_by_trainer(), per_version)
 
     # -- the trajectory stream: back-pressure, trim, pending publications ---------------------------
 

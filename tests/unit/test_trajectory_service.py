@@ -17,7 +17,7 @@ from shared import subjects
 from shared.admission import Backlog, BacklogUnknown
 from shared.codec import encode
 from shared.config import Connections
-from shared.messages import Generate, Sampling, SessionRequest, TokenDelta
+from shared.messages import Generate, Sampling, SessionRequest, TokenDelta, TrainerStatus
 
 
 class JS:
@@ -272,3 +272,26 @@ async def test_the_worth_test_reads_what_each_request_has_done():
         s.on_worker["busy"] = {f"r{i}.0": Running(1024, 8, 8000) for i in range(8)}
         await status(s, "lent", 0, now, lent_until=now + 2.0)  # begins serving, lent for 2 s more
         assert len(s.nc.ctl) == (0 if worth else 4)
+
+
+def trainer_status(state: str, ready_groups: int) -> TrainerStatus:
+    return TrainerStatus(state=state, step=3, version=3, ready_groups=ready_groups, open_groups=2, buffered_samples=99,
+                         groups_per_step=2, group_size=4, last_wait_s=0.0, last_compute_s=0.0, ts=time.time())
+
+
+async def test_the_backlog_counts_what_the_trainer_holds_untrained():
+    """Issue 26: the trainer prefetches complete groups and trains a batch it has taken; neither is in
+    the consumer's num_pending, yet what is admitted now trains after them. Its heartbeat says how
+    many: complete groups x group size, plus one step's batch while it steps. Members of incomplete
+    groups (open_groups) do not count; a stale heartbeat counts nothing."""
+    cfg = subjects.trainer_consumer(subjects.TRAINER_DURABLE, sessions_per_version=8)
+    svc = service(JS(types.SimpleNamespace(num_pending=5, config=cfg)))
+    assert await svc._backlog() == Backlog(untrained=5, per_version=8)  # no heartbeat yet
+    await svc._on_trainer(types.SimpleNamespace(data=encode(trainer_status("computing", 2)),
+                                                subject=subjects.TRAINER_STATUS))
+    assert await svc._backlog() == Backlog(untrained=5 + 2 * 4 + 2 * 4, per_version=8)
+    await svc._on_trainer(types.SimpleNamespace(data=encode(trainer_status("waiting", 1)),
+                                                subject=subjects.TRAINER_STATUS))
+    assert await svc._backlog() == Backlog(untrained=5 + 4, per_version=8)
+    svc.trainer = (svc.trainer[0], time.monotonic() - 2 * svc.cfg.worker_stale_after)
+    assert await svc._backlog() == Backlog(untrained=5, per_version=8)
