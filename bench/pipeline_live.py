@@ -490,8 +490,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tick", type=float, default=0.05, help="scheduler tick (live) = simulator dt")
     ap.add_argument("--slots", type=int, default=0, help="concurrent agents (default: admission capacity + 8)")
     ap.add_argument("--timeout", type=float, default=300)
-    ap.add_argument("--backlog", default="undelivered", choices=["undelivered", "untrained"],
-                    help="simulator's admission backlog: as the live trajectory manager counts it, or the older model")
+    ap.add_argument("--backlog", default="untrained", choices=["undelivered", "untrained"],
+                    help="simulator's admission backlog: untrained, as the live trajectory manager counts it since "
+                         "session 19 (the trainer's held groups and batch included), or undelivered, as it did before")
     ap.add_argument("--route", default="least_loaded", choices=["least_loaded", "refill"],
                     help="simulator's routing of turns: as the live trajectory manager routes, or the default refill")
     ap.add_argument("--switch-s", type=float, default=1.0,

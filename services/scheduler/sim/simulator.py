@@ -132,10 +132,11 @@ class Options:
     timeline: bool = False  # record every host's activity intervals (for Gantt charts)
     max_time_s: float = math.inf
     progress: object = None  # callable(steps_done) or None
-    # what admission counts as the backlog: "untrained" (completed, not trained yet), or
-    # "undelivered", as the live trajectory manager reads it (its trainer consumer's pending
-    # count): the trainer fetches until 2 x groups_per_step complete groups wait in its intake,
-    # and fetched samples, the batch in training included, are no longer counted
+    # what admission counts as the backlog: "untrained" (completed, not trained yet: the live
+    # trajectory manager's count since session 19, the consumer's pending plus what the trainer's
+    # heartbeat says it holds), or "undelivered", the live count before (the consumer's pending
+    # only: the trainer fetches until 2 x groups_per_step complete groups wait in its intake, and
+    # fetched samples, the batch in training included, were not counted)
     backlog: str = "untrained"
     # CPU seconds a turn costs outside the engine (0: not modelled), and the cores that work shares
     control_s_per_turn: float = 0.0
