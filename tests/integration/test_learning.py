@@ -69,7 +69,9 @@ def test_mean_reward_rises(tmp_path, warm_model, nats_url, redis_url):
     stack = make_stack(tmp_path, warm_model, f"nats://127.0.0.1:{nats_port}", redis_url, workers=1,
                        extra_env={"SF_TRAJECTORY_MAX_STALENESS": "2"},  # the trainer declares its batch
                        train=True, trainer_settings={"group_size": GROUP_SIZE, "groups_per_step": GROUPS,
-                                                     **TRAINER_SETTINGS})
+                                                     # the trainer steps on while the status page is read:
+                                                     # the version read below must not be collected meanwhile
+                                                     **TRAINER_SETTINGS, "keep_versions": 1000})
     try:
         result = asyncio.run(run_rounds(stack, Rounds(ROUNDS, GROUPS, GROUP_SIZE, seed=1)))
         last_version = versions_on_disk(stack.weights_dir)[-1]

@@ -17,8 +17,11 @@ pytestmark = [pytest.mark.deepspeed,
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# each rank tears its process group down before it exits, as services/trainer/__main__.py does: a
+# rank that exits with gloo's threads still up can abort ("terminate called without an active exception")
 SCRIPT = r'''
 import sys, threading, torch
+import torch.distributed as dist
 from services.trainer.config import TrainerConfig
 from services.trainer.engine import TrainEngine
 from services.trainer.runner import Command, Runner
@@ -31,6 +34,7 @@ cfg = TrainerConfig(model_dir=model_dir, zero_stage=3, dtype="fp32", weights_tra
 engine = TrainEngine(cfg)
 if engine.rank != 0:
     Runner(engine, "/tmp/unused").follow()
+    dist.destroy_process_group()
     sys.exit(0)
 sender = WeightSender("127.0.0.1", 0, timeout=60)
 runner = Runner(engine, "/tmp/unused", sender)
@@ -41,6 +45,7 @@ rx.start()
 out = runner.run(Command("send", version=1, group="g1", receivers=1))
 rx.join(60)
 runner.run(Command("stop"))
+dist.destroy_process_group()
 ref = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
 dtype = getattr(torch, wire) if wire else torch.float32
 assert out["receivers"] == 1 and out["sent_bytes"] > 0, out
