@@ -72,7 +72,7 @@ class TrajectoryService:
         self.table = WorkerTable(cfg.worker_stale_after)
         self.running: dict[str, asyncio.Task] = {}
         # worker -> the Generate ids this replica runs there, oldest first, with what each has done (rebalance)
-        self.on_worker: dict[str, dict[str, Running | None]] = {}
+        self.on_worker: dict[str, dict[str, Running]] = {}
         self.session_ops: set[asyncio.Task] = set()
         self.policy_version = -1  # newest WeightsPublished; -1 until one is seen
         self.trainer: tuple[TrainerStatus, float] | None = None  # its newest heartbeat, when received (monotonic)
@@ -249,7 +249,7 @@ class TrajectoryService:
     async def _rebalance(self, worker: str) -> None:
         """`worker` has begun serving (a lend): move it its share of the busier workers' requests
         (routing.WorkerTable.moves); each ends "preempted", scheduled, and re-dispatches to it."""
-        running = {rid: r for ids in self.on_worker.values() for rid, r in ids.items() if r is not None}
+        running = {rid: r for ids in self.on_worker.values() for rid, r in ids.items()}
         moves = self.table.moves(time.time(), worker, {w: list(ids) for w, ids in self.on_worker.items()},
                                  running if self.cfg.rebalance_worth else None)
         if moves:
