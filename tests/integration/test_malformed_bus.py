@@ -74,7 +74,7 @@ GARBAGE = (RANDOM, WRONG)
 # what each service consumes, by the pattern its metric is labelled with
 CONSUMED = {
     "trajectory": [subjects.CHAT, subjects.session_op("*"), subjects.CHAT_CANCEL, subjects.ROLLOUT_STATUS,
-                   subjects.WEIGHTS_PUBLISHED],
+                   subjects.WEIGHTS_PUBLISHED, subjects.TRAINER_STATUS],
     "rollout": [subjects.rollout_gen("*"), subjects.rollout_ctl("*"), subjects.WEIGHTS_PUBLISHED],
     "trainer": [subjects.TRAJ_COMPLETED, subjects.ROLLOUT_STATUS, subjects.TRAINER_CTL],
     "scheduler": [subjects.SCHED_HOST, subjects.SCHED_CHANGED, subjects.ROLLOUT_STATUS, subjects.TRAINER_STATUS,

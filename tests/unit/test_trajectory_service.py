@@ -146,6 +146,9 @@ async def test_a_call_to_a_worker_whose_heartbeat_stopped_ends_within_a_poll_not
     got = [r async for r in s._call("w0", Generate("r.0", [1, 2], Sampling()))]
     assert isinstance(got[-1], GenerateDone) and got[-1].finish_reason == "preempted"
     assert time.monotonic() - t0 < 2.0
+    # its heartbeats may have stopped only because a network partition cut it off: back, it would go on
+    # generating the request that now runs elsewhere until max_tokens, so it is aborted as well
+    assert s.nc.aborts == ["sf.rollout.ctl.w0"]
 
 
 class HeldTailNC(FakeNC):
