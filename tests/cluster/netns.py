@@ -224,6 +224,34 @@ class Cluster:
         self.shaping = applied
         return applied
 
+    def cut(self, host: int) -> None:
+        """A network partition: `host` loses its link to every other host (its bridge port goes
+        down, so its packets go nowhere and none reach it). Its processes run on, and its TCP
+        connections stay open but stall, as across a failed switch; `heal` brings the link back."""
+        _ip("link", "set", f"{self.tag}v{host}", "down")
+
+    def heal(self, host: int, timeout: float = 10.0) -> None:
+        """The link back up; returns once it has carrier again. Address resolutions that failed
+        during the cut are forgotten on every host, so the first packet after it is not held back."""
+        _ip("link", "set", f"{self.tag}v{host}", "up")
+        h = self.hosts[host]
+        deadline = time.monotonic() + timeout
+        while "LOWER_UP" not in _ip("-o", "link", "show", h.iface, ns=h.ns).stdout:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{h.name}: no carrier {timeout:g}s after the heal")
+            time.sleep(0.05)
+        for other in self.hosts:
+            _ip("neigh", "flush", "dev", other.iface, ns=other.ns, check=False)
+
+    @contextlib.contextmanager
+    def partitioned(self, host: int):
+        """`with c.partitioned(2): ...`: the link is back when the block ends, however it ends."""
+        self.cut(host)
+        try:
+            yield
+        finally:
+            self.heal(host)
+
     def url(self, host: int, port: int, scheme: str) -> str:
         return f"{scheme}://{self.hosts[host].addr}:{port}"
 

@@ -124,3 +124,26 @@ def test_cleans_up_after_a_failure():
     removed = sweep_stale()
     assert any(tag in r for r in removed), removed
     assert _leftovers(tag) == []
+
+
+def test_a_partition_cuts_one_host_off_and_heal_brings_it_back(cluster):
+    c = cluster(3)
+    h0, h1, h2 = c.hosts
+    start_nats(h0)
+    probe = [PY, "-c", f"import socket; socket.create_connection(({h0.addr!r}, 4222), 2).close(); print('reached')"]
+
+    def reaches(h) -> bool:
+        r = h.run(probe, timeout=30)
+        return r.returncode == 0 and "reached" in r.stdout
+
+    assert reaches(h1) and reaches(h2)
+    with c.partitioned(1):
+        assert not reaches(h1)  # cut off: the connection attempt times out
+        assert reaches(h2)  # the other hosts keep their links
+    assert reaches(h1)
+    c.cut(2)
+    try:
+        assert not reaches(h2) and reaches(h1)
+    finally:
+        c.heal(2)
+    assert reaches(h2)
