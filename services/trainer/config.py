@@ -108,6 +108,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # what an ungranted gate leads to: "compute" anyway (logged), or "wait" and ask again (logged) until granted;
     # "auto" = wait on CUDA, where computing beside a lent host's vLLM can run the device out of memory
     gate_fallback: Literal["auto", "compute", "wait"] = "auto"
+    # a scheduler answered before and none answers now: a leader change (a standby leads within its lease,
+    # 3 s, plus 0.5 s: services/scheduler/leader.py), so ask again for this long before the fallback
+    gate_leader_gap: float = 6.0
 
     def __post_init__(self):
         if self.weights_transport not in ("disk", "network"):

@@ -64,7 +64,14 @@ from shared.deadletter import Malformed
 from shared.heartbeats import Heartbeats
 from shared.messages.rollout import WorkerStatus
 from shared.messages.weights import WeightsPublished, WeightsWanted, WeightTransfer
-from shared.messages.scheduler import TrainerControl, TrainerState, TrainerStatus, TrainGate, TrainGateReply
+from shared.messages.scheduler import (
+    SchedulerLeader,
+    TrainerControl,
+    TrainerState,
+    TrainerStatus,
+    TrainGate,
+    TrainGateReply,
+)
 from shared.messages.trajectory import TrajectoryCompleted
 
 log = logging.getLogger(__name__)
@@ -77,6 +84,10 @@ ACK_CHUNK = 64  # concurrent ack_sync calls
 STATUS_INTERVAL = 1.0  # seconds between TrainerStatus heartbeats
 GATE_GRACE = 5.0  # seconds the gate request waits beyond the gate_timeout it gives the scheduler
 GATE_RETRY = 1.0  # seconds between gate requests while a "wait" fallback waits for a grant
+LEADER_GAP_RETRY = 0.25  # seconds between gate requests while no scheduler answers in a leader change
+NO_SCHEDULER = "no scheduler answers on " + subjects.SCHED_GATE
+NEW_LEADER = "the scheduler's leader changed"
+MAX_LEADER_CHANGES = 3  # gate requests re-sent for leader changes, per step: then the fallback
 
 
 class GateAbandoned(Exception):
@@ -115,6 +126,9 @@ class TrainerService:
         self.nc = None
         self.state: TrainerState = "waiting"
         self.last_wait_s = self.last_compute_s = 0.0
+        self._scheduler_seen = False  # a scheduler has answered a gate: silence later is a leader change
+        self._leader_term = 0  # the newest scheduler term announced on sf.sched.leader
+        self._new_leader = asyncio.Event()  # set when a newer term is announced (a gate in flight asks again)
         self._catch_ups: set[asyncio.Task] = set()
         self._wanted: dict[str, list[str]] = {}  # network: worker id -> reply subjects for the next catch-up round
         self._device = asyncio.Lock()  # one runner command at a time: steps, checkpoints, offload/reload
@@ -178,6 +192,7 @@ class TrainerService:
         """Workers' status, the scheduler's control, and (network weights) catch-up requests."""
         await nc.subscribe(subjects.ROLLOUT_STATUS, cb=self._on_status)
         await nc.subscribe(subjects.TRAINER_CTL, cb=self._on_control)
+        await nc.subscribe(subjects.SCHED_LEADER, cb=self._on_leader)
         if self.network:
             await nc.subscribe(subjects.WEIGHTS_FETCH, cb=self._on_fetch)
 
@@ -480,12 +495,23 @@ class TrainerService:
         await self._set_state("ready")
         t0 = time.perf_counter()
         waits = self.gate_waits()
+        changes = 0
         while True:
             why = await self._ask_gate(step)
             waited = time.perf_counter() - t0
             if not why:
                 log.info("step %d: gate granted after %.2fs", step, waited)
                 return {"gate_s": waited, "gate_granted": 1.0}
+            if why == NEW_LEADER and changes < MAX_LEADER_CHANGES:
+                # the leader we asked died (its answer will never come) and another leads: ask it now
+                changes += 1
+                log.info("step %d: a new scheduler leads (term %d); asking it", step, self._leader_term)
+                continue
+            if why == NO_SCHEDULER and self._scheduler_seen and waited < self.cfg.gate_leader_gap:
+                # the leader died and a standby is taking over: computing now could run beside a lent
+                # host's engine, so ask the next leader (bounded: gate_leader_gap, then the fallback)
+                await asyncio.sleep(LEADER_GAP_RETRY)
+                continue
             if not waits:
                 log.warning("step %d: gate not granted (%s) after %.2fs; computing anyway", step, why, waited)
                 return {"gate_s": waited, "gate_granted": 0.0}
@@ -502,11 +528,15 @@ class TrainerService:
         """One TrainGate request; "" if granted, else why not."""
         cfg = self.cfg
         gate = TrainGate(step=step, timeout=cfg.gate_timeout, hosts=self.hosts)
+        self._new_leader.clear()
         try:
-            msg = await self.nc.request(subjects.SCHED_GATE, encode(gate), timeout=cfg.gate_timeout + GATE_GRACE)
+            msg = await self._request_unless_new_leader(
+                self.nc.request(subjects.SCHED_GATE, encode(gate), timeout=cfg.gate_timeout + GATE_GRACE))
+            if msg is None:
+                return NEW_LEADER
             reply = decode(msg.data, TrainGateReply)
         except NoRespondersError:
-            why = "no scheduler answers on " + subjects.SCHED_GATE
+            why = NO_SCHEDULER
         except (NatsTimeout, TimeoutError):
             why = f"no answer within {cfg.gate_timeout + GATE_GRACE:g}s"
         except msgspec.DecodeError as e:
@@ -514,8 +544,31 @@ class TrainerService:
         except Exception as e:  # the connection is down or closing
             why = f"{type(e).__name__}: {e}"
         else:
+            self._scheduler_seen = True
             why = "" if reply.granted else f"refused: {reply.reason or 'no reason given'}"
         return why
+
+    async def _request_unless_new_leader(self, request):
+        """The request's reply, or None once a newer scheduler term is announced first (the leader it
+        went to may have died with it: a standby leads within seconds, the request's timeout is long)."""
+        asking = asyncio.ensure_future(request)
+        changed = asyncio.ensure_future(self._new_leader.wait())
+        try:
+            await asyncio.wait({asking, changed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            changed.cancel()
+        if asking.done():
+            return asking.result()
+        asking.cancel()
+        return None
+
+    async def _on_leader(self, msg: Msg) -> None:
+        ldr = self.malformed.decode(msg, SchedulerLeader, subjects.SCHED_LEADER)
+        if ldr is not None and ldr.term > self._leader_term:
+            first = self._leader_term == 0
+            self._leader_term = ldr.term
+            if not first:  # the first term heard is the leader a gate in flight already went to, or will
+                self._new_leader.set()
 
     async def _on_control(self, msg: Msg) -> None:
         """TrainerControl: offload or reload the ranks on `ctl.host`, after the step in progress; the

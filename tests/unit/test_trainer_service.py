@@ -17,7 +17,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from services.trainer.config import TrainerConfig
 from services.trainer.engine import offload_support
 from services.trainer.metrics import Metrics
-from services.trainer.runner import Command, Runner, encode_groups
+from services.trainer.runner import Command, Runner, decode_groups, encode_groups
 from services.trainer.service import TrainerService
 from shared import subjects
 from shared.codec import decode, encode
@@ -77,7 +77,8 @@ class FakeRunner:
             time.sleep(self.train_s)
         self.log.append((cmd.op, t0, time.monotonic()))
         if cmd.op == "train":
-            return {"ids": ["a", "b"], "metrics": {"compute_s": self.train_s, "tokens": 6.0}, "staleness": {}}
+            ids = sorted({t.session_id for g in decode_groups(cmd.batch) for t in g})
+            return {"ids": ids, "metrics": {"compute_s": self.train_s, "tokens": 6.0}, "staleness": {}}
         return {f"{cmd.op}_s": 0.001}
 
     def ops(self) -> list[str]:
@@ -92,10 +93,12 @@ def make_service(nc: FakeNC, runner: FakeRunner, **cfg) -> TrainerService:
     return svc
 
 
-def batch(svc: TrainerService):
-    """One global batch, through the intake (the ledger must have admitted what a step trains)."""
-    for i, t in enumerate(GROUP):
-        svc.intake.offer(t, f"m{i}", 0.0)
+def batch(svc: TrainerService, tag: str = ""):
+    """One global batch, through the intake (the ledger must have admitted what a step trains);
+    another `tag` for each further step (a session trains once)."""
+    group = [traj(t.session_id + tag, t.group_id + tag, t.reward) for t in GROUP]
+    for i, t in enumerate(group):
+        svc.intake.offer(t, f"m{i}{tag}", 0.0)
     return svc.intake.take(1)
 
 
@@ -163,6 +166,77 @@ async def test_without_a_grant_the_step_logs_why_and_computes_anyway(answer, why
     assert runner.ops() == ["train"] and svc.step == 1
     assert any("gate not granted" in r.message and why in r.message for r in caplog.records), caplog.text
     assert svc.metrics._gauges["sf_trainer_last_gate_granted"]._value.get() == 0.0
+
+
+async def test_in_a_leader_change_the_gate_asks_the_next_leader_before_computing():
+    """Issue 30: the leading scheduler died (no responder) and a standby leads a few seconds later;
+    the step must not compute in the gap, beside a host that may still be lent."""
+    answers = iter([TrainGateReply(granted=True), NoRespondersError(), NoRespondersError(),
+                    TrainGateReply(granted=True, waited_s=0.1)])
+
+    async def scheduler(timeout):
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return SimpleNamespace(data=encode(answer))
+
+    nc, runner = FakeNC(scheduler), FakeRunner()
+    svc = make_service(nc, runner, scheduler_gate=True, gate_timeout=1.0)
+    await svc._step(batch(svc), wait_s=0.0)  # step 1: granted by the first leader
+    await svc._step(batch(svc, "2"), wait_s=0.0)  # step 2: nobody, nobody, then the standby grants
+    assert [r.step for r in nc.gate_requests] == [1, 2, 2, 2]
+    assert runner.ops() == ["train", "train"]
+    assert svc.metrics._gauges["sf_trainer_last_gate_granted"]._value.get() == 1.0
+
+
+async def test_a_gate_the_dead_leader_took_is_asked_again_of_the_next_leader():
+    """The leader took the gate request and died: no answer would come before the request's timeout
+    (here 6 s); the standby's announcement of a newer term (sf.sched.leader) has it asked again at once."""
+    from shared.messages.scheduler import SchedulerLeader
+
+    asked = asyncio.Event()
+
+    async def scheduler(timeout):
+        if len(nc.gate_requests) == 1:  # the first leader: takes it, never answers
+            asked.set()
+            await asyncio.sleep(timeout)
+            raise NatsTimeout()
+        return SimpleNamespace(data=encode(TrainGateReply(granted=True)))
+
+    nc, runner = FakeNC(scheduler), FakeRunner()
+    svc = make_service(nc, runner, scheduler_gate=True, gate_timeout=1.0)
+    await svc._on_leader(SimpleNamespace(data=encode(SchedulerLeader(term=1, instance="a-1")), reply=""))
+    step = asyncio.create_task(svc._step(batch(svc), wait_s=0.0))
+    await asyncio.wait_for(asked.wait(), 5)
+    t0 = time.monotonic()
+    await svc._on_leader(SimpleNamespace(data=encode(SchedulerLeader(term=1, instance="a-1")), reply=""))  # a beat
+    await asyncio.sleep(0.1)
+    assert not step.done() and len(nc.gate_requests) == 1  # the same leader's beat changes nothing
+    await svc._on_leader(SimpleNamespace(data=encode(SchedulerLeader(term=2, instance="b-2")), reply=""))
+    await asyncio.wait_for(step, 5)
+    assert time.monotonic() - t0 < 1.0 and len(nc.gate_requests) == 2
+    assert runner.ops() == ["train"]
+    assert svc.metrics._gauges["sf_trainer_last_gate_granted"]._value.get() == 1.0
+
+
+async def test_a_leader_gap_is_bounded_then_the_fallback_applies(caplog):
+    calls = []
+
+    async def scheduler(timeout):
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            return SimpleNamespace(data=encode(TrainGateReply(granted=True)))
+        raise NoRespondersError()
+
+    nc, runner = FakeNC(scheduler), FakeRunner()
+    svc = make_service(nc, runner, scheduler_gate=True, gate_timeout=1.0, gate_leader_gap=0.6)
+    await svc._step(batch(svc), wait_s=0.0)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="services.trainer.service"):
+        await svc._step(batch(svc, "2"), wait_s=0.0)
+    assert 0.6 <= time.monotonic() - t0 < 3.0 and len(calls) >= 3
+    assert runner.ops() == ["train", "train"]  # on CPU the fallback computes, saying why
+    assert any("gate not granted" in r.message and "no scheduler answers" in r.message for r in caplog.records)
 
 
 async def test_without_the_gate_setting_nothing_is_asked():
