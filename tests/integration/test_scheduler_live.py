@@ -290,3 +290,81 @@ def test_a_killed_worker_is_detected_its_requests_resume_and_the_host_rejoins(cl
              and "host-1" in serving(cluster), 120, "host-1 back in rollout after its worker restarted")
     log = (cluster.logs / "scheduler.log").read_text()
     assert "host host-1 dead" in log and "host host-1 is back" in log
+
+
+def test_the_leader_killed_during_a_lend_a_standby_leads_within_5s_and_no_step_runs_beside_a_lend(cluster):
+    """Issue 30: a second scheduler stands by; the leader is SIGKILLed while host-0 is lent (its trainer
+    host serving rollout) with the trainer and the agents running. The standby leads within 5 s
+    (services/scheduler/leader.py), reclaims and lends host-0 in its own term, and every step still
+    starts after its gate is granted: in the leader gap the trainer asks again (SF_TRAINER_GATE_LEADER_GAP)
+    rather than computing beside the lent host's engine. Per host, applied epochs only rise."""
+    from shared import bus, subjects
+    from shared.codec import decode
+    from shared.messages.scheduler import HostModeChanged, SchedulerLeader
+    from services.scheduler.leader import TERM_SHIFT
+
+    ask(cluster, "set_policy", policy="seamless")
+    wait_for(lambda: serving(cluster) == {"host-0", "host-1"}, 90, "both hosts serving")
+    leader_proc = next(p for p in cluster.procs if p.name == "scheduler")
+    standby = cluster.spawn_scheduler("scheduler-b")
+    wait_for(lambda: "standby:" in standby.log.read_text(errors="replace"), 60, "the second scheduler standing by")
+    refused_before = gates_refused(cluster)
+    start = len(trained_steps(cluster))
+    agents = GroupAgents(cluster.gateway_url, cluster.api_key, Load(GROUP_SIZE, CONCURRENT_GROUPS, seed=11,
+                                                                    min_tokens=REPLY_TOKENS[0],
+                                                                    max_tokens=REPLY_TOKENS[1], think_s=THINK_S))
+    seen = {"changed": [], "leaders": []}
+    killed = {"t": 0.0, "step": 0}
+
+    async def scenario():
+        nc = await bus.connect(cluster.conn, name="leader-kill-test")
+
+        async def on_changed(m):
+            seen["changed"].append((time.monotonic(), decode(m.data, HostModeChanged)))
+
+        async def on_leader(m):
+            seen["leaders"].append((time.monotonic(), decode(m.data, SchedulerLeader)))
+
+        await nc.subscribe(subjects.SCHED_CHANGED, cb=on_changed)
+        await nc.subscribe(subjects.SCHED_LEADER, cb=on_leader)
+
+        async def kill_during_a_lend():
+            # a lend that happens now: host-0 switched to rollout after the agents started
+            t0 = time.monotonic()
+            deadline = t0 + 180
+            while not any(t > t0 + 1 and c.host == "host-0" and c.mode == "rollout" and c.ok
+                          for t, c in seen["changed"]):
+                assert time.monotonic() < deadline, "host-0 was not lent within 180 s"
+                await asyncio.sleep(0.05)
+            os.killpg(leader_proc.popen.pid, signal.SIGKILL)
+            killed["t"], killed["step"] = time.monotonic(), len(trained_steps(cluster))
+
+        try:
+            await asyncio.gather(kill_during_a_lend(), agents.run(
+                lambda: killed["t"] and len(trained_steps(cluster)) >= killed["step"] + 4, 300))
+        finally:
+            await nc.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        cluster.kill("scheduler")  # the stack forgets it (SIGKILLed already); scheduler-b stays to the end
+    assert agents.failures == []
+    # 1. the standby leads within 5 s, in a new term
+    terms = [(t, ldr) for t, ldr in seen["leaders"] if t > killed["t"]]
+    new = next(((t, ldr) for t, ldr in terms if ldr.instance.endswith(f"-{standby.popen.pid}")), None)
+    assert new is not None, f"no announcement from the standby after the kill: {seen['leaders'][-3:]}"
+    took = new[0] - killed["t"]
+    old_terms = {ldr.term for t, ldr in seen["leaders"] if t < killed["t"]}
+    print(f"leader killed during a lend at step {killed['step']}: the standby led {took:.2f} s later "
+          f"(term {new[1].term}, before {sorted(old_terms)}); {len(trained_steps(cluster)) - start} steps")
+    assert took <= 5.0 and new[1].term > max(old_terms, default=0)
+    # 2. the new leader reclaimed and lent host-0 in its own term
+    mine = [c for t, c in seen["changed"] if t > killed["t"] and c.host == "host-0" and c.epoch >> TERM_SHIFT
+            == new[1].term and c.ok]
+    assert {"train", "rollout"} <= {c.mode for c in mine}, [(c.mode, c.epoch) for c in mine]
+    # 3. one mode at a time: every step's gate granted (none computed beside a lend), epochs only rise
+    assert gates_refused(cluster) == refused_before, "a step computed without a granted gate"
+    for host in ("host-0", "host-1"):
+        epochs = [c.epoch for _, c in seen["changed"] if c.host == host]
+        assert epochs == sorted(set(epochs)), (host, epochs)
