@@ -5,6 +5,7 @@ misspelt field would be dropped, so it shows as a difference). Then what issue 3
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -16,13 +17,21 @@ import yaml
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 kubernetes = pytest.importorskip("kubernetes")  # requirements/common.txt
 
-def rendered() -> list[dict]:
+def rendered(root: Path = K8S) -> list[dict]:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed")
-    done = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([kubectl, "kustomize", str(root)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return [o for o in yaml.safe_load_all(done.stdout) if o]
+
+
+def with_tls(tmp: Path) -> list[dict]:
+    """The base with the TLS component, as an operator's overlay enables it (kustomize takes
+    relative paths only)."""
+    rel = os.path.relpath(K8S, tmp)
+    (tmp / "kustomization.yaml").write_text(f"resources: [{rel}]\ncomponents: [{rel}/tls]\n")
+    return rendered(tmp)
 
 
 def model_name(obj: dict) -> str:
@@ -47,9 +56,10 @@ def _stringly(x):  # the models give quantities and int-or-string values back as
     return str(x)
 
 
-def test_every_object_matches_the_kubernetes_api():
+@pytest.mark.parametrize("tls", [False, True], ids=["base", "tls"])
+def test_every_object_matches_the_kubernetes_api(tls, tmp_path):
     client = kubernetes.client.ApiClient()
-    objects = rendered()
+    objects = with_tls(tmp_path) if tls else rendered()
     assert len(objects) >= 15
     for obj in objects:
         name = model_name(obj)
@@ -74,3 +84,27 @@ def test_what_the_cluster_needs():
     assert not any(re.search(r"nats|redis", n) for _, n in objects)
     assert all(o["metadata"].get("namespace") == "seamlessflow" for (k, _), o in objects.items()
                if k not in ("Namespace", "ClusterRole", "ClusterRoleBinding"))
+
+
+def test_the_tls_component_puts_every_service_on_tls(tmp_path):
+    base = {(o["kind"], o["metadata"]["name"]): o for o in rendered()}
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in with_tls(tmp_path)}
+    assert objects.keys() == base.keys()  # nothing added or lost: the certificates are the operator's Secret
+    config = objects[("ConfigMap", "seamlessflow")]["data"]
+    for server in ("NATS", "REDIS"):
+        assert config[f"SF_{server}_TLS_CA"] == "/certs/ca.crt"
+        assert (config[f"SF_{server}_TLS_CERT"], config[f"SF_{server}_TLS_KEY"]) == ("/certs/client.crt",
+                                                                                    "/certs/client.key")
+    workloads = [o for (kind, _), o in objects.items() if kind in ("Deployment", "DaemonSet", "Job", "StatefulSet")]
+    assert len(workloads) == 5
+    for o in workloads:
+        pod = o["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["tls"]["secret"]["secretName"] == "seamlessflow-tls", o["metadata"]["name"]
+        # every container that runs a service reads the settings and has the files where they point
+        for c in pod["containers"]:
+            assert {"configMapRef": {"name": "seamlessflow"}} in c["envFrom"], (o["metadata"]["name"], c["name"])
+            assert {"name": "tls", "mountPath": "/certs", "readOnly": True} in c["volumeMounts"], c["name"]
+        # and the base's own volumes are all still there
+        base_pod = base[(o["kind"], o["metadata"]["name"])]["spec"]["template"]["spec"]
+        assert {v["name"] for v in base_pod.get("volumes", [])} <= volumes.keys()
