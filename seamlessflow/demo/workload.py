@@ -41,6 +41,9 @@ class Load:
     # sent with every turn: {"<eos id>": -100} makes each reply exactly its drawn length (a tiny model
     # emits EOS at random: a turn cut short where a test needs one still generating)
     logit_bias: dict[str, float] | None = None
+    # retryable answers (429, 503 with Retry-After, a dropped connection) tried again this many times, as
+    # the openai SDK does by default (2); 0: every error is a failure, which is what most tests want to see
+    retries: int = 0
 
 
 class GroupAgents:
@@ -52,18 +55,19 @@ class GroupAgents:
         self.think_s = load.think_s
         self.stream = load.stream
         self.extra = {"logit_bias": load.logit_bias} if load.logit_bias else {}
+        self.retries = load.retries
         self.ok = 0
         self.failures: list[str] = []
+        self.retried = 0  # session calls answered retryable and tried again (the SDK's own retries not counted)
         self.latencies: list[tuple[float, float]] = []  # (start, seconds) of each successful turn
         self.sessions: list[str] = []
         self.completion_tokens = 0
         self.session_tokens: dict[str, int] = {}  # finished session id -> its completion tokens
 
     async def session(self, http: httpx.AsyncClient, gid: str) -> None:
-        r = await http.post("/sessions", json={"group_id": gid})
-        r.raise_for_status()
-        s = r.json()
-        agent = openai.AsyncOpenAI(base_url=self.base_url, api_key=s["api_key"], timeout=120, max_retries=0)
+        s = (await self._post(http, "/sessions", {"group_id": gid})).json()
+        agent = openai.AsyncOpenAI(base_url=self.base_url, api_key=s["api_key"], timeout=120,
+                                   max_retries=self.retries)
         messages = [{"role": "user", "content": f"count {self.rng.randint(0, 999)}"}]
         tokens = 0
         try:
@@ -82,11 +86,21 @@ class GroupAgents:
                 messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "again"}]
         finally:
             await agent.close()
-        f = await http.post(f"/sessions/{s['id']}/finish", json={"reward": self.rng.random()})
-        f.raise_for_status()
+        await self._post(http, f"/sessions/{s['id']}/finish", {"reward": self.rng.random()})
         self.sessions.append(s["id"])
         self.session_tokens[s["id"]] = tokens
         self.completion_tokens += tokens
+
+    async def _post(self, http: httpx.AsyncClient, path: str, body: dict) -> httpx.Response:
+        """A session call; a retryable answer is tried again up to `retries` times, after its Retry-After."""
+        for attempt in range(self.retries + 1):
+            r = await http.post(path, json=body)
+            if r.status_code not in (429, 503) or attempt == self.retries:
+                r.raise_for_status()
+                return r
+            self.retried += 1
+            await asyncio.sleep(min(float(r.headers.get("retry-after", "1")), 5.0))
+        raise AssertionError("unreachable")
 
     async def _turn(self, agent: openai.AsyncOpenAI, messages: list[dict], max_tokens: int) -> tuple[str, int]:
         """One turn: (the reply's text, its completion tokens)."""
