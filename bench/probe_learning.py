@@ -12,7 +12,11 @@ accumulation over micro-batches of `policy_loss(...)` with the global token/sequ
 normalisers, the proximal logprobs taken from epoch 0's forward, grad-norm clipping,
 one AdamW step (betas/eps/weight decay from the flags) and a LambdaLR linear warm-up
 stepped after each optimizer step. Rollout is on-policy (staleness 0, behaviour
-logprobs = the sampling model's forward), so the TIS weight is exactly 1.
+logprobs = the sampling model's forward), so the TIS weight is exactly 1, unless
+`--staleness K`: then step t samples from a copy of the policy after step max(0, t - K)
+(behaviour logprobs and token versions are that copy's) and trains the current policy on it,
+as the demo's trainer does with tokens K versions old (the TIS weight then is
+min(pi_now / pi_behaviour, tis_cap)). Full fine-tune only.
 
 Every `--eval-every` steps it evaluates on a fixed set of prompts (same prompts and,
 via a fixed torch seed, the same sampling noise in every run): sampled reward at
@@ -163,11 +167,15 @@ DEFAULTS = {
     "reward": "answer",
     # probe
     "name": "", "quiet": False, "save": "",  # save: write the final model here ("" = no)
+    # off-policy emulation (issue 26): step t samples from the policy of step max(0, t - staleness) (a
+    # snapshot of its weights), its behaviour logprobs and token versions that snapshot's, and trains
+    # the current policy on it, as the demo's trainer does with tokens `staleness` versions old
+    "staleness": 0,
 }
 
 
 def rollout(model, tok, rng: random.Random, o: dict, step: int, pad_id: int) -> tuple[list, list[float], list]:
-    """G prompts x group_size samples from the current policy: (groups, rewards, answers)."""
+    """G prompts x group_size samples from `model` (the policy of version `step`): (groups, rewards, answers)."""
     model.eval()
     tasks = [reverse_prompt(rng) for _ in range(o["groups_per_step"])]
     prompts = [_prompt_ids(tok, t) for t, _ in tasks for _ in range(o["group_size"])]
@@ -233,6 +241,39 @@ def reference(model, ref):
         yield ref
 
 
+class Behaviour:
+    """The policy rollout samples from: the live model, or with `staleness` K > 0 a copy holding the
+    weights after step max(0, t - K), kept as CPU copies (full fine-tune only)."""
+
+    def __init__(self, model, staleness: int):
+        import copy
+
+        if staleness and hasattr(model, "peft_config"):
+            raise ValueError("staleness emulation needs a full fine-tune (lora_rank 0)")
+        self.live, self.staleness, self.version = model, staleness, 0
+        self.model = copy.deepcopy(model).eval().requires_grad_(False) if staleness else model
+        self.states = {0: self._copy(model)} if staleness else {}
+
+    @staticmethod
+    def _copy(model) -> dict:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def stepped(self, version: int) -> None:
+        """The live model has now taken `version` steps; versions no later step samples from are dropped."""
+        if self.staleness:
+            self.states[version] = self._copy(self.live)
+            for v in [v for v in self.states if v < version - self.staleness]:
+                del self.states[v]
+
+    def policy(self, step: int):
+        """The model that samples step `step`'s batch (its version is then `self.version`)."""
+        version = max(0, step - self.staleness)
+        if self.staleness and (version != self.version or step == 0):
+            self.model.load_state_dict(self.states[version])
+        self.version = version
+        return self.model
+
+
 def train_step(model, optim: tuple, gb, algo: AlgoConfig, o: dict, pad_id: int,  # noqa: PLR0913  the engine's inputs
                ref=None) -> tuple[list[dict], torch.Tensor]:
     """TrainEngine.train_step at world size 1, without DeepSpeed: (each micro-batch's metrics, the grad norm).
@@ -287,6 +328,7 @@ def run(opts: dict) -> dict:
     log = (lambda *a: None) if o["quiet"] else (lambda *a: print(*a, flush=True))
     evals, batch_rewards, batch_exact, step_metrics = {}, [], [], []
     t_steps = 0.0
+    behaviour = Behaviour(model, o["staleness"])
     for step in range(o["steps"] + 1):
         if o["eval_every"] and step % o["eval_every"] == 0:
             evals[step] = evaluate(model)
@@ -295,8 +337,8 @@ def run(opts: dict) -> dict:
         if step == o["steps"]:
             break
         t0 = time.perf_counter()
-        # 1. rollout: G prompts x group_size samples from the current policy
-        groups, rewards, answers = rollout(model, tok, rng, o, step, pad_id)
+        # 1. rollout: G prompts x group_size samples from the current policy (with staleness: an older one)
+        groups, rewards, answers = rollout(behaviour.policy(step), tok, rng, o, behaviour.version, pad_id)
         # 2. the trainer's step (TrainEngine.train_step, world size 1, no DeepSpeed)
         gb = build_global_batch(groups, algo)
         parts, gn = train_step(model, (opt, sched), gb, algo, o, pad_id, ref)
@@ -310,6 +352,7 @@ def run(opts: dict) -> dict:
         eos = sum(tok.eos_token_id in a for a in answers) / len(answers)
         log(f"step {step:3d} reward {batch_rewards[-1]:.3f} adv_std {m['adv_std']:.2f} "
             f"ent {m.get('entropy', 0):.3f} clip {m['clip_frac']:.3f} gnorm {float(gn):.2f} eos {eos:.2f} {dt:.2f}s")
+        behaviour.stepped(step + 1)
     if o["save"]:  # a LoRA run saves base + adapter merged: a plain HF model, a warm start like any other
         (model.merge_and_unload() if o["lora_rank"] else model).save_pretrained(o["save"], safe_serialization=True)
         tok.save_pretrained(o["save"])
