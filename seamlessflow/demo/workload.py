@@ -65,7 +65,11 @@ class GroupAgents:
         self.session_tokens: dict[str, int] = {}  # finished session id -> its completion tokens
 
     async def session(self, http: httpx.AsyncClient, gid: str) -> None:
-        s = (await self._post(http, "/sessions", {"group_id": gid})).json()
+        try:
+            s = (await self._post(http, "/sessions", {"group_id": gid})).json()
+        except httpx.HTTPStatusError as e:
+            self.failures.append(f"{gid}: create: {e.response.status_code} {e.response.text[:200]}")
+            return
         agent = openai.AsyncOpenAI(base_url=self.base_url, api_key=s["api_key"], timeout=120,
                                    max_retries=self.retries)
         messages = [{"role": "user", "content": f"count {self.rng.randint(0, 999)}"}]
@@ -86,7 +90,11 @@ class GroupAgents:
                 messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "again"}]
         finally:
             await agent.close()
-        await self._post(http, f"/sessions/{s['id']}/finish", {"reward": self.rng.random()})
+        try:
+            await self._post(http, f"/sessions/{s['id']}/finish", {"reward": self.rng.random()})
+        except httpx.HTTPStatusError as e:
+            self.failures.append(f"{gid}: finish {s['id']}: {e.response.status_code} {e.response.text[:200]}")
+            return
         self.sessions.append(s["id"])
         self.session_tokens[s["id"]] = tokens
         self.completion_tokens += tokens
