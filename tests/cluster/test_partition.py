@@ -5,7 +5,7 @@ Three namespace hosts, nothing on a disk in common (tests/cluster/netns.py):
   weights over the network: SF_TRAINER_WEIGHTS_TRANSPORT=network);
 - host-1 and host-2: a vLLM-CPU rollout worker each, on a core of its own.
 
-16 openai-SDK agents (seamlessflow/demo/workload.py GroupAgents) run through the gateway. While
+16 openai-SDK agents (seamlessflow/demo/workload.py GroupAgents) run through the gateway for 30 s. While
 host-2's worker holds requests, the harness cuts host-2's link (`Cluster.partitioned`: its bridge
 port goes down, so its TCP connections stall rather than close) for PARTITION_S seconds. Then:
 - the requests host-2 held resume on host-1 (the trajectory manager's "lost request ...
@@ -53,7 +53,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.deepspeed, pytest.mark.vllm, pyte
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 AGENTS = int(os.environ.get("SF_PARTITION_AGENTS", "16"))  # in GRPO groups of 2
-AGENT_S = float(os.environ.get("SF_PARTITION_AGENT_S", "45"))
+AGENT_S = float(os.environ.get("SF_PARTITION_AGENT_S", "30"))  # the cut ends at ~15 s
 PARTITION_S = 10.0
 WORKERS = {1: "host-1-rollout", 2: "host-2-rollout"}
 CUT = 2
@@ -70,7 +70,10 @@ def start_worker(h, urls: dict[str, str], model: Path, core: str):
 def start_trainer(h, urls: dict[str, str], model: Path):
     env = service_env(h, urls) | {
         "OMP_NUM_THREADS": "1", "SF_TRAINER_METRICS_PORT": "0", "SF_TRAINER_TENSORBOARD_DIR": "",
-        "SF_TRAINER_GROUP_SIZE": "2", "SF_TRAINER_GROUPS_PER_STEP": "2", "SF_TRAINER_LR": "1e-3",
+        "SF_TRAINER_GROUP_SIZE": "2",
+        # one group a step: with two, a last lone group waits for a partner that never comes (the suite's
+        # run finished 154 sessions, 77 groups, and one stayed untrained)
+        "SF_TRAINER_GROUPS_PER_STEP": "1", "SF_TRAINER_LR": "1e-3",
         "SF_TRAINER_AUDIT_LOG": str(h.root / "var" / "trainer" / "trained.jsonl"),
         "SF_TRAINER_WEIGHTS_TRANSPORT": "network", "SF_TRAINER_WEIGHTS_BIND": h.addr}
     return h.popen(["nice", "-n", "19", PY, "-m", "services.trainer", "--model", str(model),
