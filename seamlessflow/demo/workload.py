@@ -41,8 +41,9 @@ class Load:
     # sent with every turn: {"<eos id>": -100} makes each reply exactly its drawn length (a tiny model
     # emits EOS at random: a turn cut short where a test needs one still generating)
     logit_bias: dict[str, float] | None = None
-    # retryable answers (429, 503 with Retry-After, a dropped connection) tried again this many times, as
-    # the openai SDK does by default (2); 0: every error is a failure, which is what most tests want to see
+    # retryable answers tried again this many times: a session call's 429 or 503 (after its Retry-After), and
+    # in a turn whatever the openai SDK retries (its default is 2); 0: every error is a failure, which is
+    # what most tests want to see
     retries: int = 0
 
 
