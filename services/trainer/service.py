@@ -553,14 +553,14 @@ class TrainerService:
         went to may have died with it: a standby leads within seconds, the request's timeout is long)."""
         asking = asyncio.ensure_future(request)
         changed = asyncio.ensure_future(self._new_leader.wait())
+        done: set = set()
         try:
-            await asyncio.wait({asking, changed}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            changed.cancel()
-        if asking.done():
-            return asking.result()
-        asking.cancel()
-        return None
+            done, _ = await asyncio.wait({asking, changed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # whichever is left, also when this task is cancelled meanwhile
+            for f in (asking, changed):
+                if f not in done:
+                    f.cancel()
+        return asking.result() if asking in done else None
 
     async def _on_leader(self, msg: Msg) -> None:
         ldr = self.malformed.decode(msg, SchedulerLeader, subjects.SCHED_LEADER)
