@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import time
 
 import pytest
@@ -27,9 +26,11 @@ import pytest
 from seamlessflow.demo.workload import GroupAgents, Load
 from seamlessflow.stack import servers
 from seamlessflow.stack.processes import Stack, StackOptions
+from services.trainer import audit
 from shared import bus, subjects
 from shared.config import Connections
 from tests.integration.stack_fixture import simulated_worker_cmd
+from tests.integration.test_nats_cluster import all_current
 
 pytestmark = [pytest.mark.integration, pytest.mark.deepspeed, pytest.mark.slow]
 
@@ -55,9 +56,7 @@ async def until(what: str, check, timeout: float):
 
 def trained_ids(stack: Stack) -> list[str]:
     path = stack.data / "trainer" / "trained.jsonl"
-    if not path.exists():
-        return []
-    return [i for r in map(json.loads, path.read_text().splitlines()) if r["event"] == "step" for i in r["ids"]]
+    return [i for r in audit.read(path) if r["event"] == "step" for i in r["ids"]] if path.exists() else []
 
 
 @pytest.fixture
@@ -83,12 +82,6 @@ def ha_stack(tmp_path, tiny_model):
 async def stream_leader(js) -> str:
     info = await js.stream_info(subjects.TRAJECTORIES_STREAM)
     return info.cluster.leader if info.cluster and info.cluster.leader else ""
-
-
-async def all_current(js) -> bool:
-    info = await js.stream_info(subjects.TRAJECTORIES_STREAM)
-    return bool(info.cluster and info.cluster.leader and len(info.cluster.replicas or []) == 2
-                and all(r.current and not r.offline for r in info.cluster.replicas))
 
 
 def test_nats_leader_then_another_server_then_the_redis_primary_killed_under_load(ha_stack):
