@@ -32,7 +32,7 @@ and prints the goals as ratios (markdown), writing results.json and the PNGs und
 `--reclaim-grace` / `--drain-margin` set the drain of every seamless run in 1-5. `--rebalance`
 models the live router's rebalance on a lend (SF_TRAJECTORY_REBALANCE, on live by default; off
 here by default, as the recorded planning runs were made) in every run, each move under the
-per-request worth test (shared/lending.py `move_worth`); `--move-all` without it, as before.
+per-request worth test (shared/lending.py `move_worth`); `--move-all` moves the whole share, with no test.
 """
 
 from __future__ import annotations

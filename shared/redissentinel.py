@@ -13,7 +13,7 @@ is a few failed commands (retryable 503s at the edge), not a restart of anything
 - `pool_from_url`: FairPool (shared/redispool.py) with sentinel-managed connections;
 - `client_from_url`: a plain redis-py client (the scheduler's store);
 - `master_resolver`: what RedisLine (shared/redisline.py) asks for the primary's address.
-A plain `redis://` or `rediss://` URL goes to redis-py's `from_url` as before. Redis Cluster is not
+A plain `redis://` or `rediss://` URL goes straight to redis-py's `from_url`. Redis Cluster is not
 supported: the trajectory store's multi-key scripts use no hash tags (docs/reliability.md).
 
 Each takes `tls` (Connections.redis_tls, SF_REDIS_TLS_*): given, every connection is TLS, verified

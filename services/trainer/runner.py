@@ -69,8 +69,8 @@ def control_scope(hosts: list[str], host: str) -> tuple[str, str]:
     """The host an offload or reload for `host` acts on, and a note where that is not `host` itself.
 
     A host that no rank reports (ranks started without SF_TRAINER_HOST / SF_HOST_ID) scopes to every
-    rank when the ranks name one host at most (a single-host trainer, as before ranks knew their
-    host); across several hosts nothing is done, rather than freeing the wrong host's devices."""
+    rank when the ranks name one host at most (a single-host trainer: every rank is on that host);
+    across several hosts nothing is done, rather than freeing the wrong host's devices."""
     if not host or host in hosts:
         return host, ""
     if len(hosts) <= 1:
