@@ -198,15 +198,10 @@ class Cluster:
 
     def destroy(self) -> None:
         """Kill every process on every host, then delete what `create` made (each step best effort)."""
-        for h in self.hosts:
-            for p in h.procs:
-                _kill_group(p)
+        _kill_groups([p for h in self.hosts for p in h.procs])
+        _kill_namespaces([name for kind, name in self._made if kind == "ns"])
         for kind, name in reversed(self._made):
-            if kind == "ns":
-                _kill_namespace(name)
-                _ip("netns", "del", name, check=False)
-            else:
-                _ip("link", "del", name, check=False)
+            _ip("netns" if kind == "ns" else "link", "del", name, check=False)
         self._made.clear()
         shutil.rmtree(self.base, ignore_errors=True)
 
@@ -294,32 +289,47 @@ def _free_subnet() -> ipaddress.IPv4Network:
     raise ClusterUnavailable("no free /24 in 10.200.0.0/13")
 
 
-def _kill_group(p: subprocess.Popen) -> None:
-    if p.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(p.pid, signal.SIGTERM)
-    try:
-        p.wait(5)
-    except subprocess.TimeoutExpired:
+def _signal(pids: list[int], sig: signal.Signals, group: bool = False) -> None:
+    for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(p.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(5)
+            (os.killpg if group else os.kill)(pid, sig)
+
+
+def _wait_gone(alive, pids: list[int], timeout: float) -> list[int]:
+    """Poll until no pid is `alive` or `timeout` passes; returns those still alive."""
+    deadline = time.monotonic() + timeout
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def _kill_groups(procs: list[subprocess.Popen], term_wait: float = 5.0, kill_wait: float = 5.0) -> None:
+    """SIGTERM every process group at once, one bounded wait for all, then SIGKILL the groups left."""
+    running = {p.pid: p for p in procs if p.poll() is None}
+
+    def alive(pid: int) -> bool:
+        return running[pid].poll() is None
+
+    for sig, wait in ((signal.SIGTERM, term_wait), (signal.SIGKILL, kill_wait)):
+        _signal(list(running), sig, group=True)
+        if not (left := _wait_gone(alive, list(running), wait)):
+            return
+        running = {pid: running[pid] for pid in left}
+
+
+def _kill_namespaces(names: list[str], term_wait: float = 3.0, kill_wait: float = 2.0) -> None:
+    """SIGTERM, then SIGKILL, whatever still runs in any of `names` (a child that left our process
+    group too): every namespace at once, one bounded wait each round."""
+    for sig, wait in ((signal.SIGTERM, term_wait), (signal.SIGKILL, kill_wait)):
+        pids = [int(x) for ns in names for x in _ip("netns", "pids", ns, check=False).stdout.split()]
+        if not pids:
+            return
+        _signal(pids, sig)
+        _wait_gone(_pid_alive, pids, wait)
 
 
 def _kill_namespace(ns: str) -> None:
-    """SIGTERM, then SIGKILL, whatever still runs in `ns` (a child that left our process group too)."""
-    for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 2.0)):
-        pids = [int(x) for x in _ip("netns", "pids", ns, check=False).stdout.split()]
-        if not pids:
-            return
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and any(_pid_alive(p) for p in pids):
-            time.sleep(0.1)
+    _kill_namespaces([ns])
 
 
 def sweep_stale(prefix: str = PREFIX, base_parent: Path = BASE_PARENT) -> list[str]:

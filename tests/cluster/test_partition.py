@@ -24,34 +24,36 @@ import collections
 import os
 import re
 import shutil
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from seamlessflow.demo.workload import GroupAgents, Load
 from seamlessflow.modelgen import eos_id
-from services.trainer import audit
 from shared import bus
 from shared.config import Connections
 from tests.cluster.netns import Cluster, unavailable_reason
 from tests.cluster.servers import start_nats, start_redis
-from tests.cluster.test_shared_nothing import (
+from tests.cluster.stack import (
     API_KEY,
     MAX_MODEL_LEN,
+    PY,
+    ROOT,
     SERVED,
+    Started,
     Watch,
+    dump_logs,
     service_env,
     start_data_plane,
-    wait_log,
+    trained_ids,
+    until_ready,
 )
 
 pytestmark = [pytest.mark.cluster, pytest.mark.deepspeed, pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")]
 
-ROOT = Path(__file__).resolve().parents[2]
-PY = sys.executable
 AGENTS = int(os.environ.get("SF_PARTITION_AGENTS", "16"))  # in GRPO groups of 2
 AGENT_S = float(os.environ.get("SF_PARTITION_AGENT_S", "30"))  # the cut ends at ~15 s
 PARTITION_S = 10.0
@@ -81,16 +83,6 @@ def start_trainer(h, urls: dict[str, str], model: Path):
                    env=env, log="trainer.log", cwd=ROOT)
 
 
-def trained_ids(log: Path) -> list[str]:
-    return [i for r in audit.read(log) if r["event"] == "step" for i in r["ids"]] if log.exists() else []
-
-
-def dump_logs(c: Cluster) -> None:
-    for h in c.hosts:
-        for log in sorted((h.root / "logs").glob("*.log")):
-            print(f"--- {h.name} {log.name}\n{log.read_text(errors='replace')[-3000:]}")
-
-
 def test_a_host_cut_off_for_10s_loses_nothing_and_rejoins(tiny_model):
     if why := unavailable_reason():
         pytest.skip(f"no namespace cluster here: {why}")
@@ -98,28 +90,32 @@ def test_a_host_cut_off_for_10s_loses_nothing_and_rejoins(tiny_model):
         h0, h1, h2 = c.hosts
         urls = {"SF_NATS_URL": start_nats(h0), "SF_REDIS_URL": start_redis(h0)}
         models = {h.index: shutil.copytree(tiny_model, h.root / "model") for h in c.hosts}  # no path in common
-        start_trainer(h0, urls, models[0])
-        for h, core in ((h1, "0"), (h2, "1")):
-            start_worker(h, urls, models[h.index], core)
-        gateway = start_data_plane(h0, urls, models[0])
-        wait_log(h0, "trainer.log", "trainer ready", 300)
+        # the trainer, both workers and the data plane start side by side; one deadline bounds the wait
+        started = [Started(h0, start_trainer(h0, urls, models[0]), "trainer.log")]
+        started += [Started(h, start_worker(h, urls, models[h.index], core), "rollout.log")
+                    for h, core in ((h1, "0"), (h2, "1"))]
+        plane = start_data_plane(h0, urls, models[0])
         audit_log = h0.root / "var" / "trainer" / "trained.jsonl"
         try:
-            asyncio.run(scenario(c, urls, gateway, audit_log, eos_id(models[0])))
+            asyncio.run(scenario(c, urls, plane.url, audit_log, eos_id(models[0]),
+                                 plane.checks() | {"trainer ready": lambda: "trainer ready" in h0.log("trainer.log")},
+                                 started + plane.procs))
         except BaseException:
-            dump_logs(c)
+            dump_logs(c.hosts)
             raise
 
 
-async def scenario(c: Cluster, urls: dict[str, str], gateway: str, audit_log: Path, eos: int) -> None:
+async def scenario(c: Cluster, urls: dict[str, str], gateway: str, audit_log: Path, eos: int,
+                   ready: dict[str, Callable[[], bool]], started: list[Started]) -> None:
     h0 = c.hosts[0]
     cut_worker = WORKERS[CUT]
     nc = await bus.connect(Connections(nats_url=urls["SF_NATS_URL"]), name="partition-test")
     watch = Watch()
     await watch.attach(nc)
     try:
-        await watch.until("both workers serving", lambda: all(
-            (st := watch.worker(w)) is not None and st.state == "serving" for w in WORKERS.values()), 400)
+        took = await until_ready(ready | {"both workers serving": lambda: all(
+            (st := watch.worker(w)) is not None and st.state == "serving" for w in WORKERS.values())}, started, 400)
+        print("ready after: " + ", ".join(f"{k} {v:.0f}s" for k, v in took.items()))
         agents = GroupAgents(gateway, API_KEY, Load(group_size=2, lanes=AGENTS // 2, seed=0, min_tokens=32,
                                                     max_tokens=96, model=SERVED,
                                                     logit_bias={str(eos): -100}))  # replies run their length

@@ -51,7 +51,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -61,27 +60,34 @@ import pytest
 import torch
 
 from seamlessflow.demo.workload import GroupAgents, Load
-from seamlessflow.stack.processes import ENGINE_ENV
-from services.trainer import audit
 from shared import bus, subjects
 from shared.codec import decode, encode
 from shared.config import Connections
-from shared.messages.rollout import Generate, GenerateDone, RolloutReply, Sampling, WorkerStatus
-from shared.messages.scheduler import HostHeartbeat, HostModeChanged, TrainerStatus
+from shared.messages.rollout import Generate, GenerateDone, RolloutReply, Sampling
 from tests.cluster.netns import Cluster, Host, unavailable_reason
-from tests.cluster.servers import start_nats, start_redis, wait_port
+from tests.cluster.servers import start_nats, start_redis
+from tests.cluster.stack import (
+    API_KEY,
+    MAX_MODEL_LEN,
+    PY,
+    ROOT,
+    SERVED,
+    Started,
+    Watch,
+    dump_logs,
+    service_env,
+    start_data_plane,
+    trained_ids,
+    trained_steps,
+    until_ready,
+    wait_log,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.deepspeed, pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")]
 
-ROOT = Path(__file__).resolve().parents[2]
-PY = sys.executable
 TAGS = {1: "train", 2: "train,rollout", 3: "rollout"}
 CORES = {2: "0", 3: "1"}  # each worker's vLLM threads on a core of its own (the box has 2)
-SERVED = "seamlessflow-tiny"
-MAX_MODEL_LEN = 512
-GATEWAY_PORT, ADMIN_PORT = 8000, 8001
-API_KEY = "sk-cluster-" + uuid.uuid4().hex
 AGENTS = int(os.environ.get("SF_CLUSTER_AGENTS", "8"))  # in GRPO groups of 2
 AGENT_S = float(os.environ.get("SF_CLUSTER_AGENT_S", "15"))  # seconds of agents, and at least STEPS trainer steps
 STEPS = 3
@@ -109,14 +115,7 @@ class Net:
         return self.hosts[1].root / "var" / "trainer" / "trained.jsonl"
 
     def dump_logs(self) -> None:
-        for h in self.hosts:
-            for log in sorted((h.root / "logs").glob("*.log")):
-                print(f"--- {h.name} {log.name}\n{log.read_text(errors='replace')[-3000:]}")
-
-
-def service_env(h: Host, urls: dict[str, str]) -> dict[str, str]:
-    return urls | ENGINE_ENV | {"PYTHONPATH": str(ROOT), "VLLM_CACHE_ROOT": str(h.root / "var" / "cache" / "vllm"),
-                                "TORCHINDUCTOR_CACHE_DIR": str(h.root / "var" / "cache" / "inductor")}
+        dump_logs(self.hosts)
 
 
 def start_host_agent(h: Host, urls: dict[str, str], model: Path, trainer: bool):
@@ -153,89 +152,6 @@ def start_scheduler(h0: Host, urls: dict[str, str]) -> None:
     assert p.poll() is None, h0.log("scheduler.log")[-3000:]
 
 
-def start_data_plane(h0: Host, urls: dict[str, str], model: Path) -> str:
-    """The trajectory manager and the gateway on host-0; returns the gateway's OpenAI base URL."""
-    env = service_env(h0, urls)
-    h0.popen([PY, "-m", "services.trajectory", "--model", str(model)],
-             env=env | {"SF_TRAJECTORY_MAX_MODEL_LEN": str(MAX_MODEL_LEN)}, log="trajectory.log", cwd=ROOT)
-    gw = h0.popen([PY, "-m", "services.gateway"], env=env | {
-        "SF_GATEWAY_HOST": h0.addr, "SF_GATEWAY_PORT": str(GATEWAY_PORT), "SF_GATEWAY_ADMIN_PORT": str(ADMIN_PORT),
-        "SF_GATEWAY_MODEL": SERVED, "SF_GATEWAY_API_KEYS": API_KEY, "SF_GATEWAY_ADMIN_KEY": "sk-admin-" + API_KEY,
-        "SF_GATEWAY_MAX_CONTEXT": str(MAX_MODEL_LEN)}, log="gateway.log", cwd=ROOT)
-    wait_port(h0.addr, GATEWAY_PORT, timeout=120, proc=gw)
-    for log, line in (("trajectory.log", "trajectory manager ready"), ("gateway.log", "gateway ready")):
-        wait_log(h0, log, line, 180)  # the gateway answers 503 until a trajectory manager serves
-    return f"http://{h0.addr}:{GATEWAY_PORT}/v1"
-
-
-def wait_log(h: Host, log: str, line: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while line not in h.log(log):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{h.name} {log}: no {line!r} within {timeout:g}s:\n{h.log(log)[-3000:]}")
-        time.sleep(0.2)
-
-
-class Watch:
-    """What the cluster says on NATS: the trainer's status, workers' and hosts' heartbeats, mode changes."""
-
-    def __init__(self):
-        self.trainer: TrainerStatus | None = None
-        self.offloaded: set[tuple[str, ...]] = set()  # every TrainerStatus.offloaded seen
-        self.changed: list[HostModeChanged] = []
-        self.workers: dict[str, list[tuple[float, WorkerStatus]]] = collections.defaultdict(list)  # (seen at, beat)
-        self.hosts: dict[str, HostHeartbeat] = {}
-
-    async def attach(self, nc) -> None:
-        async def on_status(m):
-            self.trainer = decode(m.data, TrainerStatus)
-            self.offloaded.add(tuple(self.trainer.offloaded))
-
-        async def on_changed(m):
-            self.changed.append(decode(m.data, HostModeChanged))
-
-        async def on_worker(m):
-            st = decode(m.data, WorkerStatus)
-            self.workers[st.worker_id].append((time.monotonic(), st))
-
-        async def on_host(m):
-            hb = decode(m.data, HostHeartbeat)
-            self.hosts[hb.host] = hb
-
-        await nc.subscribe(subjects.TRAINER_STATUS, cb=on_status)
-        await nc.subscribe(subjects.SCHED_CHANGED, cb=on_changed)
-        await nc.subscribe(subjects.ROLLOUT_STATUS, cb=on_worker)
-        await nc.subscribe(subjects.SCHED_HOST, cb=on_host)
-
-    def worker(self, wid: str) -> WorkerStatus | None:
-        beats = self.workers.get(wid)
-        return beats[-1][1] if beats else None
-
-    def switches(self, host: str) -> list[HostModeChanged]:
-        return [x for x in self.changed if x.host == host]
-
-    def applied(self, host: str, mode: str, after: int = 0) -> HostModeChanged | None:
-        """The first switch of `host` into `mode` with an epoch above `after`, once reported (it must be ok)."""
-        done = next((x for x in self.switches(host) if x.mode == mode and x.epoch > after), None)
-        if done is not None:
-            assert done.ok, done.error
-        return done
-
-    def serving(self, wid: str, version: int) -> bool:
-        st = self.worker(wid)
-        return st is not None and st.state == "serving" and st.version == version
-
-    async def until(self, what: str, check, timeout: float):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if (got := check()) is not None and got is not False:
-                return got
-            await asyncio.sleep(0.2)
-        last = {w: self.worker(w) for w in self.workers}
-        pytest.fail(f"{what}: not within {timeout:g}s (trainer status {self.trainer}, changes {self.changed[-4:]}, "
-                    f"workers {last})")
-
-
 def scenario(net: Net, body) -> None:
     """Run `body(nc, js, watch)` on a NATS connection of the driver's; print every log if it fails."""
 
@@ -261,7 +177,8 @@ def scenario(net: Net, body) -> None:
 def net(tiny_model):
     """The cluster, with every process but the scheduler started (test 1 starts it), both workers
     heartbeating and the gateway ready; removed at the end whatever happened (Cluster.destroy kills
-    every process in every namespace)."""
+    every process in every namespace). The trainer, the workers' host agents, the trajectory manager
+    and the gateway start side by side, and one deadline bounds the wait for all of them."""
     if why := unavailable_reason():
         pytest.skip(f"no namespace cluster here: {why}")
     t0 = time.monotonic()
@@ -270,21 +187,25 @@ def net(tiny_model):
         urls = {"SF_NATS_URL": start_nats(h0), "SF_REDIS_URL": start_redis(h0)}
         models = {h.index: shutil.copytree(tiny_model, h.root / "model") for h in c.hosts}  # no path in common
         n = Net(c, urls, models)
-        for h in (h1, h2, h3):
-            start_host_agent(h, urls, models[h.index], trainer=h.index in (1, 2))
-        for rank, h in enumerate((h1, h2)):
-            start_trainer_node(h, rank, h1, urls, models[h.index])
+        started = [Started(h, start_trainer_node(h, rank, h1, urls, models[h.index]), "trainer.log")
+                   for rank, h in enumerate((h1, h2))]
+        started += [Started(h, start_host_agent(h, urls, models[h.index], trainer=h.index in (1, 2)), "host-agent.log")
+                    for h in (h1, h2, h3)]
+        plane = start_data_plane(h0, urls, models[0])
+        n.gateway = plane.url
 
         async def up(nc, js, watch):
-            await watch.until("trainer status naming both hosts", lambda: watch.trainer is not None
-                              and len(watch.trainer.hosts) == 2, timeout=400)
-            await watch.until("both workers heartbeating", lambda: all(watch.worker(w) for w in WORKERS), 400)
+            took = await until_ready({
+                "trainer status naming both hosts": lambda: watch.trainer is not None and len(watch.trainer.hosts) == 2,
+                "both workers heartbeating": lambda: all(watch.worker(w) for w in WORKERS)} | plane.checks(),
+                started + plane.procs, 400)
+            print("ready after: " + ", ".join(f"{k} {v:.0f}s" for k, v in took.items()))
 
         scenario(n, up)
-        n.gateway = start_data_plane(h0, urls, models[0])
         print(f"cluster up in {time.monotonic() - t0:.0f}s")
         yield n
-        print(f"cluster module: {time.monotonic() - t0:.0f}s")
+        t1 = time.monotonic()
+    print(f"cluster module: {time.monotonic() - t0:.0f}s (teardown {time.monotonic() - t1:.1f}s)")
 
 
 def test_four_hosts_trainer_spans_two_and_a_lend_acts_on_one(net):
@@ -306,7 +227,7 @@ def test_four_hosts_trainer_spans_two_and_a_lend_acts_on_one(net):
         # vacates and sleeps, then host-2's rank reloads) and grants the step
         agents = GroupAgents(net.gateway, API_KEY, Load(group_size=2, lanes=1, seed=1, min_tokens=16, max_tokens=48,
                                                         model=SERVED))
-        assert await agents.run(lambda: trained_steps(net) >= 1, 300), "no trainer step within 300 s"
+        assert await agents.run(lambda: trained_steps(net.audit_log) >= 1, 300), "no trainer step within 300 s"
         assert agents.failures == [], agents.failures[:5]
         await watch.until("host-2 reclaimed", lambda: watch.applied("host-2", "train", after=lend.epoch), 30)
         assert watch.offloaded <= {(), ("host-2",)}, watch.offloaded  # host-1's rank was never offloaded
@@ -322,16 +243,6 @@ def test_four_hosts_trainer_spans_two_and_a_lend_acts_on_one(net):
     assert r.stdout.strip() == "0", r.stdout  # host-3 sees nothing of the trainer hosts' disks
 
 
-def trained_ids(net: Net) -> list[str]:
-    path = net.audit_log
-    return [i for r in audit.read(path) if r["event"] == "step" for i in r["ids"]] if path.exists() else []
-
-
-def trained_steps(net: Net) -> int:
-    path = net.audit_log
-    return sum(r["event"] == "step" for r in audit.read(path)) if path.exists() else 0
-
-
 def test_agents_train_and_every_worker_follows_the_versions(net):
     h0, h1 = net.hosts[:2]
     refused = h1.log("trainer.log").count("gate not granted")
@@ -342,20 +253,20 @@ def test_agents_train_and_every_worker_follows_the_versions(net):
         # 2. the agents, through the gateway on host-0, while the trainer trains and publishes
         agents = GroupAgents(net.gateway, API_KEY, Load(group_size=2, lanes=max(1, AGENTS // 2), seed=0, min_tokens=16,
                                                     max_tokens=48, model=SERVED))
-        start, t0 = trained_steps(net), time.monotonic()
-        assert await agents.run(lambda: time.monotonic() - t0 >= AGENT_S and trained_steps(net) >= start + STEPS,
+        start, t0 = trained_steps(net.audit_log), time.monotonic()
+        assert await agents.run(lambda: time.monotonic() - t0 >= AGENT_S and trained_steps(net.audit_log) >= start + STEPS,
                                 AGENT_S + 300), f"fewer than {STEPS} trainer steps in {AGENT_S + 300:g} s"
         took = time.monotonic() - t0
         print(f"{AGENTS} agents, {took:.0f}s: {agents.ok} turns, {len(agents.sessions)} sessions, "
-              f"{agents.completion_tokens} completion tokens, {trained_steps(net) - start} steps")
+              f"{agents.completion_tokens} completion tokens, {trained_steps(net.audit_log) - start} steps")
         assert agents.failures == [], agents.failures[:5]
         assert agents.sessions and agents.ok == 2 * len(agents.sessions)
         # 3. every finished session trained, exactly once
-        await watch.until("every finished session trained", lambda: set(trained_ids(net)) >= set(agents.sessions), 180)
-        counts = collections.Counter(trained_ids(net))
+        await watch.until("every finished session trained", lambda: set(trained_ids(net.audit_log)) >= set(agents.sessions), 180)
+        counts = collections.Counter(trained_ids(net.audit_log))
         assert [s for s, k in counts.items() if k != 1] == []
         # 4. versions advanced on both workers, and both serve the trainer's newest
-        steps = trained_steps(net)
+        steps = trained_steps(net.audit_log)
         st = await watch.until("trainer idle after its last step", lambda: watch.trainer if watch.trainer.state ==
                                "waiting" and watch.trainer.step == steps and watch.trainer.ready_groups == 0 else None, 60)
         net.version = st.version
@@ -478,18 +389,22 @@ def test_a_killed_worker_serves_the_newest_version_within_10s(net):
     async def body(nc, js, watch):
         old = await watch.until("host-3's worker heartbeat", lambda: watch.worker(worker), 30)
         restarts = (await watch.until("host-3's agent heartbeat", lambda: watch.hosts.get("host-3"), 30)).restarts
+        killed = time.monotonic()
         os.kill(worker_pid(h3, worker), signal.SIGKILL)
         # its agent restarts it; once the agent says it is up, the scheduler assigns host-3 afresh
         await watch.until("host-3's agent reports the restarted worker up", lambda: (hb := watch.hosts.get("host-3"))
                           and hb.restarts > restarts and hb.ready, 300)
+        back = time.monotonic()
         await watch.until("the scheduler's new assignment applied", lambda: watch.applied("host-3", "rollout"), 120)
+        assigned = time.monotonic()
         beats = await watch.until("the restarted worker serving the newest version", lambda: (
             b := [(t, st) for t, st in watch.workers[worker] if st.instance != old.instance]) and any(
             st.state == "serving" and st.version == net.version for _, st in b) and b, 60)
         up = beats[0][0]
         serving = next(t for t, st in beats if st.state == "serving" and st.version == net.version)
-        print(f"restarted {worker}: first heartbeat at version {beats[0][1].version} ({beats[0][1].state}), "
-              f"serving version {net.version} {serving - up:.1f}s later")
+        print(f"restarted {worker}: first heartbeat {up - killed:.1f}s after the kill, at version {beats[0][1].version} "
+              f"({beats[0][1].state}); its agent reported it up at {back - killed:.1f}s, the new assignment applied "
+              f"at {assigned - killed:.1f}s; serving version {net.version} {serving - up:.1f}s after its first beat")
         assert serving - up <= RESTART_SERVES_WITHIN_S
         # and never an older one: the lend loads the newest version before it resumes
         assert [st.version for _, st in beats if st.state == "serving" and st.version != net.version] == []
