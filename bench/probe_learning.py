@@ -61,8 +61,10 @@ import argparse
 import contextlib
 import json
 import random
+import re
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -73,15 +75,20 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from seamlessflow.demo.tasks import REVERSE_SHAPINGS, reverse_prompt, reverse_reward
+from seamlessflow.demo.tasks import CALCULATOR_TOOL, REVERSE_SHAPINGS, calc_prompt, calc_reward, calculator_call, \
+    reverse_prompt, reverse_reward
 from seamlessflow.demo.warmstart import _prompt_ids
 from services.trainer import lora, optim
 from services.trainer.algorithms import AlgoConfig, merge_metrics, policy_loss
 from services.trainer.batching import build_global_batch, micro_batches
 from services.trainer.config import TrainerConfig
 from shared.messages.trajectory import Sample, TrajectoryCompleted
+from shared.toolcalls import parse as parse_tool_calls
 
-MAX_NEW = 8
+MAX_NEW = 8  # reverse's answer tokens a turn
+# calc (`--task calc`): tokens a turn. SmolLM2's Hermes tool call is ~30 tokens; its answers are prose
+# ("The answer is 1776.") unless RL teaches it to answer with the number alone.
+CALC_MAX_NEW = 64
 
 
 def token_logprobs(logits, targets, with_entropy):
@@ -100,11 +107,11 @@ def left_pad(prompts, pad_id):
 
 
 @torch.no_grad()
-def generate(model, tok, prompts, do_sample=True):
+def generate(model, tok, prompts, do_sample=True, max_new=MAX_NEW):
     """Answer token lists (cut after the first EOS, EOS included), batched and left-padded."""
     ids, attn, width = left_pad(prompts, tok.pad_token_id)
     kw = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if do_sample else {"do_sample": False}
-    out = model.generate(ids, attention_mask=attn, max_new_tokens=MAX_NEW, eos_token_id=tok.eos_token_id,
+    out = model.generate(ids, attention_mask=attn, max_new_tokens=max_new, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id, **kw)
     answers = []
     for row in out[:, width:].tolist():
@@ -112,6 +119,79 @@ def generate(model, tok, prompts, do_sample=True):
             row = row[: row.index(tok.eos_token_id) + 1]
         answers.append(row)
     return answers
+
+
+# -- calc: the demo's two-turn tool session (seamlessflow/demo/rl.py calc_agent), offline -------------
+
+def tool_glue_ids(tok, turn: list[int], results: list[str]) -> list[int]:
+    """The tokens the chat template puts between an assistant's tool-call turn and the next
+    assistant turn: its end of turn (when the sampled turn lacks one: cut by max_new), one `tool`
+    turn per result, the next assistant header (the trajectory manager appends the same; never trained)."""
+    end = [] if turn and turn[-1] == tok.eos_token_id else [tok.eos_token_id]
+    tools = "".join(f"<|im_start|>tool\n{r}<|im_end|>\n" for r in results)
+    return end + tok.encode(f"\n{tools}<|im_start|>assistant\n", add_special_tokens=False)
+
+
+@dataclass
+class CalcSession:
+    """One calc session as the probe ran it: the token pieces (prompt, the first turn, the template's
+    glue and the second turn, both empty without a tool call), the final answer and the tool's results."""
+
+    prompt: list[int]
+    first: list[int]
+    glue: list[int] = field(default_factory=list)
+    second: list[int] = field(default_factory=list)
+    answer: str = ""
+    results: list[str] = field(default_factory=list)
+    finished: bool = True  # False: the second turn called a tool again (the demo's agent then scores 0)
+
+    def reward(self, target: str) -> float:
+        return calc_reward(self.answer, target, self.results) if self.finished else 0.0
+
+    def sample(self, logprobs: list[float], version: int) -> Sample:
+        """The session's token-exact path: the two sampled turns trained (mask 1), prompt and glue not."""
+        ids = self.prompt + self.first + self.glue + self.second
+        mask = [0] * len(self.prompt) + [1] * len(self.first) + [0] * len(self.glue) + [1] * len(self.second)
+        return Sample(ids, mask, [lp if m else 0.0 for lp, m in zip(logprobs, mask)],
+                      [version if m else -1 for m in mask])
+
+
+def _turn_text(tok, ids: list[int]) -> str:
+    return tok.decode([i for i in ids if i != tok.eos_token_id], skip_special_tokens=False)
+
+
+def calc_sessions(model, tok, questions: list[str], do_sample: bool, max_new: int) -> list[CalcSession]:
+    """Both turns of every question, batched: the first turn with the calculator in the system
+    prompt; where it calls the tool (shared/toolcalls.py parses it, tasks.calculator_call runs it),
+    the results and a second turn, whose text is the answer; otherwise the first turn's text is."""
+    prompts = [_prompt_ids(tok, q, [CALCULATOR_TOOL]) for q in questions]
+    sessions = [CalcSession(p, t) for p, t in zip(prompts, generate(model, tok, prompts, do_sample, max_new))]
+    again = []
+    for k, s in enumerate(sessions):
+        content, calls = parse_tool_calls(_turn_text(tok, s.first), f"probe-{k}")
+        if not calls:
+            s.answer = content.strip()
+            continue
+        s.results = [calculator_call(c.arguments) for c in calls]
+        s.glue = tool_glue_ids(tok, s.first, s.results)
+        again.append(s)
+    if again:
+        ctx = [s.prompt + s.first + s.glue for s in again]
+        for s, turn in zip(again, generate(model, tok, ctx, do_sample, max_new)):
+            s.second = turn
+            content, calls = parse_tool_calls(_turn_text(tok, turn), "probe-again")
+            s.answer, s.finished = content.strip(), not calls
+    return sessions
+
+
+_INT = re.compile(r"-?\d[\d,]*")
+
+
+def lenient_correct(answer: str, target: str) -> bool:
+    """The last integer in the answer (commas dropped) is the target: right arithmetic in prose
+    ("48 times 37 is 1,776."), which the task's exact match (answer == target) does not count."""
+    found = _INT.findall(answer)
+    return bool(found) and found[-1].replace(",", "") == target
 
 
 @torch.no_grad()
@@ -128,10 +208,18 @@ def seq_logprobs(model, seqs, plens, pad_id):
 
 
 class Evaluator:
-    def __init__(self, tok, n=256, seed=12345):
+    """A fixed set of `n` prompts of `task`, answered sampled (temperature 1) and greedy: the mean
+    reward of each; for calc also the exact-answer rate (`*_exact`, the task's target hit), the
+    lenient one (`*_lenient`: lenient_correct) and the fraction of sessions that called the tool."""
+
+    def __init__(self, tok, n=256, seed=12345, task="reverse", max_new=MAX_NEW):
         rng = random.Random(seed)
-        self.tasks = [reverse_prompt(rng) for _ in range(n)]
-        self.prompts = [_prompt_ids(tok, t) for t, _ in self.tasks]
+        self.task, self.max_new = task, max_new
+        if task == "calc":
+            self.tasks = [(q, a) for q, _, a in (calc_prompt(rng) for _ in range(n))]
+        else:
+            self.tasks = [reverse_prompt(rng) for _ in range(n)]
+            self.prompts = [_prompt_ids(tok, t) for t, _ in self.tasks]
         self.tok = tok
         self.seed = seed
 
@@ -141,13 +229,29 @@ class Evaluator:
         with torch.random.fork_rng():  # same sampling noise in every eval; training RNG untouched
             torch.manual_seed(self.seed)
             for name, sample in (("sampled", True), ("greedy", False)):
-                answers = generate(model, self.tok, self.prompts, sample)
+                if self.task == "calc":
+                    res.update(self._calc(model, name, sample))
+                    continue
+                answers = generate(model, self.tok, self.prompts, sample, self.max_new)
                 texts = self.tok.batch_decode(answers, skip_special_tokens=True)
                 res[name] = sum(reverse_reward(a, tgt) for a, (_, tgt) in zip(texts, self.tasks)) / len(texts)
                 if sample:
                     res["eos_frac"] = sum(self.tok.eos_token_id in a for a in answers) / len(answers)
                     res["len"] = sum(len(a) for a in answers) / len(answers)
         return res
+
+    def _calc(self, model, name: str, sample: bool) -> dict:
+        sessions = calc_sessions(model, self.tok, [q for q, _ in self.tasks], sample, self.max_new)
+        n = len(sessions)
+        targets = [a for _, a in self.tasks]
+        out = {name: sum(s.reward(t) for s, t in zip(sessions, targets)) / n,
+               f"{name}_exact": sum(s.finished and s.answer == t for s, t in zip(sessions, targets)) / n,
+               f"{name}_lenient": sum(s.finished and lenient_correct(s.answer, t) for s, t in zip(sessions, targets)) / n,
+               f"{name}_tool": sum(bool(s.results) for s in sessions) / n}
+        if sample:
+            out["eos_frac"] = sum(self.tok.eos_token_id in (s.second or s.first) for s in sessions) / n
+            out["len"] = sum(len(s.first) + len(s.second) for s in sessions) / n
+        return out
 
 
 DEFAULTS = {
@@ -165,6 +269,10 @@ DEFAULTS = {
     # the reward the trainer sees: "answer" (tasks.answer_reward, what the demo reports) or another
     # shaping of tasks.REVERSE_SHAPINGS; batch_reward, loop_gain and the evals always use answer_reward
     "reward": "answer",
+    # the task: "reverse" (the tiny model's warm starts) or "calc" (the demo's two-turn calculator session
+    # through the model's own chat template, e.g. SmolLM2); max_new: tokens a turn (0 = the task's:
+    # reverse MAX_NEW, calc CALC_MAX_NEW); calc's trainer reward is tasks.calc_reward, as in the demo
+    "task": "reverse", "max_new": 0,
     # probe
     "name": "", "quiet": False, "save": "",  # save: write the final model here ("" = no)
     # off-policy emulation (issue 26): step t samples from the policy of step max(0, t - staleness) (a
@@ -174,12 +282,19 @@ DEFAULTS = {
 }
 
 
-def rollout(model, tok, rng: random.Random, o: dict, step: int, pad_id: int) -> tuple[list, list[float], list]:
-    """G prompts x group_size samples from `model` (the policy of version `step`): (groups, rewards, answers)."""
+def max_new_tokens(o: dict) -> int:
+    return o["max_new"] or (CALC_MAX_NEW if o["task"] == "calc" else MAX_NEW)
+
+
+def rollout(model, tok, rng: random.Random, o: dict, step: int, pad_id: int) -> tuple[list, list[float], list, list]:
+    """G prompts x group_size samples from `model` (the policy of version `step`): (groups, rewards,
+    each session's last turn, whether each hit the target exactly)."""
+    if o["task"] == "calc":
+        return calc_rollout(model, tok, rng, o, step, pad_id)
     model.eval()
     tasks = [reverse_prompt(rng) for _ in range(o["groups_per_step"])]
     prompts = [_prompt_ids(tok, t) for t, _ in tasks for _ in range(o["group_size"])]
-    answers = generate(model, tok, prompts)
+    answers = generate(model, tok, prompts, True, max_new_tokens(o))
     texts = tok.batch_decode(answers, skip_special_tokens=True)
     targets = [tgt for _, tgt in tasks for _ in range(o["group_size"])]
     rewards = [reverse_reward(a, t) for a, t in zip(texts, targets)]  # what the demo reports
@@ -196,7 +311,27 @@ def rollout(model, tok, rng: random.Random, o: dict, step: int, pad_id: int) -> 
             s = Sample(seqs[i], [0] * p + [1] * n, behav[i], [-1] * p + [step] * n)
             grp.append(TrajectoryCompleted(f"s{step}-{i}", f"g{step}-{g}", train_rewards[i], [s]))
         groups.append(grp)
-    return groups, rewards, answers
+    return groups, rewards, answers, [r == 1.0 for r in rewards]
+
+
+def calc_rollout(model, tok, rng: random.Random, o: dict, step: int, pad_id: int) -> tuple[list, list[float], list, list]:
+    """rollout on calc: each session both turns (calc_sessions), one Sample of its whole path, the
+    demo's reward (tasks.calc_reward); exact = the final answer is the true result."""
+    model.eval()
+    problems = [calc_prompt(rng) for _ in range(o["groups_per_step"])]
+    questions = [q for q, _, _ in problems for _ in range(o["group_size"])]
+    targets = [a for _, _, a in problems for _ in range(o["group_size"])]
+    sessions = calc_sessions(model, tok, questions, True, max_new_tokens(o))
+    rewards = [s.reward(t) for s, t in zip(sessions, targets)]
+    seqs = [s.prompt + s.first + s.glue + s.second for s in sessions]
+    behav = seq_logprobs(model, seqs, [len(s.prompt) for s in sessions], pad_id)
+    groups = []
+    for g in range(o["groups_per_step"]):
+        idx = range(g * o["group_size"], (g + 1) * o["group_size"])
+        groups.append([TrajectoryCompleted(f"s{step}-{i}", f"g{step}-{g}", rewards[i], [sessions[i].sample(behav[i], step)])
+                       for i in idx])
+    exact = [s.finished and s.answer == t for s, t in zip(sessions, targets)]
+    return groups, rewards, [s.second or s.first for s in sessions], exact
 
 
 def trainer_config(o: dict) -> TrainerConfig:
@@ -324,7 +459,7 @@ def run(opts: dict) -> dict:
     model, opt, sched, ref = build_policy(o)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    evaluate = Evaluator(tok, o["eval_n"])
+    evaluate = Evaluator(tok, o["eval_n"], task=o["task"], max_new=max_new_tokens(o))
     log = (lambda *a: None) if o["quiet"] else (lambda *a: print(*a, flush=True))
     evals, batch_rewards, batch_exact, step_metrics = {}, [], [], []
     t_steps = 0.0
@@ -332,13 +467,12 @@ def run(opts: dict) -> dict:
     for step in range(o["steps"] + 1):
         if o["eval_every"] and step % o["eval_every"] == 0:
             evals[step] = evaluate(model)
-            log(f"[eval] step {step:3d} sampled {evals[step]['sampled']:.3f} greedy {evals[step]['greedy']:.3f} "
-                f"eos {evals[step]['eos_frac']:.2f} len {evals[step]['len']:.2f}")
+            log(f"[eval] step {step:3d} " + " ".join(f"{k} {v:.3f}" for k, v in evals[step].items()))
         if step == o["steps"]:
             break
         t0 = time.perf_counter()
         # 1. rollout: G prompts x group_size samples from the current policy (with staleness: an older one)
-        groups, rewards, answers = rollout(behaviour.policy(step), tok, rng, o, behaviour.version, pad_id)
+        groups, rewards, answers, exact = rollout(behaviour.policy(step), tok, rng, o, behaviour.version, pad_id)
         # 2. the trainer's step (TrainEngine.train_step, world size 1, no DeepSpeed)
         gb = build_global_batch(groups, algo)
         parts, gn = train_step(model, (opt, sched), gb, algo, o, pad_id, ref)
@@ -348,9 +482,9 @@ def run(opts: dict) -> dict:
         m.update(gb.metrics, grad_norm=float(gn), lr=opt.param_groups[0]["lr"])
         step_metrics.append({k: round(v, 4) for k, v in m.items()})
         batch_rewards.append(sum(rewards) / len(rewards))
-        batch_exact.append(sum(r == 1.0 for r in rewards) / len(rewards))
+        batch_exact.append(sum(exact) / len(exact))
         eos = sum(tok.eos_token_id in a for a in answers) / len(answers)
-        log(f"step {step:3d} reward {batch_rewards[-1]:.3f} adv_std {m['adv_std']:.2f} "
+        log(f"step {step:3d} reward {batch_rewards[-1]:.3f} exact {batch_exact[-1]:.3f} adv_std {m['adv_std']:.2f} "
             f"ent {m.get('entropy', 0):.3f} clip {m['clip_frac']:.3f} gnorm {float(gn):.2f} eos {eos:.2f} {dt:.2f}s")
         behaviour.stepped(step + 1)
     if o["save"]:  # a LoRA run saves base + adapter merged: a plain HF model, a warm start like any other
@@ -367,6 +501,7 @@ def run(opts: dict) -> dict:
         "loop_dip": round(_mean(batch_rewards[:8]) - min(_mean(batch_rewards[max(0, i - 7):i + 1])
                                                          for i in range(7, len(batch_rewards))), 3)
         if len(batch_rewards) >= 8 else 0.0,
+        "exact_gain": round(_mean(batch_exact[-8:]) - _mean(batch_exact[:8]), 3),
         "groups_dropped": sum(m.get("groups_dropped", 0) for m in step_metrics),
         "sec_per_step": round(t_steps / max(o["steps"], 1), 3),
         "trainable_params": trainable,
