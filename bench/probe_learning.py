@@ -121,6 +121,78 @@ def generate(model, tok, prompts, do_sample=True, max_new=MAX_NEW):
     return answers
 
 
+# -- shared-prefix forward passes (calc: every row starts with the same ~200-token system prompt) -----
+
+def common_prefix_len(rows: list[list[int]]) -> int:
+    n = min(map(len, rows))
+    for i in range(n):
+        if any(r[i] != rows[0][i] for r in rows):
+            return i
+    return n
+
+
+@torch.no_grad()
+def sample_shared(model, rows: list[list[int]], do_sample: bool, max_new: int, eos: int, pad: int):
+    """Continue every row (temperature 1, top_k 0, top_p 1, or greedy) until its EOS or `max_new`
+    tokens: (the new tokens of each row, EOS included; their logprobs under the sampling model, the
+    behaviour logprobs vLLM returns). The rows' common prefix is run once and its keys and values
+    repeated across the batch; the rest of each row is padded in the middle (attention mask 0,
+    positions continuing from the prefix), so each row is computed exactly as if alone."""
+    shared = min(common_prefix_len(rows), min(map(len, rows)) - 1)
+    rest = [r[shared:] for r in rows]
+    width = max(map(len, rest))
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rest])
+    own = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rest])
+    pos = (shared + own.cumsum(-1) - 1).clamp(min=shared)
+    attn = torch.cat([torch.ones(len(rows), shared, dtype=own.dtype), own], 1)
+    cache = None
+    if shared:
+        cache = model(input_ids=torch.tensor([rows[0][:shared]]), use_cache=True).past_key_values
+        cache.batch_repeat_interleave(len(rows))
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True)
+    turns = [[] for _ in rows]
+    lps = [[] for _ in rows]
+    done = torch.zeros(len(rows), dtype=torch.bool)
+    last = pos[:, -1]
+    for _ in range(max_new):
+        logsm = out.logits[:, -1].float().log_softmax(-1)
+        nxt = torch.multinomial(logsm.exp(), 1).squeeze(-1) if do_sample else logsm.argmax(-1)
+        chosen = logsm.gather(-1, nxt[:, None]).squeeze(-1)
+        for b in (~done).nonzero().flatten().tolist():
+            turns[b].append(int(nxt[b]))
+            lps[b].append(float(chosen[b]))
+        done |= nxt == eos
+        if bool(done.all()):
+            break
+        nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+        last = last + 1
+        attn = torch.cat([attn, torch.ones(len(rows), 1, dtype=attn.dtype)], 1)
+        out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=last[:, None],
+                    past_key_values=out.past_key_values, use_cache=True)
+    return turns, lps
+
+
+def shared_prefix_logp(model, mb, with_entropy: bool, min_shared: int = 16):
+    """token_logprobs(model(mb).logits, mb.targets) where the loss can use it (from the first trained
+    target on; 0 before, where the loss mask is 0), with the rows' common prefix run once (gradient
+    included) and its keys and values repeated across the micro-batch: the same loss and gradients as
+    the trainer's full forward, at a fraction of its cost when a long system prompt is shared."""
+    ids, attn = mb.input_ids, mb.attention_mask
+    trained = mb.loss_mask.sum(0).nonzero()
+    first = int(trained[0]) if len(trained) else ids.shape[1] - 1
+    shared = min(common_prefix_len(ids.tolist()), first + 1, ids.shape[1] - 1)
+    if shared < min_shared:
+        return token_logprobs(model(input_ids=ids, attention_mask=attn).logits, mb.targets, with_entropy)
+    head = model(input_ids=ids[:1, :shared], use_cache=True, logits_to_keep=1)
+    cache = head.past_key_values
+    cache.batch_repeat_interleave(ids.shape[0])
+    tail = model(input_ids=ids[:, shared:], attention_mask=attn, past_key_values=cache).logits
+    logits = torch.cat([head.logits[:, -1:].expand(ids.shape[0], -1, -1), tail], 1)  # positions shared-1 ..
+    logp, entropy = token_logprobs(logits, mb.targets[:, shared - 1:], with_entropy)
+    front = torch.zeros(ids.shape[0], shared - 1, dtype=logp.dtype)
+    return torch.cat([front, logp], 1), (torch.cat([front, entropy], 1) if entropy is not None else None)
+
+
 # -- calc: the demo's two-turn tool session (seamlessflow/demo/rl.py calc_agent), offline -------------
 
 def tool_glue_ids(tok, turn: list[int], results: list[str]) -> list[int]:
@@ -135,12 +207,15 @@ def tool_glue_ids(tok, turn: list[int], results: list[str]) -> list[int]:
 @dataclass
 class CalcSession:
     """One calc session as the probe ran it: the token pieces (prompt, the first turn, the template's
-    glue and the second turn, both empty without a tool call), the final answer and the tool's results."""
+    glue and the second turn, both empty without a tool call) with the sampled turns' behaviour
+    logprobs, the final answer and the tool's results."""
 
     prompt: list[int]
     first: list[int]
+    first_lp: list[float] = field(default_factory=list)
     glue: list[int] = field(default_factory=list)
     second: list[int] = field(default_factory=list)
+    second_lp: list[float] = field(default_factory=list)
     answer: str = ""
     results: list[str] = field(default_factory=list)
     finished: bool = True  # False: the second turn called a tool again (the demo's agent then scores 0)
@@ -148,12 +223,12 @@ class CalcSession:
     def reward(self, target: str) -> float:
         return calc_reward(self.answer, target, self.results) if self.finished else 0.0
 
-    def sample(self, logprobs: list[float], version: int) -> Sample:
+    def sample(self, version: int) -> Sample:
         """The session's token-exact path: the two sampled turns trained (mask 1), prompt and glue not."""
         ids = self.prompt + self.first + self.glue + self.second
         mask = [0] * len(self.prompt) + [1] * len(self.first) + [0] * len(self.glue) + [1] * len(self.second)
-        return Sample(ids, mask, [lp if m else 0.0 for lp, m in zip(logprobs, mask)],
-                      [version if m else -1 for m in mask])
+        lps = [0.0] * len(self.prompt) + self.first_lp + [0.0] * len(self.glue) + self.second_lp
+        return Sample(ids, mask, lps, [version if m else -1 for m in mask])
 
 
 def _turn_text(tok, ids: list[int]) -> str:
@@ -161,11 +236,13 @@ def _turn_text(tok, ids: list[int]) -> str:
 
 
 def calc_sessions(model, tok, questions: list[str], do_sample: bool, max_new: int) -> list[CalcSession]:
-    """Both turns of every question, batched: the first turn with the calculator in the system
-    prompt; where it calls the tool (shared/toolcalls.py parses it, tasks.calculator_call runs it),
-    the results and a second turn, whose text is the answer; otherwise the first turn's text is."""
+    """Both turns of every question, batched (sample_shared): the first turn with the calculator in
+    the system prompt; where it calls the tool (shared/toolcalls.py parses it, tasks.calculator_call
+    runs it), the results and a second turn, whose text is the answer; otherwise the first turn's is."""
+    eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     prompts = [_prompt_ids(tok, q, [CALCULATOR_TOOL]) for q in questions]
-    sessions = [CalcSession(p, t) for p, t in zip(prompts, generate(model, tok, prompts, do_sample, max_new))]
+    turns, lps = sample_shared(model, prompts, do_sample, max_new, eos, pad)
+    sessions = [CalcSession(p, t, lp) for p, t, lp in zip(prompts, turns, lps)]
     again = []
     for k, s in enumerate(sessions):
         content, calls = parse_tool_calls(_turn_text(tok, s.first), f"probe-{k}")
@@ -176,9 +253,9 @@ def calc_sessions(model, tok, questions: list[str], do_sample: bool, max_new: in
         s.glue = tool_glue_ids(tok, s.first, s.results)
         again.append(s)
     if again:
-        ctx = [s.prompt + s.first + s.glue for s in again]
-        for s, turn in zip(again, generate(model, tok, ctx, do_sample, max_new)):
-            s.second = turn
+        turns, lps = sample_shared(model, [s.prompt + s.first + s.glue for s in again], do_sample, max_new, eos, pad)
+        for s, turn, lp in zip(again, turns, lps):
+            s.second, s.second_lp = turn, lp
             content, calls = parse_tool_calls(_turn_text(tok, turn), "probe-again")
             s.answer, s.finished = content.strip(), not calls
     return sessions
@@ -323,12 +400,10 @@ def calc_rollout(model, tok, rng: random.Random, o: dict, step: int, pad_id: int
     targets = [a for _, _, a in problems for _ in range(o["group_size"])]
     sessions = calc_sessions(model, tok, questions, True, max_new_tokens(o))
     rewards = [s.reward(t) for s, t in zip(sessions, targets)]
-    seqs = [s.prompt + s.first + s.glue + s.second for s in sessions]
-    behav = seq_logprobs(model, seqs, [len(s.prompt) for s in sessions], pad_id)
-    groups = []
+    groups = []  # behaviour logprobs: the sampler's own, as vLLM returns them
     for g in range(o["groups_per_step"]):
         idx = range(g * o["group_size"], (g + 1) * o["group_size"])
-        groups.append([TrajectoryCompleted(f"s{step}-{i}", f"g{step}-{g}", rewards[i], [sessions[i].sample(behav[i], step)])
+        groups.append([TrajectoryCompleted(f"s{step}-{i}", f"g{step}-{g}", rewards[i], [sessions[i].sample(step)])
                        for i in idx])
     exact = [s.finished and s.answer == t for s, t in zip(sessions, targets)]
     return groups, rewards, [s.second or s.first for s in sessions], exact
@@ -423,8 +498,11 @@ def train_step(model, optim: tuple, gb, algo: AlgoConfig, o: dict, pad_id: int, 
     for _epoch in range(o["ppo_epochs"]):
         opt.zero_grad(set_to_none=True)
         for i, mb in enumerate(batches):
-            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-            logp, entropy = token_logprobs(logits, mb.targets, True)
+            if o["task"] == "calc":  # the same logprobs as the full forward below, the system prompt run once
+                logp, entropy = shared_prefix_logp(model, mb, True)
+            else:
+                logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+                logp, entropy = token_logprobs(logits, mb.targets, True)
             if prox[i] is None:
                 prox[i] = logp.detach()
             if algo.entropy_coef == 0.0:
