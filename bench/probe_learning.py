@@ -299,6 +299,7 @@ class Evaluator:
             self.prompts = [_prompt_ids(tok, t) for t, _ in self.tasks]
         self.tok = tok
         self.seed = seed
+        self.shown: dict[str, list[dict]] = {}  # calc: the last eval's sessions, by mode (--show prints some)
 
     def __call__(self, model):
         model.eval()
@@ -319,6 +320,8 @@ class Evaluator:
 
     def _calc(self, model, name: str, sample: bool) -> dict:
         sessions = calc_sessions(model, self.tok, [q for q, _ in self.tasks], sample, self.max_new)
+        self.shown[name] = [{"q": q, "target": t, "first": _turn_text(self.tok, s.first), "results": s.results,
+                             "answer": s.answer} for s, (q, t) in zip(sessions, self.tasks)]
         n = len(sessions)
         targets = [a for _, a in self.tasks]
         out = {name: sum(s.reward(t) for s, t in zip(sessions, targets)) / n,
@@ -349,7 +352,7 @@ DEFAULTS = {
     # the task: "reverse" (the tiny model's warm starts) or "calc" (the demo's two-turn calculator session
     # through the model's own chat template, e.g. SmolLM2); max_new: tokens a turn (0 = the task's:
     # reverse MAX_NEW, calc CALC_MAX_NEW); calc's trainer reward is tasks.calc_reward, as in the demo
-    "task": "reverse", "max_new": 0,
+    "task": "reverse", "max_new": 0, "show": 0,  # show: print this many calc eval sessions at each eval
     # probe
     "name": "", "quiet": False, "save": "",  # save: write the final model here ("" = no)
     # off-policy emulation (issue 26): step t samples from the policy of step max(0, t - staleness) (a
@@ -546,6 +549,9 @@ def run(opts: dict) -> dict:
         if o["eval_every"] and step % o["eval_every"] == 0:
             evals[step] = evaluate(model)
             log(f"[eval] step {step:3d} " + " ".join(f"{k} {v:.3f}" for k, v in evals[step].items()))
+            for mode, shown in evaluate.shown.items():
+                for sess in shown[: o["show"]]:
+                    log(f"[show] {mode} {json.dumps(sess)}")
         if step == o["steps"]:
             break
         t0 = time.perf_counter()
