@@ -289,8 +289,9 @@ class Evaluator:
     reward of each; for calc also the exact-answer rate (`*_exact`, the task's target hit), the
     lenient one (`*_lenient`: lenient_correct) and the fraction of sessions that called the tool."""
 
-    def __init__(self, tok, n=256, seed=12345, task="reverse", max_new=MAX_NEW):
+    def __init__(self, tok, n=256, seed=12345, task="reverse", max_new=MAX_NEW, modes="sampled,greedy"):  # noqa: PLR0913
         rng = random.Random(seed)
+        self.modes = modes.split(",")
         self.task, self.max_new = task, max_new
         if task == "calc":
             self.tasks = [(q, a) for q, _, a in (calc_prompt(rng) for _ in range(n))]
@@ -304,9 +305,12 @@ class Evaluator:
     def __call__(self, model):
         model.eval()
         res = {}
+        t0 = time.perf_counter()
         with torch.random.fork_rng():  # same sampling noise in every eval; training RNG untouched
             torch.manual_seed(self.seed)
             for name, sample in (("sampled", True), ("greedy", False)):
+                if name not in self.modes:
+                    continue
                 if self.task == "calc":
                     res.update(self._calc(model, name, sample))
                     continue
@@ -316,6 +320,7 @@ class Evaluator:
                 if sample:
                     res["eos_frac"] = sum(self.tok.eos_token_id in a for a in answers) / len(answers)
                     res["len"] = sum(len(a) for a in answers) / len(answers)
+        res["seconds"] = time.perf_counter() - t0
         return res
 
     def _calc(self, model, name: str, sample: bool) -> dict:
@@ -353,6 +358,9 @@ DEFAULTS = {
     # through the model's own chat template, e.g. SmolLM2); max_new: tokens a turn (0 = the task's:
     # reverse MAX_NEW, calc CALC_MAX_NEW); calc's trainer reward is tasks.calc_reward, as in the demo
     "task": "reverse", "max_new": 0, "show": 0,  # show: print this many calc eval sessions at each eval
+    # evals: eval_start False skips the step-0 eval (the base figure measured once, by a --steps 0 run at the
+    # same eval_n); eval_modes: "sampled,greedy" or one of them; dump: append each calc eval's sessions (JSONL)
+    "eval_start": True, "eval_modes": "sampled,greedy", "dump": "",
     # probe
     "name": "", "quiet": False, "save": "",  # save: write the final model here ("" = no)
     # off-policy emulation (issue 26): step t samples from the policy of step max(0, t - staleness) (a
@@ -540,14 +548,17 @@ def run(opts: dict) -> dict:
     model, opt, sched, ref = build_policy(o)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    evaluate = Evaluator(tok, o["eval_n"], task=o["task"], max_new=max_new_tokens(o))
+    evaluate = Evaluator(tok, o["eval_n"], task=o["task"], max_new=max_new_tokens(o), modes=o["eval_modes"])
     log = (lambda *a: None) if o["quiet"] else (lambda *a: print(*a, flush=True))
     evals, batch_rewards, batch_exact, step_metrics = {}, [], [], []
     t_steps = 0.0
     behaviour = Behaviour(model, o["staleness"])
     for step in range(o["steps"] + 1):
-        if o["eval_every"] and step % o["eval_every"] == 0:
+        if o["eval_every"] and step % o["eval_every"] == 0 and (step or o["eval_start"] or not o["steps"]):
             evals[step] = evaluate(model)
+            if o["dump"]:
+                with open(o["dump"], "a") as f:
+                    f.write(json.dumps({"step": step, "sessions": evaluate.shown}) + "\n")
             log(f"[eval] step {step:3d} " + " ".join(f"{k} {v:.3f}" for k, v in evals[step].items()))
             for mode, shown in evaluate.shown.items():
                 for sess in shown[: o["show"]]:
