@@ -533,6 +533,18 @@ def train_step(model, optim: tuple, gb, algo: AlgoConfig, o: dict, pad_id: int, 
     return parts, gn
 
 
+def eval_and_log(evaluate: Evaluator, model, step: int, o: dict, log) -> dict:
+    res = evaluate(model)
+    if o["dump"]:
+        with open(o["dump"], "a") as f:
+            f.write(json.dumps({"step": step, "sessions": evaluate.shown}) + "\n")
+    log(f"[eval] step {step:3d} " + " ".join(f"{k} {v:.3f}" for k, v in res.items()))
+    for mode, shown in evaluate.shown.items():
+        for sess in shown[: o["show"]]:
+            log(f"[show] {mode} {json.dumps(sess)}")
+    return res
+
+
 def run(opts: dict) -> dict:
     from transformers import AutoTokenizer
 
@@ -555,14 +567,7 @@ def run(opts: dict) -> dict:
     behaviour = Behaviour(model, o["staleness"])
     for step in range(o["steps"] + 1):
         if o["eval_every"] and step % o["eval_every"] == 0 and (step or o["eval_start"] or not o["steps"]):
-            evals[step] = evaluate(model)
-            if o["dump"]:
-                with open(o["dump"], "a") as f:
-                    f.write(json.dumps({"step": step, "sessions": evaluate.shown}) + "\n")
-            log(f"[eval] step {step:3d} " + " ".join(f"{k} {v:.3f}" for k, v in evals[step].items()))
-            for mode, shown in evaluate.shown.items():
-                for sess in shown[: o["show"]]:
-                    log(f"[show] {mode} {json.dumps(sess)}")
+            evals[step] = eval_and_log(evaluate, model, step, o, log)
         if step == o["steps"]:
             break
         t0 = time.perf_counter()
