@@ -75,7 +75,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from seamlessflow.demo.tasks import CALCULATOR_TOOL, REVERSE_SHAPINGS, calc_prompt, calc_reward, calculator_call, \
+from seamlessflow.demo.tasks import CALCULATOR_TOOL, REVERSE_SHAPINGS, CalcLevel, calc_prompt, calc_reward, calculator_call, \
     reverse_prompt, reverse_reward
 from seamlessflow.demo.warmstart import _prompt_ids
 from services.trainer import lora, optim
@@ -289,12 +289,13 @@ class Evaluator:
     reward of each; for calc also the exact-answer rate (`*_exact`, the task's target hit), the
     lenient one (`*_lenient`: lenient_correct) and the fraction of sessions that called the tool."""
 
-    def __init__(self, tok, n=256, seed=12345, task="reverse", max_new=MAX_NEW, modes="sampled,greedy"):  # noqa: PLR0913
+    def __init__(self, tok, n=256, seed=12345, task="reverse", max_new=MAX_NEW, modes="sampled,greedy",  # noqa: PLR0913
+                 level: CalcLevel = CalcLevel()):
         rng = random.Random(seed)
         self.modes = modes.split(",")
         self.task, self.max_new = task, max_new
         if task == "calc":
-            self.tasks = [(q, a) for q, _, a in (calc_prompt(rng) for _ in range(n))]
+            self.tasks = [(q, a) for q, _, a in (calc_prompt(rng, level) for _ in range(n))]
         else:
             self.tasks = [reverse_prompt(rng) for _ in range(n)]
             self.prompts = [_prompt_ids(tok, t) for t, _ in self.tasks]
@@ -358,6 +359,9 @@ DEFAULTS = {
     # through the model's own chat template, e.g. SmolLM2); max_new: tokens a turn (0 = the task's:
     # reverse MAX_NEW, calc CALC_MAX_NEW); calc's trainer reward is tasks.calc_reward, as in the demo
     "task": "reverse", "max_new": 0, "show": 0,  # show: print this many calc eval sessions at each eval
+    # calc's difficulty (tasks.CalcLevel; the defaults are the demo's task): operands 2..max, operators,
+    # an instruction appended to the question
+    "calc_max_operand": 99, "calc_ops": "+-*", "calc_hint": "",
     # evals: eval_start False skips the step-0 eval (the base figure measured once, by a --steps 0 run at the
     # same eval_n); eval_modes: "sampled,greedy" or one of them; dump: append each calc eval's sessions (JSONL)
     "eval_start": True, "eval_modes": "sampled,greedy", "dump": "",
@@ -368,6 +372,10 @@ DEFAULTS = {
     # the current policy on it, as the demo's trainer does with tokens `staleness` versions old
     "staleness": 0,
 }
+
+
+def calc_level(o: dict) -> CalcLevel:
+    return CalcLevel(o["calc_max_operand"], o["calc_ops"], o["calc_hint"])
 
 
 def max_new_tokens(o: dict) -> int:
@@ -406,7 +414,7 @@ def calc_rollout(model, tok, rng: random.Random, o: dict, step: int, pad_id: int
     """rollout on calc: each session both turns (calc_sessions), one Sample of its whole path, the
     demo's reward (tasks.calc_reward); exact = the final answer is the true result."""
     model.eval()
-    problems = [calc_prompt(rng) for _ in range(o["groups_per_step"])]
+    problems = [calc_prompt(rng, calc_level(o)) for _ in range(o["groups_per_step"])]
     questions = [q for q, _, _ in problems for _ in range(o["group_size"])]
     targets = [a for _, _, a in problems for _ in range(o["group_size"])]
     sessions = calc_sessions(model, tok, questions, True, max_new_tokens(o))
@@ -560,7 +568,8 @@ def run(opts: dict) -> dict:
     model, opt, sched, ref = build_policy(o)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    evaluate = Evaluator(tok, o["eval_n"], task=o["task"], max_new=max_new_tokens(o), modes=o["eval_modes"])
+    evaluate = Evaluator(tok, o["eval_n"], task=o["task"], max_new=max_new_tokens(o), modes=o["eval_modes"],
+                         level=calc_level(o))
     log = (lambda *a: None) if o["quiet"] else (lambda *a: print(*a, flush=True))
     evals, batch_rewards, batch_exact, step_metrics = {}, [], [], []
     t_steps = 0.0
