@@ -75,8 +75,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from seamlessflow.demo.tasks import CALCULATOR_TOOL, REVERSE_SHAPINGS, CalcLevel, calc_prompt, calc_reward, calculator_call, \
-    reverse_prompt, reverse_reward
+from seamlessflow.demo.tasks import CALC_CORRECT, CALCULATOR_TOOL, REVERSE_SHAPINGS, CalcLevel, answer_reward, calc_prompt, \
+    calc_reward, calculator_call, reverse_prompt, reverse_reward
 from seamlessflow.demo.warmstart import _prompt_ids
 from services.trainer import lora, optim
 from services.trainer.algorithms import AlgoConfig, merge_metrics, policy_loss
@@ -362,6 +362,9 @@ DEFAULTS = {
     # calc's difficulty (tasks.CalcLevel; the defaults are the demo's task): operands 2..max, operators,
     # an instruction appended to the question
     "calc_max_operand": 99, "calc_ops": "+-*", "calc_hint": "",
+    # calc's trainer reward: "task" (tasks.calc_reward, the demo's) or "lenient" (calc_lenient_reward: the
+    # right number inside prose earns half the answer's credit); batch_reward and the evals report "task"
+    "calc_reward": "task",
     # evals: eval_start False skips the step-0 eval (the base figure measured once, by a --steps 0 run at the
     # same eval_n); eval_modes: "sampled,greedy" or one of them; dump: append each calc eval's sessions (JSONL)
     "eval_start": True, "eval_modes": "sampled,greedy", "dump": "",
@@ -410,6 +413,15 @@ def rollout(model, tok, rng: random.Random, o: dict, step: int, pad_id: int) -> 
     return groups, rewards, answers, [r == 1.0 for r in rewards]
 
 
+def calc_lenient_reward(answer: str, target: str, tool_results: list[str]) -> float:
+    """tasks.calc_reward with the answer's credit at least half of CALC_CORRECT where the answer's last
+    integer is the target (lenient_correct): a chat model that answers "2 + 3 = 5" earns 0.3, the bare
+    "5" 0.6, where the task's own reward gives the first ~0 (position-wise "2" against "5")."""
+    base = calc_reward(answer, target, tool_results)
+    floor = 0.5 * CALC_CORRECT if lenient_correct(answer, target) else 0.0
+    return base + max(0.0, floor - CALC_CORRECT * answer_reward(answer, target))
+
+
 def calc_rollout(model, tok, rng: random.Random, o: dict, step: int, pad_id: int) -> tuple[list, list[float], list, list]:
     """rollout on calc: each session both turns (calc_sessions), one Sample of its whole path, the
     demo's reward (tasks.calc_reward); exact = the final answer is the true result."""
@@ -418,11 +430,13 @@ def calc_rollout(model, tok, rng: random.Random, o: dict, step: int, pad_id: int
     questions = [q for q, _, _ in problems for _ in range(o["group_size"])]
     targets = [a for _, _, a in problems for _ in range(o["group_size"])]
     sessions = calc_sessions(model, tok, questions, True, max_new_tokens(o))
-    rewards = [s.reward(t) for s, t in zip(sessions, targets)]
+    rewards = [s.reward(t) for s, t in zip(sessions, targets)]  # the task's, what the demo reports
+    train = rewards if o["calc_reward"] == "task" else \
+        [calc_lenient_reward(s.answer, t, s.results) if s.finished else 0.0 for s, t in zip(sessions, targets)]
     groups = []  # behaviour logprobs: the sampler's own, as vLLM returns them
     for g in range(o["groups_per_step"]):
         idx = range(g * o["group_size"], (g + 1) * o["group_size"])
-        groups.append([TrajectoryCompleted(f"s{step}-{i}", f"g{step}-{g}", rewards[i], [sessions[i].sample(step)])
+        groups.append([TrajectoryCompleted(f"s{step}-{i}", f"g{step}-{g}", train[i], [sessions[i].sample(step)])
                        for i in idx])
     exact = [s.finished and s.answer == t for s, t in zip(sessions, targets)]
     return groups, rewards, [s.second or s.first for s in sessions], exact

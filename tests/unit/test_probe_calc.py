@@ -110,3 +110,11 @@ def test_shared_prefix_logp_is_the_full_forwards_where_the_loss_reads_it(model, 
     on = mb.loss_mask > 0
     assert probe.common_prefix_len(mb.input_ids.tolist()) >= 16
     assert torch.allclose(logp[on], full[on], atol=1e-4) and torch.allclose(ent[on], full_ent[on], atol=1e-4)
+
+
+def test_the_lenient_reward_credits_the_right_number_in_prose_below_the_bare_number():
+    lenient = probe.calc_lenient_reward
+    assert lenient("2 + 3 = 5", "5", []) == pytest.approx(0.3)  # the task's reward: ~0
+    assert lenient("5", "5", []) == calc_reward("5", "5", []) == pytest.approx(0.6)
+    assert lenient("2 + 3 = 6", "5", []) == calc_reward("2 + 3 = 6", "5", [])
+    assert lenient("5", "5", ["5"]) == pytest.approx(1.0)
