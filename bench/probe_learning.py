@@ -585,7 +585,7 @@ def run(opts: dict) -> dict:
     evaluate = Evaluator(tok, o["eval_n"], task=o["task"], max_new=max_new_tokens(o), modes=o["eval_modes"],
                          level=calc_level(o))
     log = (lambda *a: None) if o["quiet"] else (lambda *a: print(*a, flush=True))
-    evals, batch_rewards, batch_exact, step_metrics = {}, [], [], []
+    evals, batch_rewards, batch_exact, batch_train, step_metrics = {}, [], [], [], []
     t_steps = 0.0
     behaviour = Behaviour(model, o["staleness"])
     for step in range(o["steps"] + 1):
@@ -606,8 +606,9 @@ def run(opts: dict) -> dict:
         step_metrics.append({k: round(v, 4) for k, v in m.items()})
         batch_rewards.append(sum(rewards) / len(rewards))
         batch_exact.append(sum(exact) / len(exact))
+        batch_train.append(sum(t.reward for grp in groups for t in grp) / len(rewards))
         eos = sum(tok.eos_token_id in a for a in answers) / len(answers)
-        log(f"step {step:3d} reward {batch_rewards[-1]:.3f} exact {batch_exact[-1]:.3f} adv_std {m['adv_std']:.2f} "
+        log(f"step {step:3d} reward {batch_rewards[-1]:.3f} train {batch_train[-1]:.3f} exact {batch_exact[-1]:.3f} adv_std {m['adv_std']:.2f} "
             f"ent {m.get('entropy', 0):.3f} clip {m['clip_frac']:.3f} gnorm {float(gn):.2f} eos {eos:.2f} {dt:.2f}s")
         behaviour.stepped(step + 1)
     if o["save"]:  # a LoRA run saves base + adapter merged: a plain HF model, a warm start like any other
@@ -618,6 +619,7 @@ def run(opts: dict) -> dict:
         "eval": {str(k): {kk: round(vv, 4) for kk, vv in v.items()} for k, v in evals.items()},
         "batch_reward": [round(r, 3) for r in batch_rewards],
         "batch_exact": [round(r, 3) for r in batch_exact],
+        "batch_train_reward": [round(r, 3) for r in batch_train],  # the reward the trainer saw (its shaping)
         # the demo's figure: in-loop mean reward, first 8 steps -> last 8 steps, and the lowest
         # 8-step rolling mean below the first 8 (the "dip")
         "loop_gain": round(_mean(batch_rewards[-8:]) - _mean(batch_rewards[:8]), 3),
