@@ -289,7 +289,7 @@ class Evaluator:
     reward of each; for calc also the exact-answer rate (`*_exact`, the task's target hit), the
     lenient one (`*_lenient`: lenient_correct) and the fraction of sessions that called the tool."""
 
-    def __init__(self, tok, n=256, seed=12345, task="reverse", max_new=MAX_NEW, modes="sampled,greedy",  # noqa: PLR0913
+    def __init__(self, tok, n=256, seed=12345, task="reverse", max_new=MAX_NEW, modes="sampled,greedy",  # noqa: PLR0913  the eval set and how it is answered
                  level: CalcLevel = CalcLevel()):
         rng = random.Random(seed)
         self.modes = modes.split(",")
