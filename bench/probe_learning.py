@@ -45,6 +45,21 @@ Flags of `run` mirror TrainerConfig (lr, lr_warmup_steps, beta1, beta2, adam_eps
 weight_decay, grad_clip, ppo_epochs, group_size, groups_per_step, advantage,
 std_normalize, aggregation, entropy_coef, clip_low, clip_high, ...).
 
+calc (`--task calc`, issue 26: a real chat model, e.g. SmolLM2 from `seamlessflow init-model --from
+smollm2`): the demo's two-turn calculator session (seamlessflow/demo/rl.py calc_agent) through the
+model's own chat template with the tool; a parsed tool call runs tasks.calculator_call and the
+template's tool turn is appended untrained; both turns are one Sample. The ~200-token system prompt is
+run once per batch (sample_shared, shared_prefix_logp: the same logprobs as the full forward). Knobs:
+--max-new (tokens a turn, 40 = the demo's), --calc-max-operand/--calc-ops/--calc-hint
+(tasks.CalcLevel), --calc-reward lenient; evals report exact, lenient and tool-call rates, --dump
+writes their sessions. ~15 s a step at 2 x 8 on SmolLM2, one core (docs/history/benchmarks-log.md,
+"SmolLM2-135M on calc"):
+
+    .venv/bin/python bench/probe_learning.py run --model DIR --task calc --max-new 40 --steps 20 \
+        --groups-per-step 2 --group-size 8 --lr 1e-5 --lr-warmup-steps 2 --drop-uniform-groups true \
+        --micro-batch-tokens 16384 --calc-max-operand 9 --calc-ops +- \
+        --calc-hint "Answer with the number only." --calc-reward lenient --eval-every 20 --eval-n 128
+
 LoRA: `--lora-rank R [--lora-alpha A --lora-targets all]` builds the policy the way the
 trainer does (`build_policy`: a TrainerConfig -> services/trainer/lora.py lora_spec + wrap,
 the same PEFT wrapping, target sets and alpha default of 2 x rank; optim.adamw over the adapter's
