@@ -84,12 +84,27 @@ CALCULATOR_TOOL = {
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
-def calc_prompt(rng: random.Random) -> tuple[str, str, str]:
-    """(question, expression, answer): two numbers 2-99 and one of + - *."""
-    a, b = rng.randint(2, 99), rng.randint(2, 99)
-    op = rng.choice("+-*")
+@dataclass(frozen=True)
+class CalcLevel:
+    """calc's difficulty: operands 2..max_operand, the operators drawn from `ops`, and an instruction
+    appended to the question (`hint`). The default is the demo's task. A pretrained chat model can sit
+    at 0 on it: the 4-bit SmolLM2-135M never calls the tool and never answers with the bare number
+    (docs/history/benchmarks-log.md, "SmolLM2 on calc"), so RL has nothing to compare; a hint or
+    smaller numbers give it a reward above 0 to start from."""
+
+    max_operand: int = 99
+    ops: str = "+-*"
+    hint: str = ""
+
+
+def calc_prompt(rng: random.Random, level: CalcLevel = CalcLevel()) -> tuple[str, str, str]:
+    """(question, expression, answer): two numbers 2..level.max_operand (2-99) and one of level.ops
+    (+ - *); the same draws as before for the default level."""
+    a, b = rng.randint(2, level.max_operand), rng.randint(2, level.max_operand)
+    op = rng.choice(level.ops)
     expression = f"{a}{op}{b}"
-    return f"what is {expression}?", expression, calculate(expression)
+    question = f"what is {expression}?" + (f" {level.hint}" if level.hint else "")
+    return question, expression, calculate(expression)
 
 
 def calculate(expression: str) -> str:

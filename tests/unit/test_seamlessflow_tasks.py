@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 
 import httpx
 import openai
 import pytest
 
 from seamlessflow.demo.rl import calc_agent, reverse_agent
-from seamlessflow.demo.tasks import (CALCULATOR_TOOL, TASKS, answer_reward, calc_prompt, calc_tool_call_text, calculate,
+from seamlessflow.demo.tasks import (CALCULATOR_TOOL, TASKS, CalcLevel, answer_reward, calc_prompt, calc_tool_call_text, calculate,
                                 calculator_call, reverse_prompt)
 from shared.toolcalls import parse
 
@@ -32,6 +33,17 @@ def test_calc_prompt_is_deterministic_and_answerable():
     question, expression, answer = a
     assert question == f"what is {expression}?" and answer == str(eval(expression))  # noqa: S307 - digits and one op
     assert set(TASKS) == {"reverse", "calc"}
+
+
+def test_calc_level_sets_operands_operators_and_hint():
+    rng = random.Random(3)
+    level = CalcLevel(max_operand=9, ops="+-", hint="Use the calculator tool.")
+    for _ in range(50):
+        question, expression, answer = calc_prompt(rng, level)
+        a, op, b = re.fullmatch(r"(\d+)([-+*])(\d+)", expression).groups()
+        assert 2 <= int(a) <= 9 and 2 <= int(b) <= 9 and op in "+-"
+        assert question == f"what is {expression}? Use the calculator tool." and answer == calculate(expression)
+    assert calc_prompt(random.Random(7), CalcLevel()) == calc_prompt(random.Random(7))  # the default: the demo's
 
 
 def test_calculator_evaluates_arithmetic_only():
