@@ -233,7 +233,9 @@ class Replies:
     """The replies to one streamed request, in order: `async for data in replies`.
 
     The first reply must come within `first_timeout`, each later one within
-    `idle_timeout`; otherwise ReplyTimeout. With `alive`, the wait is also cut short,
+    `idle_timeout`; otherwise ReplyTimeout. With `receipt_timeout`, the responder sends a
+    receipt first (shared/messages/rollout.py: Generate.receipt): it must come within
+    `receipt_timeout`, and `first_timeout` counts from it. With `alive`, the wait is also cut short,
     within `ALIVE_POLL` seconds, once `alive()` says the responder is gone (say its
     heartbeat went stale): a dead worker is noticed by heartbeat age, not by the long
     token timeout. `ready()` returns the replies that have already arrived, without
@@ -242,17 +244,24 @@ class Replies:
     ALIVE_POLL = 0.5
 
     def __init__(self, subject: str, first_timeout: float, idle_timeout: float,
-                 alive: Callable[[], bool] | None = None):
+                 alive: Callable[[], bool] | None = None, receipt_timeout: float | None = None):
         self.subject = subject
         self.queue: asyncio.Queue[Msg] = asyncio.Queue()
-        self._timeout = first_timeout
-        self._idle = idle_timeout
+        # (what is awaited, its timeout) for each reply in turn; the last one stands for every later reply
+        self._waits = [("reply", idle_timeout), ("first reply", first_timeout)]
+        if receipt_timeout is not None:
+            self._waits.append(("receipt", receipt_timeout))
         self._alive = alive
+
+    @property
+    def _timeout(self) -> float:
+        return self._waits[-1][1]
 
     def _data(self, msg: Msg) -> bytes:
         if _is_no_responders(msg):
             raise NoResponders(self.subject)
-        self._timeout = self._idle
+        if len(self._waits) > 1:
+            self._waits.pop()
         return msg.data
 
     def __aiter__(self) -> Replies:
@@ -263,7 +272,8 @@ class Replies:
         while True:
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
-                raise ReplyTimeout(f"no reply on {self.subject} within {self._timeout:.1f}s")
+                what, timeout = self._waits[-1]
+                raise ReplyTimeout(f"no {what} on {self.subject} within {timeout:.1f}s")
             try:
                 async with asyncio.timeout(min(left, self.ALIVE_POLL) if self._alive else left):
                     msg = await self.queue.get()
@@ -316,10 +326,11 @@ _MUXES: weakref.WeakKeyDictionary[NATS, _ReplyMux] = weakref.WeakKeyDictionary()
 @asynccontextmanager
 async def stream_request(
     nc: NATS, subject: str, payload: bytes, first_timeout: float, idle_timeout: float,
-    alive: Callable[[], bool] | None = None,
+    alive: Callable[[], bool] | None = None, receipt_timeout: float | None = None,
 ) -> AsyncIterator[Replies]:
     """Send one request and iterate over its streamed replies (see Replies). The
     responder decides when the stream ends: the caller stops on its terminal message.
+    `receipt_timeout`: the payload asks for a receipt, the first reply (see Replies).
 
     A reconnect to NATS while the stream runs ends it like a responder that is gone (within
     ALIVE_POLL): core NATS is at most once, and a broker restart drops what is in flight, so a
@@ -337,7 +348,7 @@ async def stream_request(
     def whole() -> bool:
         return stats["reconnects"] == reconnects and (alive is None or alive())
 
-    replies = Replies(subject, first_timeout, idle_timeout, whole)
+    replies = Replies(subject, first_timeout, idle_timeout, whole, receipt_timeout)
     token = mux.open(replies)
     try:
         await nc.publish(subject, payload, reply=f"{mux.prefix}.{token}")

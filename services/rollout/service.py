@@ -1,6 +1,7 @@
 """The rollout worker's NATS wiring: the only module here that touches NATS.
 
-    sf.rollout.gen.<worker_id>   Generate -> TokenDelta* then exactly one GenerateDone, to msg.reply
+    sf.rollout.gen.<worker_id>   Generate -> TokenDelta* then exactly one GenerateDone, to msg.reply; the first
+                                 TokenDelta an empty receipt, sent at once, when the Generate asks for one
     sf.rollout.ctl.<worker_id>   RolloutControl -> WorkerStatus (after the op is done)
     sf.rollout.status            WorkerStatus heartbeat every `status_interval` seconds, and at once after a
                                  control and when the worker turns busy (first request) or idle (last one ends)
@@ -174,6 +175,7 @@ class RolloutService:
             generated_tokens=self.generated_tokens,
             lent_until=self.lent_until,
             instance=self.instance,
+            receipts=True,
         )
 
     async def _publish_status(self) -> None:
@@ -200,6 +202,8 @@ class RolloutService:
                                                    error=f"request {req.request_id!r} is already running",
                                                    code="bad_request"))
             return
+        if req.receipt:  # before anything can wait (an engine step, a drain-policy update, vLLM's warm-up)
+            await self._send(msg.reply, TokenDelta(req.request_id, [], [], self.engine.version))
         task = asyncio.create_task(self._generate(req, msg.reply))
         self.tasks[req.request_id] = task
         task.add_done_callback(lambda t, rid=req.request_id: self._ended(rid, t))

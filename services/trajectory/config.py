@@ -17,7 +17,10 @@ class TrajectoryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # ... but only the requests that shared/lending.py `move_worth` says finish sooner, within the rest of the
     # lend, by more than their re-prefill costs (routing.WorkerTable.moves); False: the whole share, youngest first
     rebalance_worth: bool = True
-    first_token_timeout: float = timeouts.WORKER_FIRST_REPLY  # a worker's first reply (vLLM warms up on first use)
+    # a worker's receipt of a Generate, before any token (shared/messages/rollout.py): without one, the Generate
+    # was lost (core NATS is at most once) and is re-dispatched; 0 = ask for none (wait first_token_timeout)
+    receipt_timeout: float = timeouts.WORKER_RECEIPT
+    first_token_timeout: float = timeouts.WORKER_FIRST_REPLY  # a worker's first token (vLLM warms up on first use)
     token_timeout: float = timeouts.WORKER_IDLE  # between replies of one generation
     resume_wait: float = 600.0  # a re-sent request waits this long for the replica still serving it
     max_redispatch: int = 8  # re-dispatches of one request after preemptions

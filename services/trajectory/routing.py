@@ -103,6 +103,11 @@ class WorkerTable(WorkerHeartbeats):
         s = self.get(worker)
         return s.instance if s is not None else ""
 
+    def sends_receipts(self, worker: str) -> bool:
+        """Does `worker` answer a Generate with a receipt when asked (WorkerStatus.receipts)? False if unknown."""
+        s = self.get(worker)
+        return s is not None and s.receipts
+
     def same_process(self, worker: str, instance: str, now: float) -> bool:
         """Is `worker` alive and still the process `instance`? A worker restarted under the same id
         beats as fresh as ever, but the streams its predecessor served are gone."""

@@ -263,18 +263,25 @@ class TrajectoryService:
                 _warn(f"rebalance:{type(e).__name__}", "moving %s off worker %s failed: %s", rid, w, e)
 
     async def _call(self, worker: str, cmd: Generate) -> AsyncIterator[RolloutReply]:
-        """Stream one Generate to `worker`. A worker that vanishes counts as a preemption."""
+        """Stream one Generate to `worker`. A worker that vanishes counts as a preemption, and so does a
+        Generate it never received: one that sends receipts (WorkerStatus.receipts) is asked for one, and
+        without it within `receipt_timeout` the request is re-dispatched (core NATS dropped it, as while
+        the worker's subscription moved between cluster members); after it `first_token_timeout` applies."""
         self.table.inflight[worker] += 1
         run = Running(tokenpath.count(cmd.prompt_ids), 0, cmd.sampling.max_tokens)
         self.on_worker.setdefault(worker, {})[cmd.request_id] = run
         finished = timed_out = False
         instance = self.table.instance(worker)
+        receipt = self.cfg.receipt_timeout if self.cfg.receipt_timeout > 0 and self.table.sends_receipts(worker) else None
+        if receipt is not None:
+            cmd = msgspec.structs.replace(cmd, receipt=True)
         try:
             async with bus.stream_request(
                 self.nc, subjects.rollout_gen(worker), encode(cmd),
                 self.cfg.first_token_timeout, self.cfg.token_timeout,
                 # a dead worker: by heartbeat age, or by a new process under its id (a supervisor restarted it)
                 alive=lambda: self.table.same_process(worker, instance, time.time()),
+                receipt_timeout=receipt,
             ) as replies:
                 async for data in replies:
                     # a turn that fell behind its worker takes what has arrived in one go (a GenerateDone
@@ -284,6 +291,8 @@ class TrajectoryService:
                         if isinstance(reply, GenerateDone):
                             finished = True
                         elif isinstance(reply, TokenDelta):
+                            if not reply.token_ids:  # the receipt (Replies counted it): nothing to pass on
+                                continue
                             run.generated += len(reply.token_ids)
                         yield reply
                         if finished:

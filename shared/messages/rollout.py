@@ -2,7 +2,16 @@
 
 A rollout worker knows token ids only; it never sees text or chat templates.
 Replies to a `Generate` stream to the request's reply inbox as zero or more
-`TokenDelta` followed by exactly one `GenerateDone`.
+`TokenDelta` followed by exactly one `GenerateDone`. A Generate that asks for a receipt
+(`Generate.receipt`) gets, first and at once, a `TokenDelta` with no tokens (its version the
+worker's): the requester knows within seconds that the Generate arrived (core NATS may drop one
+while the worker reconnects), and waits for the first token only after it.
+
+Wire compatibility of the receipt, both ways: a requester asks for one only from a worker whose
+`WorkerStatus.receipts` says it sends them (one from before reads as False, and is waited for as
+before); a worker sends one only when asked (a requester from before never asks, and gets the
+replies it always got). Both fields are appended with defaults, so either side from before reads
+the other's messages (a trailing array_like field, an unknown map key: both ignored).
 """
 
 from __future__ import annotations
@@ -41,10 +50,14 @@ class Generate(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     # multi-LoRA: the agent role (its session's metadata "role") whose adapter the worker runs it on,
     # where a version holds one adapter per role; "" otherwise. Appended like hold_s
     adapter: str = ""
+    # send a receipt first, at once: a TokenDelta with no tokens (see the module docstring). Appended like
+    # hold_s; asked only of workers whose WorkerStatus.receipts is set
+    receipt: bool = False
 
 
 class TokenDelta(msgspec.Struct, tag=True, array_like=True, gc=False):
-    """Tokens sampled since the previous delta, each with its behaviour logprob."""
+    """Tokens sampled since the previous delta, each with its behaviour logprob. One with no tokens,
+    first, is a receipt (Generate.receipt); a consumer skips empty deltas."""
 
     request_id: str
     token_ids: list[int]
@@ -110,6 +123,9 @@ class WorkerStatus(msgspec.Struct, tag=True, omit_defaults=True):
     # a random id of this worker process: a worker restarted under the same worker_id has a new one, so a
     # stream its dead predecessor was serving is noticed at once (its heartbeats look fresh otherwise)
     instance: str = ""
+    # this worker answers a Generate with `receipt` set by a receipt (an empty TokenDelta) before any token;
+    # False from a worker that predates receipts: the requester then asks for none
+    receipts: bool = False
 
 
 RolloutOp = Literal["abort", "vacate", "resume", "load", "sleep", "wake"]

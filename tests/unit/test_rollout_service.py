@@ -345,3 +345,57 @@ async def test_catch_ups_asked_at_once_share_one_round(make):
     assert svc.engine.version == 3
     await svc._catch_up(4)  # once it is done, the next catch-up asks again
     assert len(svc.nc.asked) == 2
+
+
+async def test_a_generate_that_asks_for_a_receipt_gets_one_at_once_before_any_token(make):
+    # the trajectory manager re-dispatches a Generate without a receipt within seconds (core NATS may drop
+    # one while this worker reconnects): it goes out before anything can wait, here a drain-policy update
+    svc = await make()
+    assert svc.status().receipts  # what tells a trajectory manager to ask
+    svc._admit.clear()  # new requests held
+    gen = lambda rid, receipt: SimpleNamespace(  # noqa: E731
+        data=encode(Generate(rid, [1, 2, 3], Sampling(max_tokens=3), receipt=receipt)), reply=rid,
+        subject=subjects.rollout_gen("w"), headers=None)
+    await svc._on_generate(gen("asks", True))
+    await svc._on_generate(gen("old", False))  # a trajectory manager from before receipts: none, as before
+    assert [(s, m) for s, m, _ in svc.nc.sent if s in ("asks", "old")] == [("asks", TokenDelta("asks", [], [], 0))]
+    svc._admit.set()
+    for _ in range(200):
+        if not svc.tasks:
+            break
+        await asyncio.sleep(0.01)
+    asks = [m for s, m, _ in svc.nc.sent if s == "asks"]
+    assert asks[0] == TokenDelta("asks", [], [], 0) and isinstance(asks[-1], GenerateDone)
+    assert sum(len(m.token_ids) for m in asks if isinstance(m, TokenDelta)) == 3
+    assert not any(isinstance(m, TokenDelta) and not m.token_ids for s, m, _ in svc.nc.sent if s == "old")
+
+
+def test_the_receipt_fields_stay_readable_both_ways():
+    # a rolling upgrade: trajectory managers and workers from before receipts talk to new ones
+    import msgspec
+
+    class GenerateBefore(msgspec.Struct, tag="Generate", array_like=True, omit_defaults=True):
+        request_id: str
+        prompt_ids: list[int]
+        sampling: Sampling
+        session_id: str = ""
+        hold_s: float = 0.0
+        adapter: str = ""
+
+    class StatusBefore(msgspec.Struct, tag="WorkerStatus", omit_defaults=True):
+        worker_id: str
+        state: str
+        version: int
+        running: int
+        capacity: int
+        model: str
+        max_model_len: int
+        ts: float
+        instance: str = ""
+
+    asked = Generate("r", [1], Sampling(), receipt=True)
+    assert decode(encode(asked), GenerateBefore).request_id == "r"  # an old worker reads it, and sends none
+    assert decode(encode(GenerateBefore("r", [1], Sampling())), Generate).receipt is False  # an old manager asks none
+    new = WorkerStatus("w", "serving", 0, 0, 4, "m", 2048, 1.0, instance="i", receipts=True)
+    assert decode(encode(new), StatusBefore).instance == "i"  # an old manager reads a new worker's beat
+    assert decode(encode(StatusBefore("w", "serving", 0, 0, 4, "m", 2048, 1.0)), WorkerStatus).receipts is False

@@ -37,6 +37,25 @@ async def test_first_reply_and_idle_timeouts_differ():
     assert r._timeout == 5.0  # later replies get the idle timeout
 
 
+async def test_with_a_receipt_the_first_token_timeout_counts_from_the_receipt():
+    # a Generate that core NATS dropped: no receipt, found within the receipt timeout, not the first-reply one
+    r = bus.Replies("sf.x", first_timeout=60.0, idle_timeout=30.0, receipt_timeout=0.05)
+    with pytest.raises(bus.ReplyTimeout, match="no receipt on sf.x within 0.1s"):
+        await r.__anext__()
+    r.queue.put_nowait(Msg(data=b"receipt"))
+    assert await r.__anext__() == b"receipt"
+    assert r._timeout == 60.0  # then the first token, as long as vLLM's warm-up takes
+    r.queue.put_nowait(Msg(data=b"token"))
+    assert await r.__anext__() == b"token" and r._timeout == 30.0
+
+
+async def test_a_receipt_taken_by_ready_moves_the_timeouts_on_too():
+    r = bus.Replies("sf.x", first_timeout=60.0, idle_timeout=30.0, receipt_timeout=5.0)
+    for d in (b"receipt", b"token"):
+        r.queue.put_nowait(Msg(data=d))
+    assert r.ready() == [b"receipt", b"token"] and r._timeout == 30.0
+
+
 async def test_no_responders_is_a_typed_bus_unavailable():
     r = bus.Replies("sf.rollout.gen.w9", 1.0, 1.0)
     r.queue.put_nowait(Msg(headers={"Status": "503"}))

@@ -12,9 +12,19 @@ from shared.messages.chat import KEEPALIVE_INTERVAL
 
 def test_gateway_waits_longer_than_the_trajectory_manager_it_calls():
     gw, traj = GatewayConfig(), TrajectoryConfig()
-    # no text yet: the trajectory manager waits for a worker, then for that worker's first reply
-    assert gw.first_token_timeout > traj.worker_wait + traj.first_token_timeout
+    # no text yet: the trajectory manager waits for a worker, for its receipt (a lost Generate is re-dispatched
+    # after it, once at least within the gateway's wait), then for that worker's first token
+    assert gw.first_token_timeout > traj.worker_wait + traj.receipt_timeout + traj.first_token_timeout
     assert gw.idle_timeout > traj.token_timeout
+
+
+def test_a_lost_generate_is_noticed_in_seconds_and_no_later_than_a_dead_worker():
+    traj = TrajectoryConfig()
+    assert traj.receipt_timeout == timeouts.WORKER_RECEIPT
+    # short: the receipt is the only wait that vLLM's warm-up does not stand behind ...
+    assert 0 < traj.receipt_timeout <= timeouts.HEARTBEAT_STALE_AFTER < traj.first_token_timeout
+    # ... but not so short that a loaded box's delivery of a receipt (milliseconds) comes near it
+    assert traj.receipt_timeout >= 3 * timeouts.HEARTBEAT_INTERVAL
 
 
 def test_liveness_signals_are_faster_than_the_silence_that_means_death():

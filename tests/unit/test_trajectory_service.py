@@ -298,3 +298,104 @@ async def test_the_backlog_counts_what_the_trainer_holds_untrained():
     assert await svc._backlog() == Backlog(untrained=5 + 4, per_version=8)
     svc.trainer = (svc.trainer[0], time.monotonic() - 2 * svc.cfg.worker_stale_after)
     assert await svc._backlog() == Backlog(untrained=5, per_version=8)
+
+
+class ReceiptNC(FakeNC):
+    """A worker that sends receipts, scripted per dispatch: "drop" (core NATS lost the Generate: no reply at
+    all), or a receipt if asked, then after `first_token_s` one token and its GenerateDone. It records each
+    Generate (when, decoded) and each abort."""
+
+    def __init__(self, script: list[str], first_token_s: float = 0.0):
+        super().__init__()
+        self.script, self.first_token_s = script, first_token_s
+        self.generates: list[tuple[float, Generate]] = []
+        self.aborts: list[str] = []
+        self.tasks: set = set()
+
+    async def publish(self, subject, payload, reply=None):
+        import asyncio
+
+        from shared.codec import decode
+        if subject.startswith("sf.rollout.ctl."):
+            self.aborts.append(subject)
+            return
+        cmd = decode(payload, Generate)
+        self.generates.append((time.monotonic(), cmd))
+        if self.script[len(self.generates) - 1] == "serve":
+            task = asyncio.create_task(self._serve(cmd, reply))
+            self.tasks.add(task)
+
+    async def _serve(self, cmd: Generate, reply: str) -> None:
+        import asyncio
+
+        from shared.messages import GenerateDone
+        send = lambda m: self.cb(types.SimpleNamespace(subject=reply, data=encode(m), headers=None))  # noqa: E731
+        if cmd.receipt:
+            await send(TokenDelta(cmd.request_id, [], [], 0))
+        await asyncio.sleep(self.first_token_s)
+        await send(TokenDelta(cmd.request_id, [7], [-0.1], 0))
+        await send(GenerateDone(cmd.request_id, "length", 2, 0, "w0"))
+
+
+def receipt_service(nc: ReceiptNC, receipts: bool = True, **cfg) -> TrajectoryService:
+    from shared.messages import WorkerStatus
+
+    s = TrajectoryService(TrajectoryConfig(**cfg), Connections())
+    s.nc = nc
+    s.table.update(WorkerStatus("w0", "serving", 0, 0, 4, "m", 2048, 1e12, receipts=receipts))  # alive throughout
+    return s
+
+
+async def one_turn(s: TrajectoryService):
+    """A generation of one token through the real generation loop and this service's _call."""
+    from services.trajectory.generation import Job, generate
+    from services.trajectory.tokenpath import TokenPath
+
+    async def pick(exclude):
+        return "w0"
+
+    async def on_tokens(delta, worker, first, final):
+        return None
+
+    return await generate(s._call, pick, Job("r", "s", TokenPath.of([1, 2]), Sampling(max_tokens=1)), on_tokens, 3,
+                          backoff=0.0)
+
+
+async def test_a_generate_without_a_receipt_is_re_dispatched_within_the_receipt_timeout_not_the_first_token_one():
+    # issue 30: core NATS dropped the Generate while the worker's subscription moved between cluster members;
+    # its heartbeats go on, so before receipts the turn waited the 120 s first-reply timeout
+    s = receipt_service(ReceiptNC(["drop", "serve"]), receipt_timeout=0.3, first_token_timeout=60)
+    t0 = time.monotonic()
+    out = await one_turn(s)
+    took = time.monotonic() - t0
+    assert out.token_ids == [7] and out.dispatches == 2 and out.finish_reason == "length"
+    (sent0, first), (sent1, second) = s.nc.generates
+    assert first.receipt and second.receipt
+    assert 0.29 <= sent1 - sent0 < 0.3 + 2 * 0.1 and took < 1.0  # the receipt timeout, then at once
+    assert s.nc.aborts == ["sf.rollout.ctl.w0"]  # the lost one: in case the worker did get it and only the receipt was lost
+    assert s.table.inflight["w0"] == 0
+
+
+async def test_a_receipt_then_a_slow_first_token_is_not_re_dispatched():
+    # after the receipt the first-token timeout applies, unchanged: vLLM's warm-up stays covered
+    s = receipt_service(ReceiptNC(["serve", "serve"], first_token_s=0.8), receipt_timeout=0.2, first_token_timeout=60)
+    out = await one_turn(s)
+    assert out.token_ids == [7] and out.dispatches == 1 and s.nc.aborts == []
+    assert [g.receipt for _, g in s.nc.generates] == [True]
+    # the receipt stops at the transport: the caller sees the tokens and the end only
+    got = [r async for r in s._call("w0", Generate("r.9", [1, 2], Sampling(max_tokens=1)))]
+    assert [type(r).__name__ for r in got] == ["TokenDelta", "GenerateDone"] and got[0].token_ids == [7]
+
+
+async def test_a_worker_from_before_receipts_is_asked_for_none_and_waited_for_as_before():
+    # wire compatibility: its WorkerStatus has no `receipts` (False), so it gets no `receipt` it would ignore,
+    # and a first token later than the receipt timeout is no loss
+    s = receipt_service(ReceiptNC(["serve"], first_token_s=0.5), receipts=False, receipt_timeout=0.2,
+                        first_token_timeout=60)
+    out = await one_turn(s)
+    assert out.dispatches == 1 and [g.receipt for _, g in s.nc.generates] == [False]
+
+
+async def test_a_receipt_timeout_of_0_asks_for_none():
+    s = receipt_service(ReceiptNC(["serve"], first_token_s=0.3), receipt_timeout=0, first_token_timeout=60)
+    assert (await one_turn(s)).dispatches == 1 and [g.receipt for _, g in s.nc.generates] == [False]
