@@ -203,7 +203,9 @@ def lend_verdict(s: Snapshot, others_roll_out: bool | None = None) -> tuple[bool
     # the drain margin is cut from the window: a lent host takes no turn in its last drain_margin_s
     wait = predicted_wait(s.trainer, s.completion_rate) - s.drain_margin_s
     cost = s.costs.lend_s + s.costs.reclaim_s + s.reclaim_grace_s  # a lend may hold the trainer the grace
-    what = "predicted wait" + (f" - drain {s.drain_margin_s:g}s" if s.drain_margin_s else "")
+    # its inputs in the reason, so that a scheduler log shows what a prediction rested on
+    what = (f"predicted wait ({s.trainer.samples_needed} samples at {s.completion_rate:.1f}/s)"
+            + (f" - drain {s.drain_margin_s:g}s" if s.drain_margin_s else ""))
     # the priors are a guess: a margin above 1 on a guess never lends where the guess is too high, so the
     # measurement that would correct it never comes (live: margin 4, a 1 s prior, a 0.3 s lend: 0 lends)
     margin = s.lend_margin if s.costs.measured else min(s.lend_margin, 1.0)

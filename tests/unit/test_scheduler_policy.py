@@ -202,6 +202,25 @@ def test_property_no_lend_when_the_predicted_wait_is_below_the_switch_cost(s: Sn
             assert not s.trainer.wants_hosts
 
 
+@given(snapshots(), st.sampled_from(["waiting", "ready", "computing", "publishing"]), st.floats(0, 1e3),
+       st.floats(1e-4, 1.0))
+@settings(max_examples=400, deadline=None)
+def test_property_a_trainer_that_never_waits_for_data_is_never_lent_from(s: Snapshot, state, rate, switch_s):
+    """Where the trainer never waits, seamless lends nothing: while it computes or publishes, is at the
+    gate, or reports waiting with its next batch already buffered (samples_needed 0: it takes the batch
+    at once), no train-pool host is sent to rollout, whatever the completion rate, however cheap the
+    switch. (The one exception, kept: no host outside the pool can roll out.)"""
+    s = replace(s, policy="seamless", trainer=Trainer(state, 0), completion_rate=rate,
+                costs=Costs(switch_s, switch_s))
+    pool = train_pool(s)
+    if not any(h.healthy and not h.cordoned and h.can_rollout and h.id not in pool for h in s.hosts):
+        return
+    assert not lend_verdict(s)[0]
+    by_id = {h.id: h for h in s.hosts}
+    for d in decide(s):
+        assert not (d.mode == "rollout" and d.host in pool and by_id[d.host].target != "rollout"), d
+
+
 @given(snapshots(), st.lists(st.tuples(st.sampled_from(["waiting", "ready", "computing"]),
                                        st.integers(0, 64), st.booleans()), min_size=1, max_size=30))
 @settings(max_examples=200, deadline=None)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.scheduler.policy import Costs
+from services.scheduler.policy import Costs, decide
 from services.scheduler.registry import Registry
 from shared.messages.scheduler import HostHeartbeat, HostModeChanged, Interval, TrainerStatus, fractions
 
@@ -219,6 +219,28 @@ def test_groups_complete_with_their_last_member_and_both_rates_are_measured():
     assert abs(reg.whole_group_rate(7.0) - 4 * 1.0) < 1e-9
     reg.on_finished(8.0, "c")
     assert reg.whole_group_rate(100.0) == 0.0 and reg.open_groups == {"c": 1}  # the window passed
+
+
+def test_a_trainer_that_never_waits_for_data_is_never_lent_from():
+    """bench/pipeline_live.py with a slow trainer step (--s-per-token 0.001: a step of 3.5 s, a batch
+    rolled out in ~2 s): the trainer reports waiting after each publish, but with its next batch
+    already buffered, so it takes it at once. At every status the scheduler sees, seamless lends
+    nothing, although switches are measured at 10 ms and groups complete at a steady rate."""
+    reg = Registry(costs=Costs(0.01, 0.01))
+    reg.on_heartbeat(hb("host-0", "train", tags=("train", "rollout")), 0.0)
+    reg.on_heartbeat(hb("host-1", "rollout"), 0.0)
+    t, lends = 0.0, []
+    for step in range(1, 11):  # 2 groups of 4 a step (trainer()): each step's batch finishes mid-compute
+        for state, ready in (("waiting", 2), ("ready", 0), ("computing", 0)):
+            reg.on_trainer(TrainerStatus(state, step - 1, step - 1, ready, 0, 4 * ready, 2, 4, 0.0, 3.5, t), t)
+            lends += [d for d in decide(reg.snapshot("seamless", t, 1.5, 0)) if d.mode == "rollout"]
+            t += 0.005
+        for i in range(8):
+            reg.on_finished(t + 1.0 + i * 0.1, f"s{step}g{i // 4}")
+        t += 3.5
+        reg.on_trainer(TrainerStatus("publishing", step, step, 2, 0, 8, 2, 4, 0.0, 3.5, t), t)
+        lends += [d for d in decide(reg.snapshot("seamless", t, 1.5, 0)) if d.mode == "rollout"]
+    assert reg.whole_group_rate(t) > 0 and lends == []
 
 
 def test_without_completed_groups_the_session_rate_stands_in():
