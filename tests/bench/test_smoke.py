@@ -115,6 +115,18 @@ def test_probe_learning(tmp_path):
     assert set(res["eval"]) == {"0", "2"} and len(res["batch_reward"]) == 2 and res["sec_per_step"] > 0
 
 
+def test_plot_probe_calc(tmp_path):
+    """Two runs' summary lines (one with its step-0 eval, one without) drawn into one PNG."""
+    def summary(evals: dict) -> str:
+        return json.dumps({"entropy": [2.4, 1.9], "batch_exact": [0.0, 0.1], "batch_train_reward": [0.1, 0.3],
+                           "eval": {s: {"sampled_lenient": v, "greedy_lenient": v + 0.3} for s, v in evals.items()}})
+    (tmp_path / "a.log").write_text("step 1 ...\n" + summary({"0": 0.1, "2": 0.3}) + "\n")
+    (tmp_path / "b.log").write_text(summary({"2": 0.2}) + "\n")
+    png = tmp_path / "out.png"
+    bench("plot_probe_calc.py", str(png), f"seed 0={tmp_path / 'a.log'}", f"seed 1={tmp_path / 'b.log'}")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
 # -- a stack on NATS and Redis, the SIMULATED engine -----------------------------------------------
 
 def test_simulated_engine_parses_its_documented_flags():
