@@ -32,6 +32,7 @@ from shared import timeouts
 pytestmark = pytest.mark.integration
 
 WORKER = "w-receipt"
+RECEIPT_S = 1.0
 
 
 class DropsOne(RolloutService):
@@ -73,7 +74,9 @@ async def test_a_dropped_generate_is_re_dispatched_after_the_receipt_timeout(nat
     worker = DropsOne(RolloutConfig(model="m", worker_id=WORKER, follow_weights=False), conn,
                       SimulatedEngine(capacity=4, step_ms=1.0), drop=drop)
     running = asyncio.create_task(worker.run(quit))
-    traj = TrajectoryService(TrajectoryConfig(), conn)  # the default timeouts: 5 s receipt, 120 s first token
+    # a 1 s receipt timeout (the default is 5 s: timeouts.WORKER_RECEIPT), so that the two cases cost
+    # `just test-fast` 3 s rather than 15; the first-token timeout stays the default 120 s
+    traj = TrajectoryService(TrajectoryConfig(receipt_timeout=RECEIPT_S), conn)
     traj.nc = await bus.connect(conn, name="traj-receipt")
     try:
         await traj.nc.subscribe(subjects.ROLLOUT_STATUS, cb=traj._on_status)
@@ -85,7 +88,8 @@ async def test_a_dropped_generate_is_re_dispatched_after_the_receipt_timeout(nat
         assert len(out.token_ids) == 8 and out.finish_reason == "length"
         # each lost Generate cost the receipt timeout (plus the re-dispatch's back-off from the second on),
         # not the first-token timeout
-        receipt = timeouts.WORKER_RECEIPT
+        receipt = traj.cfg.receipt_timeout
+        assert receipt < traj.cfg.first_token_timeout == timeouts.WORKER_FIRST_REPLY
         assert drop * receipt <= took < drop * receipt + 2.0, took
         print(f"\n{drop} dropped Generate(s): the turn finished in {took:.2f} s (receipt timeout {receipt:g} s)")
         # a receipt followed by the first token: served at once, one dispatch
