@@ -16,12 +16,21 @@ SF_ROLLOUT_LORA=1, and two more phases:
             one in flight (no pause); requests in flight keep theirs, new ones take it.
 For lora, "spanning" requests are those in flight when a version was published (an adapter
 request never changes version mid-stream), and "aborted" counts requests that came back in
-more than one segment (a migration; 0 expected below max_staleness). The size of a version
+more than one segment (a migration; 0 expected below max_staleness). The lora phases stream
+(each agent reads the chunks as they come), so the pause an agent saw at an update is measured
+directly: the gap between the chunks either side of the update, less that request's own median
+gap (the request is its own reference: the box's load cancels), p50 over (request, update) pairs;
+the same at the half-way instants is the control, and the net (the difference of the two p50s) is
+the figure the LoRA goal (<= 5 ms) is set against. The size of a version
 and the time to publish it (copy into the weight store + announce) are printed for both.
 Per phase: request latency p50/p99; for requests that spanned an update (several policy
 versions) or a move (several workers), their latency minus the p50 of requests with the same
 number of generated tokens that spanned nothing, in the same phase (the agent-visible stall;
-same-phase peers share the machine's load); and tokens lost = tokens the
+same-phase peers share the machine's load). A request in flight at a given instant is more
+likely a slow one (the longer a request takes, the likelier an instant falls inside it), so that
+excess is biased upward even where an update costs nothing: the control measures the bias, the
+same excess for requests in flight at the instant half-way between two updates (and at none),
+and the net stall is the spanning p50 less the control's p50. Tokens lost = tokens the
 workers sampled minus tokens recorded in trajectories (the goal is 0: partial tokens are
 kept). The workers' own pause / load / resume times come from their logs.
 """
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import re
 import statistics
@@ -71,7 +81,21 @@ def noisy_copy(src: Path, dst: Path, seed: int) -> Path:
     return dst
 
 
-async def agents(stack: Stack, n: int, seconds: float, max_tokens: int) -> list[dict]:
+async def streamed(client: openai.AsyncOpenAI, **kw) -> tuple[list[float], int, str]:
+    """One streamed turn: the perf_counter time of each content chunk, the completion tokens, the turn id."""
+    stamps, tokens, turn = [], 0, ""
+    async for chunk in await client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.choices and chunk.choices[0].delta.content:
+            stamps.append(time.perf_counter())
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        if (ext := (chunk.model_extra or {}).get("seamlessflow")) is not None:
+            turn = ext["turn_id"]
+    return stamps, tokens, turn
+
+
+async def agents(stack: Stack, n: int, seconds: float, max_tokens: int, stream: bool = False) -> list[dict]:
+    """`n` closed-loop agents for `seconds`; with `stream` each turn is streamed and its chunks' times kept."""
     headers = {"Authorization": f"Bearer {stack.api_key}"}
     done: list[dict] = []
     stop = time.monotonic() + seconds
@@ -82,12 +106,16 @@ async def agents(stack: Stack, n: int, seconds: float, max_tokens: int) -> list[
             client = openai.AsyncOpenAI(base_url=stack.gateway_url, api_key=s["api_key"], max_retries=0, timeout=120)
             while time.monotonic() < stop:
                 t0 = time.perf_counter()
-                r = await client.chat.completions.create(
-                    model="seamlessflow-tiny", messages=[{"role": "user", "content": f"agent {i} {len(done)}"}],
-                    max_tokens=max_tokens, temperature=1.0)
-                done.append({"session": s["id"], "latency": time.perf_counter() - t0, "t0": t0,
-                             "t1": time.perf_counter(),
-                             "tokens": r.usage.completion_tokens, "turn": r.model_extra["seamlessflow"]["turn_id"]})
+                kw = dict(model="seamlessflow-tiny", messages=[{"role": "user", "content": f"agent {i} {len(done)}"}],
+                          max_tokens=max_tokens, temperature=1.0)
+                if stream:
+                    stamps, tokens, turn = await streamed(client, **kw)
+                else:
+                    r = await client.chat.completions.create(**kw)
+                    stamps, tokens, turn = [], r.usage.completion_tokens, r.model_extra["seamlessflow"]["turn_id"]
+                t1 = time.perf_counter()
+                done.append({"session": s["id"], "latency": t1 - t0, "t0": t0, "t1": t1, "stamps": [t0, *stamps, t1],
+                             "tokens": tokens, "turn": turn})
             await client.close()
 
         await asyncio.gather(*(loop(i) for i in range(n)))
@@ -137,7 +165,7 @@ async def disturb(stack: Stack, mode: str, seconds: float, every: float, tmp: Pa
 
 async def phase(stack, mode, args, tmp) -> dict:
     before = worker_tokens(stack)
-    jobs = [agents(stack, args.agents, args.seconds, args.max_tokens)]
+    jobs = [agents(stack, args.agents, args.seconds, args.max_tokens, stream=mode.startswith("lora"))]
     if not mode.endswith("baseline"):
         jobs.append(disturb(stack, mode, args.seconds, args.every, tmp))
     res = await asyncio.gather(*jobs)
@@ -154,6 +182,41 @@ def by_tokens(done: list[dict]) -> dict[int, float]:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+def in_flight(d: dict, times: list[float]) -> bool:
+    return any(d["t0"] < t < d["t1"] for t in times)
+
+
+def halfway(times: list[float]) -> list[float]:
+    """The instants half-way between consecutive disturbances (the control's instants)."""
+    return [(a + b) / 2 for a, b in zip(times, times[1:])]
+
+
+def gap_excess_ms(d: dict, t: float) -> float | None:
+    """The gap in `d`'s stream (start, chunks, end) around instant `t`, less the request's own median
+    gap, in ms; None where `t` is outside the request."""
+    ts = d["stamps"]
+    i = bisect.bisect_right(ts, t)
+    if i == 0 or i == len(ts) or len(ts) < 3:
+        return None
+    return 1000 * (ts[i] - ts[i - 1] - statistics.median(b - a for a, b in zip(ts, ts[1:])))
+
+
+def gap_stall(ph: dict) -> dict:
+    """Per update and per streamed request in flight at it, the gap around the update less the request's
+    median gap (the pause the agent saw); the same at the half-way instants (the control); the net is the
+    difference of the two p50s. Each request is its own reference, so the box's load cancels."""
+    def excess(times: list[float]) -> list[float]:
+        return [x for t in times for d in ph["done"] if (x := gap_excess_ms(d, t)) is not None]
+
+    at, control = excess(ph["times"]), excess(halfway(ph["times"]))
+    if not at or not control:
+        return {"gap_pairs": len(at), "gap_p50_ms": None, "gap_control_p50_ms": None, "gap_net_p50_ms": None}
+    return {"gap_pairs": len(at), "gap_p50_ms": round(statistics.median(at), 1),
+            "gap_p99_ms": round(pct(at, 0.99), 1), "gap_control_pairs": len(control),
+            "gap_control_p50_ms": round(statistics.median(control), 1),
+            "gap_net_p50_ms": round(statistics.median(at) - statistics.median(control), 1)}
+
+
 def summarize(name: str, ph: dict, base_by_tokens: dict[int, float]) -> dict:
     """Stall of a spanning request = its latency minus the median latency of requests with the
     same number of tokens that did not span anything: first those of the same phase (same
@@ -162,20 +225,33 @@ def summarize(name: str, ph: dict, base_by_tokens: dict[int, float]) -> dict:
     span = [d for d in done if d["segments"] > 1]  # an update, a move, or a re-dispatch
     aborted = len(span)
     if name == "lora":  # an adapter request keeps its version: spanning = in flight at a publish
-        span = [d for d in done if any(d["t0"] < t < d["t1"] for t in ph["times"])]
-    calm = by_tokens([d for d in done if d not in span])
+        span = [d for d in done if in_flight(d, ph["times"])]
+    # the control: in flight half-way between two disturbances, at none (module docstring)
+    control = [d for d in done if d not in span and not in_flight(d, ph["times"])
+               and in_flight(d, halfway(ph["times"]))]
+    calm = by_tokens([d for d in done if d not in span and d not in control])
     fallback = statistics.median(base_by_tokens.values())
-    stalls = [1000 * (d["latency"] - calm.get(d["tokens"], base_by_tokens.get(d["tokens"], fallback)))
-              for d in span]
+
+    def excess_ms(group: list[dict]) -> list[float]:
+        return [1000 * (d["latency"] - calm.get(d["tokens"], base_by_tokens.get(d["tokens"], fallback)))
+                for d in group]
+
+    stalls, controls = excess_ms(span), excess_ms(control)
+    stall_p50 = statistics.median(stalls) if stalls else None
+    control_p50 = statistics.median(controls) if controls else None
     recorded = sum(d["recorded"] for d in done)
     return {
         "phase": name, "requests": len(done), "events": ph["events"],
         "p50_ms": round(1000 * statistics.median(d["latency"] for d in done), 1),
         "p99_ms": round(1000 * pct([d["latency"] for d in done], 0.99), 1),
         "spanning": len(span), "multi_segment": aborted,
-        "stall_p50_ms": round(statistics.median(stalls), 1) if stalls else None,
+        "stall_p50_ms": round(stall_p50, 1) if stall_p50 is not None else None,
         "stall_p99_ms": round(pct(stalls, 0.99), 1) if stalls else None,
+        "control": len(control), "control_p50_ms": round(control_p50, 1) if control_p50 is not None else None,
+        "stall_net_p50_ms": (round(stall_p50 - control_p50, 1)
+                             if stall_p50 is not None and control_p50 is not None else None),
         "tokens_sampled": ph["sampled"], "tokens_recorded": recorded, "tokens_lost": ph["sampled"] - recorded,
+        **(gap_stall(ph) if name == "lora" else {}),
     }
 
 
@@ -246,12 +322,12 @@ async def run(args) -> None:
     for r in rows:
         print(json.dumps(r))
     print("\n| phase | requests | disturbances | p50 / p99 ms | spanning requests | stall p50 / p99 ms | "
-          "multi-segment (aborted) | tokens lost |")
-    print("|---|---|---|---|---|---|---|---|")
+          "control: requests, p50 ms | net stall p50 ms | multi-segment (aborted) | tokens lost |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['phase']} | {r['requests']} | {r['events']} | {r['p50_ms']} / {r['p99_ms']} | {r['spanning']} | "
-              f"{r['stall_p50_ms']} / {r['stall_p99_ms']} | {r['multi_segment']} | "
-              f"{r['tokens_lost']} of {r['tokens_sampled']} |")
+              f"{r['stall_p50_ms']} / {r['stall_p99_ms']} | {r['control']}, {r['control_p50_ms']} | "
+              f"{r['stall_net_p50_ms']} | {r['multi_segment']} | {r['tokens_lost']} of {r['tokens_sampled']} |")
     timings, adapter_ms = worker_timings(tmp / "full")
     if args.lora:
         adapter_ms = worker_timings(tmp / "lora")[1]
@@ -273,8 +349,14 @@ async def run(args) -> None:
                   f"{1000 * statistics.median(PUBLISH_S[mode]):.1f} ms median")
     lora_row = next((r for r in rows if r["phase"] == "lora"), None)
     if lora_row is not None:
-        print(f"lora: agent-visible stall p50 {lora_row['stall_p50_ms']} ms (goal <= 5), tokens lost "
-              f"{lora_row['tokens_lost']} (goal 0), aborted {lora_row['multi_segment']} (goal 0 below max_staleness)")
+        print(f"lora: agent-visible stall p50 {lora_row['stall_p50_ms']} ms over {lora_row['spanning']} spanning "
+              f"requests; control (in flight half-way between updates) p50 {lora_row['control_p50_ms']} ms over "
+              f"{lora_row['control']}; net {lora_row['stall_net_p50_ms']} ms (latency, streamed)")
+        print(f"lora: the pause an agent saw per update (the stream's gap around it less the request's median "
+              f"gap) p50 {lora_row['gap_p50_ms']} ms over {lora_row['gap_pairs']} (request, update) pairs; control "
+              f"(half-way instants) p50 {lora_row['gap_control_p50_ms']} ms; net {lora_row['gap_net_p50_ms']} ms "
+              f"(goal <= 5), tokens lost {lora_row['tokens_lost']} (goal 0), aborted {lora_row['multi_segment']} "
+              f"(goal 0 below max_staleness)")
 
 
 def main() -> None:

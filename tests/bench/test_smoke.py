@@ -208,6 +208,7 @@ def test_weight_update_stall(tiny_model):
     assert set(phases) == {"baseline", "keep", "abort", "lora-baseline", "lora"}
     assert all(r["requests"] > 0 for r in phases.values())
     assert phases["lora"]["events"] > 0 and phases["lora"]["tokens_lost"] == 0
+    assert "gap_net_p50_ms" in phases["lora"]  # the lora phases stream: the pause at each update is measured
 
 
 @pytest.mark.integration
