@@ -59,16 +59,18 @@ def streamed_request(t0: float, gap: float, n: int, pause_at: float | None = Non
     return {"t0": t0, "t1": stamps[-1], "stamps": stamps}
 
 
-def test_the_gap_around_an_instant_less_the_requests_median_gap():
-    d = streamed_request(0.0, 0.010, 50, pause_at=0.2505, pause=0.013)
+def test_the_longest_gap_just_after_an_instant_less_the_requests_median_gap():
+    d = streamed_request(0.0, 0.010, 100, pause_at=0.2505, pause=0.013)
     assert abs(gap_excess_ms(d, 0.2505) - 13.0) < 1e-6
-    assert abs(gap_excess_ms(d, 0.1005)) < 1e-6
+    assert abs(gap_excess_ms(d, 0.2005) - 13.0) < 1e-6  # the worker pauses 50 ms after the update: caught
+    assert abs(gap_excess_ms(d, 0.7005)) < 1e-6
+    assert abs(gap_excess_ms(d, 0.2005, window=0.02)) < 1e-6
     assert gap_excess_ms(d, -1.0) is None and gap_excess_ms(d, 9.0) is None
 
 
 def test_gap_stall_nets_the_pause_against_the_half_way_control():
     times = [1.0, 2.0, 3.0, 4.0]
-    done = [streamed_request(t - 0.3, 0.010, 100, pause_at=t, pause=0.020) for t in times]
+    done = [streamed_request(t - 0.3, 0.010, 100, pause_at=t + 0.05, pause=0.020) for t in times]
     row = gap_stall({"done": done, "times": times})
     assert row["gap_pairs"] == 4 and row["gap_control_pairs"] == 3
     assert abs(row["gap_net_p50_ms"] - 20.0) < 1e-6
