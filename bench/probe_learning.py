@@ -566,8 +566,9 @@ def train_step(model, optim: tuple, gb, algo: AlgoConfig, o: dict, pad_id: int, 
             ref_logp = None
             if ref is not None:
                 with torch.no_grad(), reference(model, ref) as base:
-                    ref_logp = token_logprobs(base(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits,
-                                              mb.targets, False)[0]
+                    ref_logp = shared_prefix_logp(base, mb, False)[0] if o["task"] == "calc" else \
+                        token_logprobs(base(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits,
+                                       mb.targets, False)[0]
             loss, m = policy_loss(logp, prox[i], mb.behav_logprobs, mb.advantages, mb.loss_mask, algo,
                                   ref_logp=ref_logp, entropy=entropy, num_tokens=norm_tokens, num_seqs=norm_seqs)
             loss.backward()
