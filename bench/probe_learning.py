@@ -52,7 +52,10 @@ template's tool turn is appended untrained; both turns are one Sample. The ~200-
 run once per batch (sample_shared, shared_prefix_logp: the same logprobs as the full forward). Knobs:
 --max-new (tokens a turn, 40 = the demo's), --calc-max-operand/--calc-ops/--calc-hint
 (tasks.CalcLevel), --calc-reward lenient; evals report exact, lenient and tool-call rates, --dump
-writes their sessions. ~15 s a step at 2 x 8 on SmolLM2, one core (docs/history/benchmarks-log.md,
+writes their sessions. --sft-steps N first fine-tunes on the task's own conversations (warmstart.sft_example:
+the call in the model's template, the tool's result, the bare answer; see DEFAULTS), a start RL can see:
+4 steps at lr 5e-5 already take SmolLM2 to exact 0.95 (T = 1), so keep it to 1-2 steps or a lower lr.
+~15 s a step at 2 x 8 on SmolLM2, one core (docs/history/benchmarks-log.md,
 "SmolLM2-135M on calc"):
 
     .venv/bin/python bench/probe_learning.py run --model DIR --task calc --max-new 40 --steps 20 \
@@ -348,7 +351,8 @@ class Evaluator:
         out = {name: sum(s.reward(t) for s, t in zip(sessions, targets)) / n,
                f"{name}_exact": sum(s.finished and s.answer == t for s, t in zip(sessions, targets)) / n,
                f"{name}_lenient": sum(s.finished and lenient_correct(s.answer, t) for s, t in zip(sessions, targets)) / n,
-               f"{name}_tool": sum(bool(s.results) for s in sessions) / n}
+               f"{name}_tool": sum(bool(s.results) for s in sessions) / n,
+               f"{name}_distinct": len({s.answer for s in sessions})}  # of n prompts: a collapse shows here
         if sample:
             out["eos_frac"] = sum(self.tok.eos_token_id in (s.second or s.first) for s in sessions) / n
             out["len"] = sum(len(s.first) + len(s.second) for s in sessions) / n
@@ -389,6 +393,13 @@ DEFAULTS = {
     # snapshot of its weights), its behaviour logprobs and token versions that snapshot's, and trains
     # the current policy on it, as the demo's trainer does with tokens `staleness` versions old
     "staleness": 0,
+    # calc only, full fine-tune: a supervised warm start before RL (issue 26: SmolLM2 never calls the tool,
+    # so RL has no signal): sft_steps steps of sft_batch examples (warmstart.sft_example at the run's
+    # CalcLevel: the call in the model's own template, the tool's result, the answer; the eval's questions
+    # left out) at sft_lr (AdamW, grad clip 1); with sft_target > 0 it stops once the sampled exact rate on
+    # sft_check_n other prompts, checked every sft_check_every steps, reaches sft_target (RL keeps headroom).
+    # The KL reference (kl_coef) is then the SFT'd model. --steps 0 --save DIR keeps the SFT start alone.
+    "sft_steps": 0, "sft_batch": 16, "sft_lr": 5e-5, "sft_target": 0.0, "sft_check_every": 5, "sft_check_n": 64,
 }
 
 
@@ -558,8 +569,9 @@ def train_step(model, optim: tuple, gb, algo: AlgoConfig, o: dict, pad_id: int, 
             ref_logp = None
             if ref is not None:
                 with torch.no_grad(), reference(model, ref) as base:
-                    ref_logp = token_logprobs(base(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits,
-                                              mb.targets, False)[0]
+                    ref_logp = shared_prefix_logp(base, mb, False)[0] if o["task"] == "calc" else \
+                        token_logprobs(base(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits,
+                                       mb.targets, False)[0]
             loss, m = policy_loss(logp, prox[i], mb.behav_logprobs, mb.advantages, mb.loss_mask, algo,
                                   ref_logp=ref_logp, entropy=entropy, num_tokens=norm_tokens, num_seqs=norm_seqs)
             loss.backward()
@@ -568,6 +580,63 @@ def train_step(model, optim: tuple, gb, algo: AlgoConfig, o: dict, pad_id: int, 
         opt.step()
         sched.step()
     return parts, gn
+
+
+def sft_calc(model, tok, o: dict, held_out: set[str], log) -> dict:
+    """The supervised warm start of `--sft-steps` (DEFAULTS says what it does): {steps, loss, checks}."""
+    from seamlessflow.demo.warmstart import sft_example, sft_loss
+
+    if o["task"] != "calc" or o["lora_rank"] or o["staleness"]:
+        raise ValueError("--sft-steps: calc, full fine-tune, staleness 0 only")
+    level = calc_level(o)
+    rng = random.Random(o["seed"] + 7919)
+    check = Evaluator(tok, o["sft_check_n"], seed=54321, task="calc", max_new=max_new_tokens(o), modes="sampled",
+                      level=level) if o["sft_target"] > 0 else None
+    opt = torch.optim.AdamW(model.parameters(), lr=o["sft_lr"])
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    checks, losses, step = [], [], 0
+    t0 = time.perf_counter()
+    while step < o["sft_steps"]:
+        batch = []
+        while len(batch) < o["sft_batch"]:
+            state = rng.getstate()
+            if calc_prompt(rng, level)[0] in held_out:  # never a question the evals ask
+                continue
+            rng.setstate(state)
+            batch.append(sft_example(tok, "calc", rng, level))
+        model.train()
+        seqs, masks = zip(*batch)
+        loss = sft_loss(model, pad, seqs, masks)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        losses.append(round(loss.item(), 4))
+        log(f"sft step {step:3d} loss {losses[-1]:.3f} {time.perf_counter() - t0:.0f}s")
+        if check is not None and (step % o["sft_check_every"] == 0 or step == o["sft_steps"]):
+            res = check(model)
+            checks.append({"step": step, **{k: round(v, 4) for k, v in res.items()}})
+            log(f"[sft-check] step {step} exact {res['sampled_exact']:.3f} tool {res['sampled_tool']:.3f}")
+            if res["sampled_exact"] >= o["sft_target"]:
+                break
+    opt.zero_grad(set_to_none=True)
+    return {"steps": step, "loss": losses, "checks": checks, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def sft_start(model, ref, tok, o: dict, evaluate: Evaluator, log) -> dict:
+    """sft_calc on `model`, the evals' questions held out; the KL reference (if any) then is the SFT'd
+    model, so the KL term keeps RL near its start, not near the base model."""
+    res = sft_calc(model, tok, o, {q for q, _ in evaluate.tasks}, log)
+    if ref is not None:
+        ref.load_state_dict(model.state_dict())
+    return res
+
+
+def group_distinct(answers: list[list[int]], group_size: int) -> float:
+    """Distinct final turns a group, the mean over the batch's groups (1: every sample of a group the same)."""
+    rows = [tuple(a) for a in answers]
+    return _mean([len(set(rows[i:i + group_size])) for i in range(0, len(rows), group_size)])
 
 
 def eval_and_log(evaluate: Evaluator, model, step: int, o: dict, log) -> dict:
@@ -600,7 +669,8 @@ def run(opts: dict) -> dict:
     evaluate = Evaluator(tok, o["eval_n"], task=o["task"], max_new=max_new_tokens(o), modes=o["eval_modes"],
                          level=calc_level(o))
     log = (lambda *a: None) if o["quiet"] else (lambda *a: print(*a, flush=True))
-    evals, batch_rewards, batch_exact, batch_train, step_metrics = {}, [], [], [], []
+    evals, batch_rewards, batch_exact, batch_train, step_metrics, batch_distinct = {}, [], [], [], [], []
+    sft = sft_start(model, ref, tok, o, evaluate, log) if o["sft_steps"] else None
     t_steps = 0.0
     behaviour = Behaviour(model, o["staleness"])
     for step in range(o["steps"] + 1):
@@ -622,8 +692,10 @@ def run(opts: dict) -> dict:
         batch_rewards.append(sum(rewards) / len(rewards))
         batch_exact.append(sum(exact) / len(exact))
         batch_train.append(sum(t.reward for grp in groups for t in grp) / len(rewards))
+        batch_distinct.append(group_distinct(answers, o["group_size"]))
         eos = sum(tok.eos_token_id in a for a in answers) / len(answers)
-        log(f"step {step:3d} reward {batch_rewards[-1]:.3f} train {batch_train[-1]:.3f} exact {batch_exact[-1]:.3f} adv_std {m['adv_std']:.2f} "
+        log(f"step {step:3d} reward {batch_rewards[-1]:.3f} train {batch_train[-1]:.3f} exact {batch_exact[-1]:.3f} "
+            f"distinct {batch_distinct[-1]:.1f} adv_std {m['adv_std']:.2f} "
             f"ent {m.get('entropy', 0):.3f} clip {m['clip_frac']:.3f} gnorm {float(gn):.2f} eos {eos:.2f} {dt:.2f}s")
         behaviour.stepped(step + 1)
     if o["save"]:  # a LoRA run saves base + adapter merged: a plain HF model, a warm start like any other
@@ -635,6 +707,8 @@ def run(opts: dict) -> dict:
         "batch_reward": [round(r, 3) for r in batch_rewards],
         "batch_exact": [round(r, 3) for r in batch_exact],
         "batch_train_reward": [round(r, 3) for r in batch_train],  # the reward the trainer saw (its shaping)
+        "batch_distinct": [round(r, 2) for r in batch_distinct],  # distinct final turns a group, mean
+        "sft": sft,
         # the demo's figure: in-loop mean reward, first 8 steps -> last 8 steps, and the lowest
         # 8-step rolling mean below the first 8 (the "dip")
         "loop_gain": round(_mean(batch_rewards[-8:]) - _mean(batch_rewards[:8]), 3),

@@ -21,6 +21,7 @@ never re-tokenized with what follows), so what is trained is what rollout will s
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from dataclasses import dataclass
@@ -28,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from seamlessflow.demo.tasks import CALCULATOR_TOOL, answer_reward, calc_prompt, calc_tool_call_text, calculator_call, \
-    reverse_prompt
+from seamlessflow.demo.tasks import CALCULATOR_TOOL, CalcLevel, answer_reward, calc_prompt, calc_tool_call_text, \
+    calculator_call, reverse_prompt
 
 
 def _prompt_ids(tok, task: str, tools: list | None = None) -> list[int]:
@@ -48,16 +49,35 @@ def _tool_turn_ids(tok, result: str) -> list[int]:
     return _enc(tok, f"\n<|im_start|>tool\n{result}<|im_end|>\n<|im_start|>assistant\n")
 
 
-def sft_example(tok, task: str, rng: random.Random) -> tuple[list[int], list[int]]:
-    """(token ids, loss mask) of one supervised example: mask 1 on the assistant's tokens."""
+def calc_call_text(tok, expression: str) -> str:
+    """The assistant's tool-call turn (its end-of-turn token excluded) as the model's own chat template
+    renders a `calculator` call: the template's text of [user, assistant with the call] past the
+    prompt's. The demo's tiny model renders tasks.calc_tool_call_text; SmolLM2's template puts the
+    JSON on its own line (`<tool_call>\\n{...}\\n</tool_call>`). Either parses (shared/toolcalls.py).
+    A template that does not extend the prompt this way gets calc_tool_call_text."""
+    user = [{"role": "user", "content": "q"}]
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})}}
+    prompt = tok.apply_chat_template(user, tools=[CALCULATOR_TOOL], add_generation_prompt=True, tokenize=False)
+    full = tok.apply_chat_template(user + [{"role": "assistant", "content": "", "tool_calls": [call]}],
+                                   tools=[CALCULATOR_TOOL], tokenize=False)
+    end = full.rfind(tok.eos_token)
+    if not full.startswith(prompt) or end <= len(prompt):
+        return calc_tool_call_text(expression)
+    return full[len(prompt):end]
+
+
+def sft_example(tok, task: str, rng: random.Random, level: CalcLevel = CalcLevel()) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of one supervised example: mask 1 on the assistant's tokens. calc: a
+    question of `level` (the demo's by default), the call in the model's own template (calc_call_text)."""
     eos = [tok.eos_token_id]
     if task == "reverse":
         prompt, target = reverse_prompt(rng)
         p, a = _prompt_ids(tok, prompt), _enc(tok, target) + eos
         return p + a, [0] * len(p) + [1] * len(a)
-    question, expression, answer = calc_prompt(rng)
+    question, expression, answer = calc_prompt(rng, level)
     p = _prompt_ids(tok, question, [CALCULATOR_TOOL])
-    call = _enc(tok, calc_tool_call_text(expression)) + eos
+    call = _enc(tok, calc_call_text(tok, expression)) + eos
     glue = _tool_turn_ids(tok, answer)
     final = _enc(tok, answer) + eos
     return p + call + glue + final, [0] * len(p) + [1] * len(call) + [0] * len(glue) + [1] * len(final)

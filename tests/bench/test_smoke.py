@@ -125,6 +125,14 @@ def test_plot_probe_calc(tmp_path):
     png = tmp_path / "out.png"
     bench("plot_probe_calc.py", str(png), f"seed 0={tmp_path / 'a.log'}", f"seed 1={tmp_path / 'b.log'}")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    # the exact rate, b's step 0 from a's (--base: the SFT run that saved the start)
+    (tmp_path / "c.log").write_text(json.dumps({"entropy": [0.5], "batch_exact": [0.3], "batch_distinct": [4.5],
+                                                "eval": {"1": {"sampled_exact": 0.4, "greedy_exact": 0.5}}}) + "\n")
+    (tmp_path / "a.log").write_text(json.dumps({"eval": {"0": {"sampled_exact": 0.2, "greedy_exact": 0.3}}}) + "\n")
+    png.unlink()
+    bench("plot_probe_calc.py", str(png), "--metric", "exact", "--base", str(tmp_path / "a.log"),
+          f"seed 0={tmp_path / 'c.log'}")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # -- a stack on NATS and Redis, the SIMULATED engine -----------------------------------------------

@@ -118,3 +118,76 @@ def test_the_lenient_reward_credits_the_right_number_in_prose_below_the_bare_num
     assert lenient("5", "5", []) == calc_reward("5", "5", []) == pytest.approx(0.6)
     assert lenient("2 + 3 = 6", "5", []) == calc_reward("2 + 3 = 6", "5", [])
     assert lenient("5", "5", ["5"]) == pytest.approx(1.0)
+
+
+def _split_turns(ids, mask):
+    """The trained runs of an SFT example (mask 1): its assistant turns, in order."""
+    turns, cur = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            turns.append(cur)
+            cur = []
+    return turns + ([cur] if cur else [])
+
+
+@pytest.mark.parametrize("template", ["tiny", "smollm2"])
+def test_calc_sft_examples_are_the_tokens_the_probe_parses_and_the_reward_scores_1(tiny_model, template, monkeypatch):
+    """An SFT example (warmstart.sft_example at a CalcLevel), replayed through the probe's calc_sessions
+    as the model's own turns, is the same token path (prompt, call turn, the template's tool glue, the
+    answer), calls the tool once with the question's expression and scores the task's reward 1.0, exact.
+    The tiny model's template renders the call as tasks.calc_tool_call_text (the demo's warm start is
+    unchanged); SmolLM2's (rendered with the tiny tokenizer: no weights here) as its own Hermes text."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from seamlessflow import smollm2
+    from seamlessflow.demo.tasks import CalcLevel, calc_prompt
+    from seamlessflow.demo.warmstart import calc_call_text, sft_example
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    if template == "smollm2":
+        tok.chat_template = smollm2.CHAT_TEMPLATE
+        assert calc_call_text(tok, "6*7") == '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
+    else:
+        assert calc_call_text(tok, "6*7") == calc_tool_call_text("6*7")
+    level = CalcLevel(9, "+-", "Answer with the number only.")
+    for seed in range(4):
+        question, expression, answer = calc_prompt(random.Random(seed), level)
+        ids, mask = sft_example(tok, "calc", random.Random(seed), level)
+        first, second = _split_turns(ids, mask)
+        assert tok.decode(second[:-1]) == answer and first[-1] == second[-1] == tok.eos_token_id
+        scripted = iter([[first], [second]])
+        monkeypatch.setattr(probe, "sample_shared", lambda *a, _t=scripted: (t := next(_t), [[0.0] * len(t[0])]))
+        (s,) = probe.calc_sessions(None, tok, [question], True, 64)
+        assert s.prompt + s.first + s.glue + s.second == ids
+        assert s.sample(0).loss_mask == mask
+        assert s.results == [answer] and s.answer == answer and s.finished
+        assert s.reward(answer) == pytest.approx(1.0)
+        assert expression in tok.decode(first)
+
+
+def test_sft_before_rl_trains_the_start_and_leaves_the_eval_questions_out(tiny_model, monkeypatch):
+    """--sft-steps: the probe's supervised warm start runs before RL (the losses reported, the KL
+    reference reset to the SFT'd model) and never trains on a question its evals ask."""
+    from seamlessflow.demo import warmstart
+
+    seen = []
+    real = warmstart.sft_example
+
+    def spy(tok, task, rng, level):
+        state = rng.getstate()
+        seen.append(probe.calc_prompt(rng, level)[0])
+        rng.setstate(state)
+        return real(tok, task, rng, level)
+
+    monkeypatch.setattr(warmstart, "sft_example", spy)
+    res = probe.run({"model": str(tiny_model), "task": "calc", "steps": 1, "groups_per_step": 1, "group_size": 2,
+                     "eval_every": 1, "eval_n": 8, "eval_modes": "greedy", "max_new": 4, "calc_max_operand": 5,
+                     "sft_steps": 3, "sft_batch": 4, "sft_lr": 1e-3, "kl_coef": 0.1, "quiet": True})
+    assert res["sft"]["steps"] == 3 and len(res["sft"]["loss"]) == 3
+    held = {q for q, _ in probe.Evaluator(None, 8, task="calc", level=probe.CalcLevel(5)).tasks}
+    assert len(seen) == 12 and not held & set(seen)
+    assert len(res["batch_distinct"]) == 1 and "greedy_distinct" in res["eval"]["0"]
