@@ -107,7 +107,7 @@ def run_sender(size: str, repeat: int, bucket_mb: int, workdir: Path) -> None:
                       "write_s": write_s, "read_s": read_s}), flush=True)
 
 
-def run_receiver(size: str, repeat: int, reuse: bool) -> None:
+def run_receiver(size: str, repeat: int) -> None:
     import datetime
 
     import torch
@@ -125,7 +125,7 @@ def run_receiver(size: str, repeat: int, reuse: bool) -> None:
     stages = []
     for r in range(repeat):
         timings: dict[str, float] = {}
-        receive(join(ADDR_SEND, PORT, f"{size}-{r}", timeout=300), load, reuse=reuse, timings=timings)
+        receive(join(ADDR_SEND, PORT, f"{size}-{r}", timeout=300), load, timings=timings)
         stages.append(timings)
     store = dist.TCPStore(ADDR_SEND, PORT, is_master=False, timeout=datetime.timedelta(seconds=300))
     store.set("recv/stages", json.dumps(stages))
@@ -267,9 +267,6 @@ def main() -> int:
     ap.add_argument("--bucket-mb", type=int, default=256)
     ap.add_argument("--workdir", default="/tmp/sf-weight-sync", help="the 'shared disk' of the disk path")
     ap.add_argument("--timeout", type=float, default=900.0)
-    ap.add_argument("--recv-reuse", action="store_true",
-                    help="the receiver copies each bucket out and reuses two buffers (default: a buffer per "
-                         "bucket, as vLLM's receiver needs)")
     ap.add_argument("--tcp-mb", type=int, default=1024, help="the plain-TCP probe's buffer per link (0: no probe)")
     ap.add_argument("--role", choices=["send", "recv", "tcp-send", "tcp-recv"], help=argparse.SUPPRESS)
     ap.add_argument("--size-one", help=argparse.SUPPRESS)
@@ -278,7 +275,7 @@ def main() -> int:
         run_sender(a.size_one, a.repeat, a.bucket_mb, Path(a.workdir))
         return 0
     if a.role == "recv":
-        run_receiver(a.size_one, a.repeat, a.recv_reuse)
+        run_receiver(a.size_one, a.repeat)
         return 0
     if a.role in ("tcp-send", "tcp-recv"):
         (tcp_send if a.role == "tcp-send" else tcp_recv)(a.tcp_mb)
@@ -293,8 +290,7 @@ def main() -> int:
         for gbit in links:
             print(report_tcp(gbit, measure(gbit, ["--tcp-mb", str(a.tcp_mb)], a.timeout, "tcp-")), flush=True)
     for size in filter(None, a.sizes.split(",")):
-        me = ["--size-one", size, "--repeat", str(a.repeat), "--bucket-mb", str(a.bucket_mb), "--workdir", str(workdir),
-              *(["--recv-reuse"] if a.recv_reuse else [])]
+        me = ["--size-one", size, "--repeat", str(a.repeat), "--bucket-mb", str(a.bucket_mb), "--workdir", str(workdir)]
         for gbit in links:
             print(report(size, gbit, measure(gbit, me, a.timeout)), flush=True)
     return 0

@@ -270,24 +270,48 @@ def join(address: str, port: int, group: str, timeout: float = 120.0) -> Joined:
     return Joined(plan, rank, world, store, group, local_address_towards(address, port), timeout)
 
 
+def _storage_refs(t: torch.Tensor) -> int:
+    """How many tensors (views included) hold `t`'s memory, plus one for the look itself."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class RecvBuffers:
+    """The receiver's bucket buffers, each taken again only when nothing but this pool holds it: a
+    consumer that copies a bucket and lets go of its views gets the same pages back bucket after bucket
+    (no page faults on a new buffer); one that keeps the views, as vLLM's layerwise reload does (what
+    `load_weights` is given waits until its layer is whole, attention layers until the finish), keeps
+    the buffer, and the next bucket gets a new one. At most `keep` buffers are pooled."""
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self._pool: list[tuple[torch.Tensor, int]] = []  # (buffer, its reference count when free)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        for buf, free in self._pool:
+            if buf.numel() >= nbytes and _storage_refs(buf) == free:
+                return buf[:nbytes]
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if len(self._pool) >= self.keep:
+            self._pool.pop(0)  # the oldest: if someone still holds it, it is theirs now
+        self._pool.append((buf, _storage_refs(buf)))
+        return buf[:nbytes]  # a view, never the pooled tensor itself: the taker's hold counts
+
+
 def receive(joined: Joined, on_tensors: Callable[[list[tuple[str, torch.Tensor]]], None], *,
-            reuse: bool = False, timings: dict[str, float] | None = None) -> int:
+            timings: dict[str, float] | None = None) -> int:
     """Step e: every bucket of the plan, in order, handed to `on_tensors` as (name, tensor) views into
     that bucket's buffer. Bucket k+1 is already being received while `on_tensors` takes bucket k.
     Returns the bytes received.
 
-    By default each bucket lands in a buffer of its own, which the views keep alive as long as anyone
-    holds them: vLLM's layerwise reload keeps what `load_weights` is given until the layer is whole
-    (attention layers until `finalize_layerwise_reload`), so it must not be overwritten. `reuse=True`,
-    for a consumer that copies every tensor before it returns: two buffers taken in turn, so the
-    views are valid only until `on_tensors` returns. `timings` adds up seconds per stage: "wait" (for
-    a bucket still on the wire) and "consume" (in `on_tensors`)."""
+    The consumer may keep the views as long as it likes: a buffer is received into again only once no
+    view of it is left (`RecvBuffers`). `timings` adds up seconds per stage: "wait" (for a bucket still
+    on the wire) and "consume" (in `on_tensors`)."""
     plan = joined.plan
-    bufs = BucketBuffers(plan, 2) if reuse else None
+    bufs = RecvBuffers()
     pg = _gloo(joined.store, joined.group, joined.rank, joined.world, joined.bind, joined.timeout)
 
     def post(bucket: Bucket) -> tuple[torch.Tensor, dist.Work]:
-        buf = bufs.take(bucket.nbytes) if bufs is not None else torch.empty(bucket.nbytes, dtype=torch.uint8)
+        buf = bufs.take(bucket.nbytes)
         return buf, _broadcast(pg, buf)
 
     got = 0
@@ -300,10 +324,12 @@ def receive(joined: Joined, on_tensors: Callable[[list[tuple[str, torch.Tensor]]
             buf, work = nxt
             nxt = None
             work.wait()
+            del work  # the finished receive lets go of the buffer
             clock.lap("wait")
-            if k + 1 < len(plan.buckets):  # its buffer is not the one handed on next (two, in turn)
+            if k + 1 < len(plan.buckets):  # bucket k's buffer is held here: never the one this takes
                 nxt = post(plan.buckets[k + 1])
             on_tensors(unpack(plan, bucket, buf))
+            del buf  # only the consumer's views (if it kept any) hold it now
             clock.lap("consume")
             got += bucket.nbytes
     finally:

@@ -1,7 +1,7 @@
 """The transfer's buffering (shared/weightxfer.py): packing into reused buffers, one bucket in flight
 while the next is packed, a one-tensor bucket sent as it is, and a whole round over gloo on
-127.0.0.1 (sender and receiver in two threads), bit-exact in fp32 and bf16, with and without
-receive buffers reused."""
+127.0.0.1 (sender and receiver in two threads), bit-exact in fp32 and bf16, to a receiver that copies
+(its buffers come back) and to one that keeps every view (as vLLM's layerwise reload does)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from shared.weightwire import make_plan
-from shared.weightxfer import BucketBuffers, WeightSender, join, pack, param_specs, receive, stream, unpack
+from shared.weightxfer import (BucketBuffers, RecvBuffers, WeightSender, join, pack, param_specs, receive, stream,
+                               unpack)
 
 NAMES = ["model.embed_tokens.weight", "model.layers.0.attn.q.weight", "model.layers.0.mlp.up.weight",
          "model.layers.0.norm.weight", "model.layers.1.attn.q.weight", "model.layers.1.mlp.up.weight",
@@ -124,25 +125,50 @@ def test_stream_without_a_sender_walks_every_group():
     assert seen == list(plan.groups)
 
 
-def round_trip(named, dtype, reuse: bool, rounds: int = 2):
-    """`rounds` rounds over gloo on 127.0.0.1; what the receiver kept from each: with reuse the consumer
-    copies (as it must), without it keeps the views themselves until the round ends (as vLLM's
-    layerwise reload does)."""
+def test_a_receive_buffer_comes_back_only_when_no_view_of_it_is_left():
+    pool = RecvBuffers(keep=2)
+    a = pool.take(4096)
+    a_ptr = a.data_ptr()
+    b = pool.take(4096)
+    b_ptr = b.data_ptr()
+    assert b_ptr != a_ptr  # a is held by its taker
+    kept = a[8:16].view(torch.float32)  # a consumer keeps a view of a
+    del a, b
+    c = pool.take(1024)
+    assert c.data_ptr() == b_ptr  # b's memory came back (for a smaller bucket too); a is still kept
+    del kept
+    d = pool.take(4096)
+    assert d.data_ptr() == a_ptr  # the last view of a is gone: a comes back
+    e = pool.take(4096)
+    assert e.data_ptr() not in (a_ptr, b_ptr)  # both held: a new one, in place of the oldest (a)
+    assert len(pool._pool) == 2
+    del c
+    assert pool.take(4096).data_ptr() == b_ptr
+    held = [pool.take(4096) for _ in range(3)]
+    assert len({h.data_ptr() for h in held} | {d.data_ptr(), e.data_ptr()}) == 5 and len(pool._pool) == 2
+
+
+def round_trip(named, dtype, keep_views: bool, rounds: int = 2):
+    """`rounds` rounds over gloo on 127.0.0.1; what the receiver kept from each (the views themselves
+    until the round ends, as vLLM's layerwise reload does, or copies) and how many distinct buffers
+    the buckets came in."""
     plan = make_plan(3, param_specs(named, dtype), bucket_bytes=100)
     sender = WeightSender("127.0.0.1", 0, timeout=30)
     tensors = dict(enumerate(t for _, t in named))
     results, errors = [], []
     for r in range(rounds):
-        group = f"r{r}-{reuse}"
+        group = f"r{r}-{keep_views}"
         sender.open(plan, group)
         kept: list[tuple[str, torch.Tensor]] = []
+        ptrs: set[int] = set()
 
-        def consume(pairs, kept=kept):
-            kept.extend((n, t.clone() if reuse else t) for n, t in pairs)
+        def consume(pairs, kept=kept, ptrs=ptrs):
+            ptrs.add(pairs[0][1].untyped_storage().data_ptr())
+            kept.extend((n, t if keep_views else t.clone()) for n, t in pairs)
 
         def recv(group=group, consume=consume):
             try:
-                assert receive(join("127.0.0.1", sender.port, group, timeout=30), consume, reuse=reuse) == plan.nbytes
+                assert receive(join("127.0.0.1", sender.port, group, timeout=30), consume) == plan.nbytes
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(e)
 
@@ -153,16 +179,20 @@ def round_trip(named, dtype, reuse: bool, rounds: int = 2):
         assert sender.send(rnd, plan, lambda idx: {i: tensors[i] for i in idx}, timings=timings) == plan.nbytes
         th.join(30)
         assert not th.is_alive() and not errors, errors
-        results.append(dict(kept))
+        results.append((dict(kept), len(ptrs)))
         tensors = {i: t + 1 for i, t in tensors.items()}  # the next version
-    return results
+    return plan, results
 
 
-@pytest.mark.parametrize("reuse", [False, True])
+@pytest.mark.parametrize("keep_views", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_round_over_gloo_delivers_every_tensor_bit_exact(dtype, reuse):
+def test_a_round_over_gloo_delivers_every_tensor_bit_exact(dtype, keep_views):
     named = model(2)
-    results = round_trip(named, dtype, reuse)
-    for r, got in enumerate(results):
+    plan, results = round_trip(named, dtype, keep_views)
+    for r, (got, buffers) in enumerate(results):
         assert list(got) == NAMES
         assert all(same_bits(got[n], (t + r).to(dtype)) for n, t in named), f"round {r}"
+        if keep_views:
+            assert buffers == len(plan.buckets)  # none overwritten
+        else:
+            assert buffers < len(plan.buckets)  # the copying consumer's buffers came back
