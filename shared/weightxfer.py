@@ -62,10 +62,11 @@ def _gloo(store: dist.Store, group: str, rank: int, world: int, bind: str, timeo
     return dist.ProcessGroupGloo(dist.PrefixStore(f"{group}/pg", store), rank, world, opts)
 
 
-def _broadcast(pg: dist.ProcessGroupGloo, buf: torch.Tensor) -> None:
+def _broadcast(pg: dist.ProcessGroupGloo, buf: torch.Tensor) -> dist.Work:
+    """Start broadcasting `buf` from rank 0 (gloo runs it on its own thread); the caller waits."""
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = 0, 0
-    pg.broadcast([buf], opts).wait()
+    return pg.broadcast([buf], opts)
 
 
 def param_specs(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> list[ParamSpec]:
@@ -73,15 +74,53 @@ def param_specs(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None
     return [ParamSpec(n, str(dtype or t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in named]
 
 
-def pack(plan: TransferPlan, bucket: Bucket, tensors: dict[int, torch.Tensor]) -> torch.Tensor:
-    """The bucket's flat byte buffer; `tensors` maps param index -> tensor (any dtype: cast here)."""
-    buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
+class BucketBuffers:
+    """`n` flat byte buffers, each as large as the plan's largest bucket, handed out in turn: with 2, the
+    sender packs bucket k+1 into one while bucket k is on the wire from the other. Whoever takes a buffer
+    must be done with it (its broadcast waited) before it comes round again, `n` takes later."""
+
+    def __init__(self, plan: TransferPlan, n: int = 2):
+        if n < 1:
+            raise ValueError(f"need at least one buffer, got {n}")
+        size = max((b.nbytes for b in plan.buckets), default=0)
+        self.buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(n)]
+        self._turn = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """The next buffer's first `nbytes` (a view)."""
+        buf = self.buffers[self._turn]
+        self._turn = (self._turn + 1) % len(self.buffers)
+        if nbytes > buf.numel():
+            raise ValueError(f"a bucket of {nbytes} bytes, the buffers hold {buf.numel()}")
+        return buf[:nbytes]
+
+
+def _alone(plan: TransferPlan, bucket: Bucket, tensors: dict[int, torch.Tensor]) -> torch.Tensor | None:
+    """The bucket's bytes without a copy, where it is one tensor already as the wire wants it (on the
+    CPU, contiguous, in the wire dtype, filling the bucket); else None."""
+    if len(bucket.params) != 1:
+        return None
+    i = bucket.params[0]
+    t, spec = tensors[i], plan.params[i]
+    if (t.device.type != "cpu" or t.dtype != getattr(torch, spec.dtype) or not t.is_contiguous()
+            or tuple(t.shape) != spec.shape or spec.nbytes != bucket.nbytes):
+        return None
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def pack(plan: TransferPlan, bucket: Bucket, tensors: dict[int, torch.Tensor],
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bucket's flat byte buffer; `tensors` maps param index -> tensor (any dtype and device: cast
+    and copied here in one pass, straight into the buffer). `out`: a uint8 buffer of at least
+    `bucket.nbytes` to pack into (its first `bucket.nbytes` are returned); None: a new one."""
+    buf = torch.empty(bucket.nbytes, dtype=torch.uint8) if out is None else out[:bucket.nbytes]
+    if buf.numel() != bucket.nbytes:
+        raise ValueError(f"a bucket of {bucket.nbytes} bytes, the buffer holds {buf.numel()}")
     for i, lo, hi in offsets(plan, bucket):
         spec = plan.params[i]
-        t = tensors[i].detach().to("cpu", getattr(torch, spec.dtype)).contiguous().reshape(-1)
         if tuple(tensors[i].shape) != spec.shape:
             raise ValueError(f"{spec.name}: shape {tuple(tensors[i].shape)}, the plan says {spec.shape}")
-        buf[lo:hi].copy_(t.view(torch.uint8))
+        buf[lo:hi].view(getattr(torch, spec.dtype)).view(spec.shape).copy_(tensors[i].detach())
     return buf
 
 
@@ -94,24 +133,71 @@ def unpack(plan: TransferPlan, bucket: Bucket, buf: torch.Tensor) -> list[tuple[
     return out
 
 
+class _Timer:
+    """Adds each stage's seconds into `timings` (when given)."""
+
+    def __init__(self, timings: dict[str, float] | None):
+        self.timings = timings
+        self.t = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        if self.timings is not None:
+            self.timings[stage] = self.timings.get(stage, 0.0) + now - self.t
+        self.t = now
+
+
 def stream(plan: TransferPlan, group_tensors: Callable[[tuple[int, ...]], dict[int, torch.Tensor]],
-           on_bucket: Callable[[torch.Tensor], None] | None) -> int:
+           on_bucket: Callable[[torch.Tensor], dist.Work | None] | None, *,
+           buffers: BucketBuffers | None = None, timings: dict[str, float] | None = None) -> int:
     """Walk the plan one layer group at a time: `group_tensors(indices)` gives that group's tensors
     (under ZeRO-3 a gather every rank runs, so every rank calls this; only the sender passes
     `on_bucket`), each bucket of it is packed and handed on, then the group is dropped. Returns
-    the bytes handed on."""
+    the bytes handed on.
+
+    `on_bucket` may return a pending send (anything with `wait()`): the next bucket (and the next
+    group's gather) is then prepared while it is on the wire, and it is waited before the next is
+    handed on, so one bucket at most is in flight. The buckets are packed into `buffers` (default:
+    two of the largest bucket's size, reused), except one that is a single tensor already in its wire
+    form, which goes as it is. `timings` adds up seconds per stage: "gather" (group_tensors), "pack",
+    "wait" (a send still on the wire when the next bucket was ready)."""
+    if on_bucket is None:
+        for indices in plan.groups:
+            tensors = group_tensors(indices)
+            del tensors
+        return 0
+    bufs = buffers if buffers is not None else BucketBuffers(plan, 2)
     sent = 0
+    pending: dist.Work | None = None
     by_group: dict[int, list[Bucket]] = {}
     for b in plan.buckets:
         by_group.setdefault(b.group, []).append(b)
-    for g, indices in enumerate(plan.groups):
-        tensors = group_tensors(indices)
-        if on_bucket is not None:
+    clock = _Timer(timings)
+    try:
+        for g, indices in enumerate(plan.groups):
+            tensors = group_tensors(indices)
+            clock.lap("gather")
             for bucket in by_group.get(g, []):
-                buf = pack(plan, bucket, tensors)
-                on_bucket(buf)
+                buf = _alone(plan, bucket, tensors)
+                if buf is None:
+                    buf = pack(plan, bucket, tensors, bufs.take(bucket.nbytes))
+                clock.lap("pack")
+                if pending is not None:
+                    pending.wait()
+                    clock.lap("wait")
+                pending = on_bucket(buf)
                 sent += buf.numel()
-        del tensors
+            del tensors
+        if pending is not None:
+            pending.wait()
+            pending = None
+            clock.lap("wait")
+    finally:
+        if pending is not None:  # an error mid-stream: leave no send running on a buffer
+            try:
+                pending.wait()
+            except Exception:  # noqa: BLE001 - the first error is the one raised
+                log.debug("a pending send failed while another error unwound the stream", exc_info=True)
     return sent
 
 
@@ -129,6 +215,7 @@ class WeightSender:
         self.store = dist.TCPStore(bind, port, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=timeout))
         self.port = self.store.port
+        self._buffers: BucketBuffers | None = None  # the send buffers, reused round after round
 
     def open(self, plan: TransferPlan, group: str) -> None:
         """Step 1: receivers can read the plan (and join) from now on."""
@@ -144,14 +231,19 @@ class WeightSender:
         return Round(group, n)
 
     def send(self, rnd: Round, plan: TransferPlan,
-             group_tensors: Callable[[tuple[int, ...]], dict[int, torch.Tensor]]) -> int:
+             group_tensors: Callable[[tuple[int, ...]], dict[int, torch.Tensor]],
+             timings: dict[str, float] | None = None) -> int:
         """Step 5: broadcast every bucket to the round's receivers; returns the bytes sent (0 with no receiver:
-        the groups are still walked, so a ZeRO-3 gather on other ranks stays in step)."""
+        the groups are still walked, so a ZeRO-3 gather on other ranks stays in step). Bucket k+1 is
+        gathered and packed while bucket k is on the wire (`stream`); `timings` as there."""
         if rnd.receivers == 0:
             return stream(plan, group_tensors, None)
         pg = _gloo(self.store, rnd.group, 0, rnd.receivers + 1, self.bind, self.timeout)
         try:
-            return stream(plan, group_tensors, lambda buf: _broadcast(pg, buf))
+            if self._buffers is None or self._buffers.buffers[0].numel() < max(b.nbytes for b in plan.buckets):
+                self._buffers = BucketBuffers(plan, 2)  # kept for the next round: its pages stay mapped
+            return stream(plan, group_tensors, lambda buf: _broadcast(pg, buf), buffers=self._buffers,
+                          timings=timings)
         finally:
             pg.shutdown()
 
@@ -178,17 +270,73 @@ def join(address: str, port: int, group: str, timeout: float = 120.0) -> Joined:
     return Joined(plan, rank, world, store, group, local_address_towards(address, port), timeout)
 
 
-def receive(joined: Joined, on_tensors: Callable[[list[tuple[str, torch.Tensor]]], None]) -> int:
-    """Step e: every bucket of the plan, in order, handed to `on_tensors` as (name, tensor) views
-    that live until it returns. Returns the bytes received."""
+def _storage_refs(t: torch.Tensor) -> int:
+    """How many tensors (views included) hold `t`'s memory, plus one for the look itself."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class RecvBuffers:
+    """The receiver's bucket buffers, each taken again only when nothing but this pool holds it: a
+    consumer that copies a bucket and lets go of its views gets the same pages back bucket after bucket
+    (no page faults on a new buffer); one that keeps the views, as vLLM's layerwise reload does (what
+    `load_weights` is given waits until its layer is whole, attention layers until the finish), keeps
+    the buffer, and the next bucket gets a new one. At most `keep` buffers are pooled."""
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self._pool: list[tuple[torch.Tensor, int]] = []  # (buffer, its reference count when free)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        for buf, free in self._pool:
+            if buf.numel() >= nbytes and _storage_refs(buf) == free:
+                return buf[:nbytes]
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if len(self._pool) >= self.keep:
+            self._pool.pop(0)  # the oldest: if someone still holds it, it is theirs now
+        self._pool.append((buf, _storage_refs(buf)))
+        return buf[:nbytes]  # a view, never the pooled tensor itself: the taker's hold counts
+
+
+def receive(joined: Joined, on_tensors: Callable[[list[tuple[str, torch.Tensor]]], None], *,
+            timings: dict[str, float] | None = None) -> int:
+    """Step e: every bucket of the plan, in order, handed to `on_tensors` as (name, tensor) views into
+    that bucket's buffer. Bucket k+1 is already being received while `on_tensors` takes bucket k.
+    Returns the bytes received.
+
+    The consumer may keep the views as long as it likes: a buffer is received into again only once no
+    view of it is left (`RecvBuffers`). `timings` adds up seconds per stage: "wait" (for a bucket still
+    on the wire) and "consume" (in `on_tensors`)."""
+    plan = joined.plan
+    bufs = RecvBuffers()
     pg = _gloo(joined.store, joined.group, joined.rank, joined.world, joined.bind, joined.timeout)
+
+    def post(bucket: Bucket) -> tuple[torch.Tensor, dist.Work]:
+        buf = bufs.take(bucket.nbytes)
+        return buf, _broadcast(pg, buf)
+
     got = 0
+    nxt: tuple[torch.Tensor, dist.Work] | None = None
     try:
-        for bucket in joined.plan.buckets:
-            buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
-            _broadcast(pg, buf)
-            on_tensors(unpack(joined.plan, bucket, buf))
+        clock = _Timer(timings)
+        if plan.buckets:
+            nxt = post(plan.buckets[0])
+        for k, bucket in enumerate(plan.buckets):
+            buf, work = nxt
+            nxt = None
+            work.wait()
+            del work  # the finished receive lets go of the buffer
+            clock.lap("wait")
+            if k + 1 < len(plan.buckets):  # bucket k's buffer is held here: never the one this takes
+                nxt = post(plan.buckets[k + 1])
+            on_tensors(unpack(plan, bucket, buf))
+            del buf  # only the consumer's views (if it kept any) hold it now
+            clock.lap("consume")
             got += bucket.nbytes
     finally:
+        if nxt is not None:  # an error mid-round: gloo must not write into a buffer after we leave
+            try:
+                nxt[1].wait()
+            except Exception:  # noqa: BLE001 - the first error is the one raised
+                log.debug("a pending receive failed while another error unwound the round", exc_info=True)
         pg.shutdown()
     return got

@@ -278,9 +278,10 @@ def test_scheduler_ab(tmp_path, tiny_model):
 def test_weight_sync(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("bench/weight_sync.py makes network namespaces: needs root")
-    out = bench("weight_sync.py", "--sizes", "10M", "--links", "1", "--repeat", "1", "--workdir", str(tmp_path),
-                timeout=180)
+    out = bench("weight_sync.py", "--sizes", "10M", "--links", "1", "--repeat", "1", "--tcp-mb", "16",
+                "--workdir", str(tmp_path), timeout=180)
     assert figures(r"net_GBps=" + FIGURE, out)[0] > 0 and figures(r"disk_s=" + FIGURE, out)[0] > 0
+    assert figures(r"tcp_GBps=" + FIGURE, out)[0] > 0
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "sfws-" not in listed  # the namespaces are gone
 
