@@ -14,7 +14,10 @@ Everything that computes is SIMULATED; everything that coordinates is real.
   CALIBRATIONS["live-mini"] set to the engine's step costs, with switch costs (lend,
   reclaim: the host agents' measured p50), weight sync (the trainer's measured publish) and
   the train cost per token (the trainer's measured compute per token) taken from the live
-  run; WORKLOADS["live-mini"] with the live prompt length; dt = the live scheduler tick. Its lend
+  run; the engine's prefill as it runs (one step of the request's own, `prefill_one_step`) and its
+  in-place weight load (a version number: `weight_load_s` 0); admission on the backlog as the live
+  trajectory manager reads it (`--backlog heartbeat`: the trainer's holdings as of its last status);
+  WORKLOADS["live-mini"] with the live prompt length; dt = the live scheduler tick. Its lend
   verdict and routing are the live stack's: the offer only with SF_SCHEDULER_LIVE_OFFER, the renewal
   SF_SCHEDULER_RENEW_S, rebalance on a lend SF_TRAJECTORY_REBALANCE and its worth test
   SF_TRAJECTORY_REBALANCE_WORTH (sim.Options offer, renew_s, rebalance, rebalance_worth; without them
@@ -419,7 +422,9 @@ def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0), latency: fl
     cal = replace(CALIBRATIONS["live-mini"], decode_a_s=a.step_ms / 1000, decode_b_s=a.per_seq_ms / 1000,
                   max_seqs=a.capacity, lend_s=m["lend_s"] or a.switch_s, reclaim_s=m["reclaim_s"] or a.switch_s, weight_sync_s=m["publish_s"],
                   train_s_per_token=m["train_s_per_token"],
-                  prefill_s_per_token=a.step_ms / 1000 / max(m["prompt_tokens"], 1))  # a prefill costs one step
+                  prefill_s_per_token=a.step_ms / 1000 / max(m["prompt_tokens"], 1),  # what the routing rules read
+                  prefill_one_step=True, weight_load_s=0.0)  # as the stand-in engine: a prefill is one step of the
+    # request's own (the others decode on) and a version's load is instant (services/rollout/simulated.py)
     measured_inputs(cal, m, control, latency, after)
     prompt = round(m["prompt_tokens"])
     wl = replace(WL, prompt_tokens=prompt, length_median=round(m["gen_tokens"]), length_cap=round(m["gen_tokens"]))
@@ -476,6 +481,18 @@ def sim_time_limit(m: dict) -> float:
     return max(600.0, 20 * wall) if wall and math.isfinite(wall) else 3600.0
 
 
+def train_host(m: dict, sims: dict[str, dict]) -> str:
+    """Issue 29's fidelity line: trained tok/s and the train host's (host-0's) idle, live (engine logs)
+    against each simulator variant."""
+    h0 = m["idle_engine_hosts"].get("host-0", math.nan)
+    return ("the train host (fidelity: tok/s within 10%, host-0 idle within 10 points): live "
+            f"{m['trained_tokens_per_s']:.0f} tok/s, host-0 idle {h0:.1%} (engine logs), {m['lends']} lends; "
+            + "; ".join(f"{name} {x['trained_tokens_per_s'] / m['trained_tokens_per_s']:.3f} of live, host-0 idle "
+                        f"{x['idle_hosts'].get('host-0', math.nan):.1%} "
+                        f"({(x['idle_hosts'].get('host-0', math.nan) - h0) * 100:+.1f} points), {x['lends']} lends"
+                        for name, x in sims.items()))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hosts", type=int, default=4)
@@ -490,9 +507,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tick", type=float, default=0.05, help="scheduler tick (live) = simulator dt")
     ap.add_argument("--slots", type=int, default=0, help="concurrent agents (default: admission capacity + 8)")
     ap.add_argument("--timeout", type=float, default=300)
-    ap.add_argument("--backlog", default="untrained", choices=["undelivered", "untrained"],
-                    help="simulator's admission backlog: untrained, as the live trajectory manager counts it since "
-                         "session 19 (the trainer's held groups and batch included), or undelivered, as it did before")
+    ap.add_argument("--backlog", default="heartbeat", choices=["heartbeat", "undelivered", "untrained"],
+                    help="simulator's admission backlog: heartbeat, as the live trajectory manager counts it since "
+                         "session 19 (the consumer's pending and what the trainer's last status says it holds: "
+                         "complete groups and the batch in hand); untrained, every completed session not trained "
+                         "(this bench's default before session 22); undelivered, as the live count was before session 19")
     ap.add_argument("--route", default="least_loaded", choices=["least_loaded", "refill"],
                     help="simulator's routing of turns: as the live trajectory manager routes, or the default refill")
     ap.add_argument("--switch-s", type=float, default=1.0,
@@ -589,6 +608,7 @@ def main() -> None:
           f"idle {sv['idle']:.1%} ({ratios['sim_spread']['idle_engine']:.3f} of the engine logs' idle, "
           f"{ratios['sim_spread']['idle_heartbeats']:.3f} of the heartbeats'), lends / reclaims {sv['lends']} / "
           f"{sv['reclaims']}; idle per host " + ", ".join(f"{k} {v:.1%}" for k, v in sorted(sv["idle_hosts"].items())))
+    print(train_host(m, {"simulator": s, "sim + split latency": st, "sim + spread": sv}))
     busy = sorted(m["cpu_core_share"].items(), key=lambda kv: -kv[1])
     print("\nlive CPU (share of one core; host-N with its worker) over the run: "
           + ", ".join(f"{k} {v:.2f}" for k, v in busy)
