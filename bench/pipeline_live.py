@@ -77,7 +77,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import heapq
+import itertools
 import json
 import math
 import os
@@ -254,6 +256,32 @@ def exact_idle(busy: list[tuple[float, float]], requests: list[tuple[float, floa
     return 1 - sum(b - a for a, b in merged(busy + requests, t0, t1)) / (t1 - t0)
 
 
+def engine_slowdown(logs: dict[str, list[dict]], t0: float, t1: float, step_ms: float, per_seq_ms: float,
+                    tokens: int, capacity: int) -> float:
+    """The engines' measured step against their nominal one (services/rollout/simulated.py's step_ms +
+    per_seq_ms x running): over the requests that began in [t0, t1] and ran whole on one engine (first
+    dispatch, finished "length", never beside more than `capacity` others: no wait for a slot), the
+    mean of each one's time in the engine (its log's t0 -> t1) over its `tokens` + 1 nominal steps (its
+    prefill's and its tokens') at the mean batch its engine ran meanwhile. The stand-in engine sleeps
+    each step and then does its bookkeeping, on cores it shares with the control plane: live, a step
+    takes longer than its sleep. 1.0 where no request qualifies."""
+    ratios = []
+    for rows in logs.values():
+        ev = sorted([(r["t0"], 1) for r in rows] + [(r["t1"], -1) for r in rows])
+        ts, ks = [e[0] for e in ev], list(itertools.accumulate(e[1] for e in ev))
+        for r in rows:
+            if r["finish"] != "length" or not str(r.get("request", "")).endswith(".0") or not t0 <= r["t0"] < t1:
+                continue
+            i0, i1 = bisect.bisect_right(ts, r["t0"]), bisect.bisect_left(ts, r["t1"])
+            edges = [r["t0"], *ts[i0:i1], r["t1"]]
+            batch = [ks[i0 - 1], *ks[i0:i1]]
+            if max(batch) > capacity or r["t1"] <= r["t0"]:
+                continue
+            k = sum((b - a) * n for a, b, n in zip(edges, edges[1:], batch)) / (r["t1"] - r["t0"])
+            ratios.append((r["t1"] - r["t0"]) / ((tokens + 1) * (step_ms + per_seq_ms * k) / 1000))
+    return statistics.mean(ratios) if ratios else 1.0
+
+
 def split_latency(turns: list[tuple], engine: list[dict]) -> dict:
     """A turn's latency outside the engine, before and after it (module docstring). `turns`:
     the agents' (open sent, opened, reply, finished, request id); `engine`: the engines' log
@@ -388,7 +416,8 @@ def live(a, tmp: Path) -> dict:
     agent_s, engine_s, parts = turn_times(turns, engine)
     split = split_latency(turns, [r for rows in logs.values() for r in rows])
     samples = sum(r["samples"] for r in window)
-    return {
+    slowdown = engine_slowdown(logs, t_k, t_n, a.step_ms, a.per_seq_ms, a.tokens, a.capacity)
+    return {"engine_slowdown": slowdown, "tmp": str(tmp),
         "wall_s": t_n - t_start, "window_s": t_n - t_k, "trained_tokens_per_s": tokens / (t_n - t_k),
         "idle": spent["idle"], "fractions": spent, "idle_hosts": idle_hosts,
         "idle_engine": statistics.mean(by_host.values()) if by_host else float("nan"), "idle_engine_hosts": by_host,
@@ -419,10 +448,12 @@ def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0), latency: fl
     the control plane (Options.control_s_per_turn, control_cores), (0, 1) to leave it out;
     `latency` = wall seconds per turn outside the engine before it (Options.turn_latency_s), and
     `after` after it (Options.turn_latency_after_s), 0 to leave either out."""
-    cal = replace(CALIBRATIONS["live-mini"], decode_a_s=a.step_ms / 1000, decode_b_s=a.per_seq_ms / 1000,
+    # the engines' step as measured live (engine_slowdown), or as configured
+    slow = m.get("engine_slowdown", 1.0) if a.engine_speed == "measured" else 1.0
+    cal = replace(CALIBRATIONS["live-mini"], decode_a_s=a.step_ms / 1000 * slow, decode_b_s=a.per_seq_ms / 1000 * slow,
                   max_seqs=a.capacity, lend_s=m["lend_s"] or a.switch_s, reclaim_s=m["reclaim_s"] or a.switch_s, weight_sync_s=m["publish_s"],
                   train_s_per_token=m["train_s_per_token"],
-                  prefill_s_per_token=a.step_ms / 1000 / max(m["prompt_tokens"], 1),  # what the routing rules read
+                  prefill_s_per_token=a.step_ms / 1000 * slow / max(m["prompt_tokens"], 1),  # what the routing rules read
                   prefill_one_step=True, weight_load_s=0.0)  # as the stand-in engine: a prefill is one step of the
     # request's own (the others decode on) and a version's load is instant (services/rollout/simulated.py)
     measured_inputs(cal, m, control, latency, after)
@@ -527,6 +558,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--split-latency-ms", default=None, metavar="BEFORE,AFTER",
                     help="sim + split latency: wall ms per turn outside the engine before and after it "
                          "(default: measured in this live run)")
+    ap.add_argument("--engine-speed", default="measured", choices=["measured", "nominal"],
+                    help="the simulator's engine step: as measured live (each request's time in its engine over its "
+                         "nominal steps: engine_slowdown), or as configured (--step-ms, --per-seq-ms)")
     ap.add_argument("--pin", action="store_true",
                     help="each host its own CPU set for its worker and trainer rank, the control plane the rest "
                          "(seamlessflow up --pin)")
@@ -540,11 +574,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def save(a, doc: dict) -> None:
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}} | doc, indent=1))
+
+
 def main() -> None:
     a = parse_args()
     a.slots = a.slots or (WL.max_staleness + 1) * WL.batch_samples + 8
     tmp = Path(tempfile.mkdtemp(prefix="sf-live-"))
     m = live(a, tmp)
+    save(a, {"live": m})  # the live figures kept, should a simulator run fail
     s = simulated(a, m)
     control = (a.control_ms / 1000 if a.control_ms is not None else m["control_s_per_turn"],
                a.control_cores if a.control_cores is not None else m["free_cores"])
@@ -559,18 +599,17 @@ def main() -> None:
     st = simulated(a, m, latency=before, after=after)
     cv = a.latency_cv if a.latency_cv is not None else sp["cv"]
     sv = simulated(a, m, latency=before, after=after, cv=cv)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
     # sim idle over live idle, against both live figures (heartbeat timeline, engine logs)
     ratios = {name: {"idle_heartbeats": x["idle"] / m["idle"] if m["idle"] else float("nan"),
                      "idle_engine": x["idle"] / m["idle_engine"] if m["idle_engine"] else float("nan")}
               for name, x in (("sim", s), ("sim_control", c), ("sim_latency", lt), ("sim_split", st), ("sim_spread", sv))}
-    a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "live": m, "sim": s,
-                                 "sim_control": c, "sim_latency": lt, "sim_split": st, "sim_spread": sv,
-                                 "idle_ratios": ratios}, indent=1))
+    save(a, {"live": m, "sim": s, "sim_control": c, "sim_latency": lt, "sim_split": st, "sim_spread": sv,
+             "idle_ratios": ratios})
     print(f"\nSIMULATED engines and trainer, {a.hosts} hosts, {a.policy}, steps {a.warmup + 1}-{a.steps} "
           f"(engine {a.step_ms} ms + {a.per_seq_ms} ms/request, capacity {a.capacity}); measured live: "
           f"lend p50 {m['lend_s']}, reclaim p50 {m['reclaim_s']}, publish {m['publish_s']:.3f} s, "
-          f"train {1 / m['train_s_per_token']:.0f} tok/s, prompt {m['prompt_tokens']:.1f} tok")
+          f"train {1 / m['train_s_per_token']:.0f} tok/s, prompt {m['prompt_tokens']:.1f} tok, engine step "
+          f"{m['engine_slowdown']:.3f} x nominal (the simulator's: {a.engine_speed})")
     print(f"control plane (sim + control): {control[0] * 1000:.1f} ms of CPU per turn on {control[1]:.2f} cores "
           f"(measured live: {m['control_s_per_turn'] * 1000:.1f} ms per turn; {m['free_cores']:.2f} of "
           f"{m['cores']} cores left by other processes, the machine busy {m['machine_busy_cores']:.2f})")
