@@ -14,7 +14,10 @@ Everything that computes is SIMULATED; everything that coordinates is real.
   CALIBRATIONS["live-mini"] set to the engine's step costs, with switch costs (lend,
   reclaim: the host agents' measured p50), weight sync (the trainer's measured publish) and
   the train cost per token (the trainer's measured compute per token) taken from the live
-  run; WORKLOADS["live-mini"] with the live prompt length; dt = the live scheduler tick. Its lend
+  run; the engine's prefill as it runs (one step of the request's own, `prefill_one_step`) and its
+  in-place weight load (a version number: `weight_load_s` 0); admission on the backlog as the live
+  trajectory manager reads it (`--backlog heartbeat`: the trainer's holdings as of its last status);
+  WORKLOADS["live-mini"] with the live prompt length; dt = the live scheduler tick. Its lend
   verdict and routing are the live stack's: the offer only with SF_SCHEDULER_LIVE_OFFER, the renewal
   SF_SCHEDULER_RENEW_S, rebalance on a lend SF_TRAJECTORY_REBALANCE and its worth test
   SF_TRAJECTORY_REBALANCE_WORTH (sim.Options offer, renew_s, rebalance, rebalance_worth; without them
@@ -74,7 +77,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import heapq
+import itertools
 import json
 import math
 import os
@@ -251,6 +256,32 @@ def exact_idle(busy: list[tuple[float, float]], requests: list[tuple[float, floa
     return 1 - sum(b - a for a, b in merged(busy + requests, t0, t1)) / (t1 - t0)
 
 
+def engine_slowdown(logs: dict[str, list[dict]], t0: float, t1: float, step_ms: float, per_seq_ms: float,
+                    tokens: int, capacity: int) -> float:
+    """The engines' measured step against their nominal one (services/rollout/simulated.py's step_ms +
+    per_seq_ms x running): over the requests that began in [t0, t1] and ran whole on one engine (first
+    dispatch, finished "length", never beside more than `capacity` others: no wait for a slot), the
+    mean of each one's time in the engine (its log's t0 -> t1) over its `tokens` + 1 nominal steps (its
+    prefill's and its tokens') at the mean batch its engine ran meanwhile. The stand-in engine sleeps
+    each step and then does its bookkeeping, on cores it shares with the control plane: live, a step
+    takes longer than its sleep. 1.0 where no request qualifies."""
+    ratios = []
+    for rows in logs.values():
+        ev = sorted([(r["t0"], 1) for r in rows] + [(r["t1"], -1) for r in rows])
+        ts, ks = [e[0] for e in ev], list(itertools.accumulate(e[1] for e in ev))
+        for r in rows:
+            if r["finish"] != "length" or not str(r.get("request", "")).endswith(".0") or not t0 <= r["t0"] < t1:
+                continue
+            i0, i1 = bisect.bisect_right(ts, r["t0"]), bisect.bisect_left(ts, r["t1"])
+            edges = [r["t0"], *ts[i0:i1], r["t1"]]
+            batch = [ks[i0 - 1], *ks[i0:i1]]
+            if max(batch) > capacity or r["t1"] <= r["t0"]:
+                continue
+            k = sum((b - a) * n for a, b, n in zip(edges, edges[1:], batch)) / (r["t1"] - r["t0"])
+            ratios.append((r["t1"] - r["t0"]) / ((tokens + 1) * (step_ms + per_seq_ms * k) / 1000))
+    return statistics.mean(ratios) if ratios else 1.0
+
+
 def split_latency(turns: list[tuple], engine: list[dict]) -> dict:
     """A turn's latency outside the engine, before and after it (module docstring). `turns`:
     the agents' (open sent, opened, reply, finished, request id); `engine`: the engines' log
@@ -385,7 +416,8 @@ def live(a, tmp: Path) -> dict:
     agent_s, engine_s, parts = turn_times(turns, engine)
     split = split_latency(turns, [r for rows in logs.values() for r in rows])
     samples = sum(r["samples"] for r in window)
-    return {
+    slowdown = engine_slowdown(logs, t_k, t_n, a.step_ms, a.per_seq_ms, a.tokens, a.capacity)
+    return {"engine_slowdown": slowdown, "tmp": str(tmp),
         "wall_s": t_n - t_start, "window_s": t_n - t_k, "trained_tokens_per_s": tokens / (t_n - t_k),
         "idle": spent["idle"], "fractions": spent, "idle_hosts": idle_hosts,
         "idle_engine": statistics.mean(by_host.values()) if by_host else float("nan"), "idle_engine_hosts": by_host,
@@ -416,10 +448,14 @@ def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0), latency: fl
     the control plane (Options.control_s_per_turn, control_cores), (0, 1) to leave it out;
     `latency` = wall seconds per turn outside the engine before it (Options.turn_latency_s), and
     `after` after it (Options.turn_latency_after_s), 0 to leave either out."""
-    cal = replace(CALIBRATIONS["live-mini"], decode_a_s=a.step_ms / 1000, decode_b_s=a.per_seq_ms / 1000,
+    # the engines' step as measured live (engine_slowdown), or as configured
+    slow = m.get("engine_slowdown", 1.0) if a.engine_speed == "measured" else 1.0
+    cal = replace(CALIBRATIONS["live-mini"], decode_a_s=a.step_ms / 1000 * slow, decode_b_s=a.per_seq_ms / 1000 * slow,
                   max_seqs=a.capacity, lend_s=m["lend_s"] or a.switch_s, reclaim_s=m["reclaim_s"] or a.switch_s, weight_sync_s=m["publish_s"],
                   train_s_per_token=m["train_s_per_token"],
-                  prefill_s_per_token=a.step_ms / 1000 / max(m["prompt_tokens"], 1))  # a prefill costs one step
+                  prefill_s_per_token=a.step_ms / 1000 * slow / max(m["prompt_tokens"], 1),  # what the routing rules read
+                  prefill_one_step=True, weight_load_s=0.0)  # as the stand-in engine: a prefill is one step of the
+    # request's own (the others decode on) and a version's load is instant (services/rollout/simulated.py)
     measured_inputs(cal, m, control, latency, after)
     prompt = round(m["prompt_tokens"])
     wl = replace(WL, prompt_tokens=prompt, length_median=round(m["gen_tokens"]), length_cap=round(m["gen_tokens"]))
@@ -476,6 +512,18 @@ def sim_time_limit(m: dict) -> float:
     return max(600.0, 20 * wall) if wall and math.isfinite(wall) else 3600.0
 
 
+def train_host(m: dict, sims: dict[str, dict]) -> str:
+    """Issue 29's fidelity line: trained tok/s and the train host's (host-0's) idle, live (engine logs)
+    against each simulator variant."""
+    h0 = m["idle_engine_hosts"].get("host-0", math.nan)
+    return ("the train host (fidelity: tok/s within 10%, host-0 idle within 10 points): live "
+            f"{m['trained_tokens_per_s']:.0f} tok/s, host-0 idle {h0:.1%} (engine logs), {m['lends']} lends; "
+            + "; ".join(f"{name} {x['trained_tokens_per_s'] / m['trained_tokens_per_s']:.3f} of live, host-0 idle "
+                        f"{x['idle_hosts'].get('host-0', math.nan):.1%} "
+                        f"({(x['idle_hosts'].get('host-0', math.nan) - h0) * 100:+.1f} points), {x['lends']} lends"
+                        for name, x in sims.items()))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hosts", type=int, default=4)
@@ -490,9 +538,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tick", type=float, default=0.05, help="scheduler tick (live) = simulator dt")
     ap.add_argument("--slots", type=int, default=0, help="concurrent agents (default: admission capacity + 8)")
     ap.add_argument("--timeout", type=float, default=300)
-    ap.add_argument("--backlog", default="untrained", choices=["undelivered", "untrained"],
-                    help="simulator's admission backlog: untrained, as the live trajectory manager counts it since "
-                         "session 19 (the trainer's held groups and batch included), or undelivered, as it did before")
+    ap.add_argument("--backlog", default="heartbeat", choices=["heartbeat", "undelivered", "untrained"],
+                    help="simulator's admission backlog: heartbeat, as the live trajectory manager counts it since "
+                         "session 19 (the consumer's pending and what the trainer's last status says it holds: "
+                         "complete groups and the batch in hand); untrained, every completed session not trained "
+                         "(this bench's default before session 22); undelivered, as the live count was before session 19")
     ap.add_argument("--route", default="least_loaded", choices=["least_loaded", "refill"],
                     help="simulator's routing of turns: as the live trajectory manager routes, or the default refill")
     ap.add_argument("--switch-s", type=float, default=1.0,
@@ -508,6 +558,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--split-latency-ms", default=None, metavar="BEFORE,AFTER",
                     help="sim + split latency: wall ms per turn outside the engine before and after it "
                          "(default: measured in this live run)")
+    ap.add_argument("--engine-speed", default="measured", choices=["measured", "nominal"],
+                    help="the simulator's engine step: as measured live (each request's time in its engine over its "
+                         "nominal steps: engine_slowdown), or as configured (--step-ms, --per-seq-ms)")
     ap.add_argument("--pin", action="store_true",
                     help="each host its own CPU set for its worker and trainer rank, the control plane the rest "
                          "(seamlessflow up --pin)")
@@ -521,11 +574,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def save(a, doc: dict) -> None:
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}} | doc, indent=1))
+
+
 def main() -> None:
     a = parse_args()
     a.slots = a.slots or (WL.max_staleness + 1) * WL.batch_samples + 8
     tmp = Path(tempfile.mkdtemp(prefix="sf-live-"))
     m = live(a, tmp)
+    save(a, {"live": m})  # the live figures kept, should a simulator run fail
     s = simulated(a, m)
     control = (a.control_ms / 1000 if a.control_ms is not None else m["control_s_per_turn"],
                a.control_cores if a.control_cores is not None else m["free_cores"])
@@ -540,18 +599,17 @@ def main() -> None:
     st = simulated(a, m, latency=before, after=after)
     cv = a.latency_cv if a.latency_cv is not None else sp["cv"]
     sv = simulated(a, m, latency=before, after=after, cv=cv)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
     # sim idle over live idle, against both live figures (heartbeat timeline, engine logs)
     ratios = {name: {"idle_heartbeats": x["idle"] / m["idle"] if m["idle"] else float("nan"),
                      "idle_engine": x["idle"] / m["idle_engine"] if m["idle_engine"] else float("nan")}
               for name, x in (("sim", s), ("sim_control", c), ("sim_latency", lt), ("sim_split", st), ("sim_spread", sv))}
-    a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "live": m, "sim": s,
-                                 "sim_control": c, "sim_latency": lt, "sim_split": st, "sim_spread": sv,
-                                 "idle_ratios": ratios}, indent=1))
+    save(a, {"live": m, "sim": s, "sim_control": c, "sim_latency": lt, "sim_split": st, "sim_spread": sv,
+             "idle_ratios": ratios})
     print(f"\nSIMULATED engines and trainer, {a.hosts} hosts, {a.policy}, steps {a.warmup + 1}-{a.steps} "
           f"(engine {a.step_ms} ms + {a.per_seq_ms} ms/request, capacity {a.capacity}); measured live: "
           f"lend p50 {m['lend_s']}, reclaim p50 {m['reclaim_s']}, publish {m['publish_s']:.3f} s, "
-          f"train {1 / m['train_s_per_token']:.0f} tok/s, prompt {m['prompt_tokens']:.1f} tok")
+          f"train {1 / m['train_s_per_token']:.0f} tok/s, prompt {m['prompt_tokens']:.1f} tok, engine step "
+          f"{m['engine_slowdown']:.3f} x nominal (the simulator's: {a.engine_speed})")
     print(f"control plane (sim + control): {control[0] * 1000:.1f} ms of CPU per turn on {control[1]:.2f} cores "
           f"(measured live: {m['control_s_per_turn'] * 1000:.1f} ms per turn; {m['free_cores']:.2f} of "
           f"{m['cores']} cores left by other processes, the machine busy {m['machine_busy_cores']:.2f})")
@@ -589,6 +647,7 @@ def main() -> None:
           f"idle {sv['idle']:.1%} ({ratios['sim_spread']['idle_engine']:.3f} of the engine logs' idle, "
           f"{ratios['sim_spread']['idle_heartbeats']:.3f} of the heartbeats'), lends / reclaims {sv['lends']} / "
           f"{sv['reclaims']}; idle per host " + ", ".join(f"{k} {v:.1%}" for k, v in sorted(sv["idle_hosts"].items())))
+    print(train_host(m, {"simulator": s, "sim + split latency": st, "sim + spread": sv}))
     busy = sorted(m["cpu_core_share"].items(), key=lambda kv: -kv[1])
     print("\nlive CPU (share of one core; host-N with its worker) over the run: "
           + ", ".join(f"{k} {v:.2f}" for k, v in busy)

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.pipeline_live import exact_idle, merged, split_latency  # noqa: E402
+from bench.pipeline_live import engine_slowdown, exact_idle, merged, split_latency  # noqa: E402
 from services.rollout.simulated import SimulatedEngine  # noqa: E402
 from shared.messages.rollout import Sampling  # noqa: E402
 
@@ -119,3 +119,19 @@ def test_inputs_that_stop_the_simulator_are_refused_not_looped_on(bad):
     control = bad.pop("control", (0.0, 1.0))
     with pytest.raises(SystemExit, match="cannot run on|trained 0 of"):
         simulated(a, MEASURED | bad, control)
+
+
+def test_engine_slowdown_is_each_requests_time_over_its_nominal_steps():
+    """pipeline_live.engine_slowdown: a request alone (batch 1) that took 1.2 x its 97 nominal steps of
+    2 + 0.25 ms, and two side by side (batch 2) at 1.1 x theirs; moved requests, cut-off ones, those
+    begun outside the window and those beside more than `capacity` others do not count."""
+    alone = 97 * 0.00225 * 1.2
+    pair = 97 * 0.0025 * 1.1
+    logs = {"w0": [{"t0": 0.0, "t1": alone, "finish": "length", "request": "a.x.0"},
+                   {"t0": 10.0, "t1": 10.0 + pair, "finish": "length", "request": "b.x.0"},
+                   {"t0": 10.0, "t1": 10.0 + pair, "finish": "length", "request": "c.x.0"},
+                   {"t0": 20.0, "t1": 21.0, "finish": "length", "request": "d.x.1"},  # moved: not its first dispatch
+                   {"t0": 30.0, "t1": 30.5, "finish": None, "request": "e.x.0"}]}  # cut off
+    assert engine_slowdown(logs, 0.0, 100.0, 2.0, 0.25, 96, 64) == pytest.approx((1.2 + 2 * 1.1) / 3)
+    assert engine_slowdown(logs, 5.0, 100.0, 2.0, 0.25, 96, 64) == pytest.approx(1.1)
+    assert engine_slowdown(logs, 5.0, 100.0, 2.0, 0.25, 96, 1) == 1.0  # two beside each other: none

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from services.scheduler import policy
-from services.scheduler.sim import ACTS, Cluster, Simulator, simulate
+from services.scheduler.sim import ACTS, Cluster, Options, Simulator, simulate
 from services.scheduler.sim.workload import CALIBRATIONS, WORKLOADS, Calibration, Workload
 
 SMALL = Workload(group_size=4, groups_per_step=48, prompt_tokens=64, length_median=200, length_sigma=1.0,
@@ -364,3 +364,67 @@ def test_with_turns_waiting_for_a_slot_rebalance_moves_nothing():
     moved = simulate(Cluster.uniform(2, 1), cal, wl, "seamless", rebalance=True, **kw)
     assert plain.lends > 0 and moved.lends == plain.lends
     assert moved.reprefilled == plain.reprefilled and moved.trained_tokens_per_s == plain.trained_tokens_per_s
+
+
+def test_the_stand_in_engines_prefill_is_one_step_of_the_turns_own():
+    """Calibration.prefill_one_step (services/rollout/simulated.py, the engine of bench/pipeline_live.py's
+    live side): a request admitted to a step decodes its first token a step later, whatever its context,
+    and the others decode on meanwhile. Before, the simulator charged its context x prefill_s_per_token
+    as a stall of the whole host: at 2 ms / 15 tokens a 64-turn wave cost the host 128 ms (live: one
+    step, 18 ms), and a request moved with 80 tokens done stalled it 13 ms more."""
+    cal = replace(CAL, prefill_s_per_token=0.002 / 15, weight_sync_s=0.0)
+    wl = replace(WORKLOADS["live-mini"], prompt_tokens=15, max_staleness=0)
+    kw = {"steps": 3, "dt": 0.001}  # a fine tick: the trainer sees a wave end when it ends
+    one = Simulator(Cluster.uniform(2, 1), replace(cal, prefill_one_step=True), wl, "disaggregated",
+                    Options(**kw))
+    r = one.run()
+    # staleness 0: each step is one wave of 32 turns on the rollout host: 97 steps (a prefill's and 96
+    # tokens') of 2 + 0.25 x 32 ms, and no stall; the train step 32 x 111 tokens
+    wave = 97 * (0.002 + 0.00025 * 32)
+    train = 32 * (15 + 96) * cal.train_s_per_token
+    assert r.wall_s == pytest.approx(3 * (wave + train), rel=1e-6)
+    assert not one.stall.any()
+    stalled = simulate(Cluster.uniform(2, 1), cal, wl, "disaggregated", **kw)  # 32 x 2 ms, then 96 steps
+    assert stalled.wall_s == pytest.approx(3 * (32 * 0.002 + 96 * (0.002 + 0.00025 * 32) + train), rel=1e-6)
+
+
+def test_a_rollout_host_loads_a_version_in_weight_load_s():
+    """Calibration.weight_load_s: the stand-in engine's load is a version number (0 s), while the
+    trainer's publish (weight_sync_s) takes what it measured; before, every rolling host stalled the
+    publish's time at every version."""
+    cal = replace(CAL, weight_sync_s=0.2)
+    wl = replace(WORKLOADS["live-mini"], max_staleness=0)
+    slow = simulate(Cluster.uniform(2, 1), cal, wl, "disaggregated", steps=4, dt=0.05)
+    fast = simulate(Cluster.uniform(2, 1), replace(cal, weight_load_s=0.0), wl, "disaggregated", steps=4, dt=0.05)
+    # staleness 0: a rollout host loads each version while the next wave waits: 0.2 s a step less
+    assert slow.wall_s - fast.wall_s == pytest.approx(3 * 0.2, rel=0.05)
+
+
+def test_the_heartbeat_backlog_counts_what_the_trajectory_manager_reads():
+    """Options.backlog "heartbeat": the live trajectory manager admits on the consumer's pending plus
+    what the trainer's last TrainerStatus says it holds (complete groups, the batch in hand). The
+    trainer fetches at once, so the finished members of an incomplete group count for nothing, and a
+    group completed since the last status neither. "untrained" counted both, and admitted fewer than
+    live (bench/pipeline_live.py, 2 hosts: the live rollout host never emptied; the simulated one idled
+    26% of the window)."""
+    wl = WORKLOADS["live-mini"]  # groups of 8, 4 a step, max_staleness 1: 64 sessions
+    sims = {b: Simulator(Cluster.uniform(2, 1), CAL, wl, "disaggregated", Options(steps=2, backlog=b))
+            for b in ("untrained", "heartbeat")}
+    for sim in sims.values():
+        sim.rate_count = 0.0  # as run() starts
+        sim._admit()
+        assert sim.open == 64
+        g0 = int(sim.s_group[np.nonzero(sim.s_state != 0)[0][0]])
+        sim._complete(np.nonzero((sim.s_group == g0) & (sim.s_state != 0))[0][:3])  # 3 members of the first group
+        sim._admit()
+    assert sims["untrained"].open == 61  # 61 open + 3 untrained reach the bound
+    assert sims["heartbeat"].open == 64  # the 3 were fetched: the trainer's status holds no complete group
+    sim = sims["heartbeat"]
+    sim._complete(np.nonzero((sim.s_group == g0) & (sim.s_state != 0))[0])  # the group completes
+    sim._admit()  # held by the trainer, not in its status yet: 5 more admitted
+    assert sim.available == 8 and sim.open == 64
+    sim._trainer_status()  # its next status says so: now they count
+    assert sim.status_held == 8
+    sim._complete(np.nonzero(sim.s_state != 0)[0][-1:])  # one more member of a later group ends
+    sim._admit()
+    assert sim.open == 63  # 63 open + 8 held: nothing admitted until the trainer takes its batch

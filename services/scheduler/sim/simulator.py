@@ -19,13 +19,18 @@ the bookkeeping (result.Result). What it borrows, never copies:
   (`DecodeSpeed`, here the calibration's a + b*k at the lent host's batch with the turn added);
   the work on offer to hosts not yet lent goes to the lend verdict as `Snapshot.offer`;
 - the staleness bound: shared/admission.py `Admission`, as the trajectory manager applies it
-  on every session it creates.
+  on every session it creates (with `Options.backlog` "heartbeat", on the backlog as the trajectory
+  manager reads it: the trainer's holdings as of its last TrainerStatus).
 
 Model, in order of one tick (steps numbered in `_tick`):
 - Time advances in ticks of at most `dt` (the scheduler's control tick); a tick also ends
   at every control event (a switch finishing, the trainer finishing compute or publish).
 - A rolling host decodes every running sequence one token per step of
-  `a + b*k` seconds (k running, up to K), after paying its pending prefill and weight loads.
+  `a + b*k` seconds (k running, up to K), after paying its pending prefill and weight loads
+  (`Calibration.weight_load_s` per published version, the trainer's weight_sync_s unless set).
+  With `Calibration.prefill_one_step` (services/rollout/simulated.py, the live runs' stand-in
+  engine) a turn's prefill is instead one step of its own before its first token, whatever its
+  context, and the host's other sequences decode on meanwhile.
   Within a tick k is constant; a slot freed mid-tick is refilled with the time it was free
   credited, so a saturated host loses nothing to the tick.
 - Sessions: admitted by `Admission`, then queued, dispatched to free slots (a lent host
@@ -93,6 +98,7 @@ MODES = ("idle", "rollout", "train")  # array codes 0, 1, 2
 _MODE = {m: i for i, m in enumerate(MODES)}
 ACTS = ("train", "rollout", "switch", "idle")
 FREE, QUEUED, RUNNING, TOOL, FINISHING = 0, 1, 2, 3, 4
+STATUS_INTERVAL_S = 1.0  # the live trainer's TrainerStatus heartbeat (services/trainer/service.py STATUS_INTERVAL)
 
 
 @dataclass(frozen=True)
@@ -132,11 +138,13 @@ class Options:
     timeline: bool = False  # record every host's activity intervals (for Gantt charts)
     max_time_s: float = math.inf
     progress: object = None  # callable(steps_done) or None
-    # what admission counts as the backlog: "untrained" (completed, not trained yet: the live
-    # trajectory manager's count since session 19, the consumer's pending plus what the trainer's
-    # heartbeat says it holds), or "undelivered", the live count before (the consumer's pending
-    # only: the trainer fetches until 2 x groups_per_step complete groups wait in its intake, and
-    # fetched samples, the batch in training included, were not counted)
+    # what admission counts as the backlog: "untrained" (every completed session not trained yet);
+    # "heartbeat", the live trajectory manager's count since session 19 as it reads it (the consumer's
+    # pending, now, plus what the trainer's newest TrainerStatus says it holds: its complete groups and the
+    # batch in hand, shared/admission.py `held_by_trainer`; the trainer fetches at once until 2 x
+    # groups_per_step complete groups wait, so the finished members of incomplete groups, and groups
+    # completed since its last status, count for nothing); or "undelivered", the live count before
+    # session 19 (the consumer's pending only, the fetched samples and the batch in training not counted)
     backlog: str = "untrained"
     # CPU seconds a turn costs outside the engine (0: not modelled), and the cores that work shares
     control_s_per_turn: float = 0.0
@@ -230,6 +238,7 @@ class Simulator:
         self.s_ctx = np.zeros(size)  # context tokens: prompt + generated + tool output
         self.s_gen = np.zeros(size)
         self.s_pf = np.zeros(size)  # tokens to prefill at the next dispatch
+        self.s_skip = np.zeros(size)  # decode steps a running turn spends before its first token (prefill_one_step)
         self.s_ready = np.zeros(size)  # queued since / tool returns at / finishes at
         self.s_v0 = np.full(size, -1, np.int64)  # version of the oldest generated token
         self.free_slots = list(range(size - 1, -1, -1))
@@ -257,6 +266,10 @@ class Simulator:
         self.batch: list = []
         self.available = 0  # real samples in complete, untaken groups
         self.untrained = 0  # real completed samples not trained yet (the admission backlog)
+        # backlog "heartbeat": what the trainer's last TrainerStatus said it held (sent at each state change
+        # and every STATUS_INTERVAL_S), and when the next periodic one is due
+        self.status_held = 0
+        self.status_next = STATUS_INTERVAL_S
         self.open = 0  # real open sessions
         self.rate = 0.0
         # the live router's length predictor (shared/lending.py): here its window of all recent replies,
@@ -266,6 +279,8 @@ class Simulator:
         if ratio is None:
             ratio = self.cal.prefill_s_per_token * self.cal.max_seqs / self.cal.step_s(self.cal.max_seqs)
         self.reprefill_ratio = ratio if self.opt.lent_rule == "migrate" else None
+        # a rollout host's in-place load of each published version (Calibration.weight_load_s)
+        self.weight_load_s = self.cal.weight_sync_s if self.cal.weight_load_s is None else self.cal.weight_load_s
         self._offer_at: tuple[float, Offer | None] = (-1.0, None)
         self.lat_rng = np.random.default_rng([self.opt.seed, 1])  # its own stream: the lengths drawn stay the same
         self.tot = Totals(n)
@@ -469,6 +484,7 @@ class Simulator:
         self.s_host[on] = -1
         self.s_ready[on] = self.t
         self.s_pf[on] = self.s_ctx[on]
+        self.s_skip[on] = 0.0  # its prefill's step is paid again where it lands
         self.tot.reprefilled += float(self.s_ctx[on].sum()) * self.w
         self.tot.migrated += len(on) * self.w
 
@@ -476,8 +492,7 @@ class Simulator:
         """Open as many sessions as `Admission.admit` allows, one simulated session (w real
         ones) at a time; admit() is monotone in the open count, so bisect instead of looping."""
         wl, w = self.wl, self.w
-        pending = self.untrained if self.opt.backlog == "untrained" else max(0, self.available - 2 * self.B)
-        backlog = Backlog(pending, self.B)
+        backlog = Backlog(self._backlog(), self.B)
         if not self.free_slots or not self.adm.admit(self.open, backlog):
             return
         lo, hi = 0, len(self.free_slots)  # admit() holds before each of the first n sessions
@@ -512,6 +527,14 @@ class Simulator:
         self.s_ready[js] = self.t
         self._control(js)
         self.open += n * w
+
+    def _backlog(self) -> int:
+        """Completed sessions admission counts as not trained yet (Options.backlog)."""
+        if self.opt.backlog == "untrained":
+            return self.untrained
+        if self.opt.backlog == "heartbeat":
+            return self.status_held + self._undelivered()
+        return max(0, self.available - 2 * self.B)
 
     def _dispatch(self, t0: float, freed_h: np.ndarray, freed_t: np.ndarray) -> None:
         q = np.nonzero(self.s_state == QUEUED)[0]
@@ -572,8 +595,11 @@ class Simulator:
         self.s_state[q] = RUNNING
         self.s_host[q] = sh
         self.k_run += np.bincount(sh, minlength=n)
-        pf_s = self.s_pf[q] * self.cal.prefill_s_per_token * self.w / (self.cap[sh] * self.m)
-        np.add.at(self.stall, sh, pf_s)
+        if self.cal.prefill_one_step:  # the stand-in engine: one step of the turn's own, the others decode on
+            self.s_skip[q] = 1.0
+        else:
+            pf_s = self.s_pf[q] * self.cal.prefill_s_per_token * self.w / (self.cap[sh] * self.m)
+            np.add.at(self.stall, sh, pf_s)
         self.tot.prefilled += float(self.s_pf[q].sum()) * self.w
         self.s_pf[q] = 0.0
         # credit the time the slot and the session were both free before this tick's end
@@ -581,9 +607,9 @@ class Simulator:
         if credit.any():
             k = np.bincount(sh, minlength=n)[sh] + running[sh]
             step = (self.cal.decode_a_s + self.cal.decode_b_s * k * self.w / self.m) / self.cap[sh]
-            adv = np.minimum(credit / step, self.s_rem[q] - 1e-9)
+            adv = np.minimum(credit / step, self.s_rem[q] + self.s_skip[q] - 1e-9)
             adv = np.maximum(adv, 0.0)
-            self._generate(q, sh, adv)
+            self._decode(q, sh, adv)
 
     def _lent_free(self, free: np.ndarray, lent: np.ndarray, context: float) -> np.ndarray:
         """`free` with each lent host's free slots cut to those shared/lending.py's `lent_offer` gives
@@ -615,6 +641,16 @@ class Simulator:
                 del load[h]
         return np.array(out, np.int64)
 
+    def _decode(self, idx: np.ndarray, hosts: np.ndarray, steps: np.ndarray) -> None:
+        """Running turns `idx` (on `hosts`) advance `steps` decode steps each: their prefill's step first
+        (Calibration.prefill_one_step), then a token a step."""
+        if self.cal.prefill_one_step:
+            skip = np.minimum(steps, self.s_skip[idx])
+            if skip.any():
+                self.s_skip[idx] -= skip
+                steps = steps - skip
+        self._generate(idx, hosts, steps)
+
     def _generate(self, idx: np.ndarray, hosts: np.ndarray, adv: np.ndarray) -> None:
         self.s_rem[idx] -= adv
         self.s_gen[idx] += adv
@@ -641,9 +677,10 @@ class Simulator:
         # m identical hosts, evenly loaded: each decodes k*w/m real sequences per step
         step = (self.cal.decode_a_s + self.cal.decode_b_s * k * self.w / self.m) / self.cap
         adv_h = np.where(rolling, (dt - use) / step, 0.0)
-        before = self.s_rem[r]  # a copy already (fancy indexing)
+        # steps to go, its prefill's included (a copy already: fancy indexing)
+        before = self.s_rem[r] + self.s_skip[r] if self.cal.prefill_one_step else self.s_rem[r]
         adv = np.minimum(adv_h[h], before)
-        self._generate(r, h, adv)
+        self._decode(r, h, adv)
         fin = adv_h[h] >= before - 1e-9
         if not fin.any():
             return np.zeros(0, np.int64), np.zeros(0)
@@ -784,7 +821,7 @@ class Simulator:
             self.step += 1
             rolling = (self.mode == 1) & (self.target == 1)
             self.hversion[rolling] = self.version  # in-place update (keep mode) on rollout hosts
-            self.stall[rolling] += self.cal.weight_sync_s / self.cap[rolling]
+            self.stall[rolling] += self.weight_load_s / self.cap[rolling]
             self._set_trainer("waiting")
             if self.opt.progress:
                 self.opt.progress(self.step)
@@ -796,7 +833,32 @@ class Simulator:
             self.waiting_since = self.t
         if state in P.TRAINER_WANTS_HOSTS and self.tstate not in P.TRAINER_WANTS_HOSTS:
             self.wants_since = self.t
-        self.tstate = state
+        changed, self.tstate = state != self.tstate, state
+        if changed:  # the live trainer sends its status at once on a change of state
+            self._trainer_status()
+
+    def _held(self) -> int:
+        """Real completed sessions the trainer holds now, as shared/admission.py `held_by_trainer` counts
+        them: its complete groups (the batch it is ready with among them: the live trainer has taken it)
+        and, while it computes or publishes, the batch in hand."""
+        return self.available + (self.B if self.tstate in ("computing", "publishing") else 0)
+
+    def _undelivered(self) -> int:
+        """Completed sessions the trainer has not fetched (the consumer's pending): none while it fetches,
+        which it does until 2 x groups_per_step complete groups wait beside the batch it is ready with;
+        then every one not in its complete groups or batch (an upper bound: it fetched some before)."""
+        waiting = self.available - (self.B if self.tstate == "ready" else 0)
+        return max(0, self.untrained - self._held()) if waiting >= 2 * self.B else 0
+
+    def _trainer_beats(self) -> None:
+        """The trainer's periodic statuses due by now."""
+        while self.t >= self.status_next - 1e-12:
+            self._trainer_status()
+            self.status_next += STATUS_INTERVAL_S
+
+    def _trainer_status(self) -> None:
+        """A TrainerStatus: what the trajectory manager's admission reads until the next one."""
+        self.status_held = self._held()
 
     # -- accounting --------------------------------------------------------------------------
 
@@ -851,6 +913,7 @@ class Simulator:
             freed_h, freed_t = self._advance(t0, t1)
             self._account(t0, t1, act)
             self.t = t1
+            self._trainer_beats()
             self._finish_sessions()
             a = math.exp(-(t1 - t0) / opt.rate_tau_s)  # completions per second, smoothed
             self.rate = a * self.rate + (1 - a) * self.rate_count / (t1 - t0)

@@ -32,10 +32,18 @@ class Calibration:
     max_seqs: int  # K: sequences a host decodes at once (KV-cache bound)
     prefill_s_per_token: float
     train_s_per_token: float  # one host, everything a trained token costs (fwd, bwd, logprob passes)
-    weight_sync_s: float  # trainer: publish a version; rollout host: load it in place
+    weight_sync_s: float  # trainer: publish a version; rollout host: load it in place (weight_load_s)
     lend_s: float  # train -> rollout: offload trainer state, wake, load weights, resume
     reclaim_s: float  # rollout -> train: vacate, sleep, reload trainer state
     source: str = ""
+    # what a request's prefill costs: False (a real engine's, as calibrated) its tokens x
+    # prefill_s_per_token, a stall in which the host decodes nothing; True (services/rollout/simulated.py,
+    # the live runs' stand-in engine) one decode step of its own whatever its context, in which the host's
+    # other requests decode on. prefill_s_per_token is then read only by the routing rules' cost estimates
+    prefill_one_step: bool = False
+    # seconds a rollout host stalls to load a published version in place; None: weight_sync_s (the
+    # trainer's publish), as before. The stand-in engine's load is a version number (instant): 0
+    weight_load_s: float | None = None
 
     def step_s(self, k: float) -> float:
         return self.decode_a_s + self.decode_b_s * k
