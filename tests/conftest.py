@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,14 @@ for key, value in {
     "TORCHDYNAMO_DISABLE": "1",
 }.items():
     os.environ.setdefault(key, value)
+# DeepSpeed JIT-builds its CPU shm comm op with whichever `ninja` is first on PATH, and ninja 1.12
+# changed the command hash in .ninja_log: a build by the venv's ninja (1.13: the benchmark smoke runs
+# put the venv first on PATH) and one by the system's (1.11: processes started with pytest's own PATH)
+# each looked stale to the other, so one suite compiled the op twice (110 s and 72 s of 48 min,
+# session 23). Every process of the suite finds the venv's first.
+_VENV_BIN = str(Path(sys.executable).parent)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
+    os.environ["PATH"] = _VENV_BIN + os.pathsep + os.environ.get("PATH", "")
 
 
 STACK_DATABASES = 200  # Redis databases for the NATS servers with stacks, one each (stack_fixture.own_database)
