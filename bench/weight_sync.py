@@ -114,7 +114,7 @@ def run_receiver(size: str, repeat: int) -> None:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from shared.weightxfer import join, receive
+    from shared.weightxfer import RecvBuffers, join, receive
 
     dest = {n: torch.empty(s, dtype=torch.bfloat16) for n, s in llama_shapes(*SIZES[size])}
 
@@ -123,9 +123,12 @@ def run_receiver(size: str, repeat: int) -> None:
             dest[name].copy_(t)
 
     stages = []
+    pool: RecvBuffers | None = None  # a copying consumer's one pool for every round
     for r in range(repeat):
         timings: dict[str, float] = {}
-        receive(join(ADDR_SEND, PORT, f"{size}-{r}", timeout=300), load, timings=timings)
+        joined = join(ADDR_SEND, PORT, f"{size}-{r}", timeout=300)
+        pool = pool or RecvBuffers(2, max((b.nbytes for b in joined.plan.buckets), default=0))
+        receive(joined, load, buffers=pool, timings=timings)
         stages.append(timings)
     store = dist.TCPStore(ADDR_SEND, PORT, is_master=False, timeout=datetime.timedelta(seconds=300))
     store.set("recv/stages", json.dumps(stages))

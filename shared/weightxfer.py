@@ -313,51 +313,70 @@ class RecvBuffers:
     consumer that copies a bucket and lets go of its views gets the same pages back bucket after bucket
     (no page faults on a new buffer); one that keeps the views, as vLLM's layerwise reload does (what
     `load_weights` is given waits until its layer is whole, attention layers until the finish), keeps
-    the buffer, and the next bucket gets a new one. At most `keep` buffers are pooled."""
+    the buffer, and the next bucket gets a new one. At most `keep` buffers are pooled.
 
-    def __init__(self, keep: int = 2):
-        self.keep = keep
+    A new page costs about as much as copying it several times over (it is faulted in and zeroed), so a
+    copying consumer that receives round after round keeps one pool for all of them, with `min_bytes`
+    the plan's largest bucket: every buffer then fits every bucket, and no round faults a page in.
+    A consumer that keeps the views leaves `min_bytes` at 0: its kept buffers are each their bucket's size."""
+
+    def __init__(self, keep: int = 2, min_bytes: int = 0):
+        self.keep, self.min_bytes = keep, min_bytes
         self._pool: list[tuple[torch.Tensor, int]] = []  # (buffer, its reference count when free)
 
     def take(self, nbytes: int) -> torch.Tensor:
         for buf, free in self._pool:
             if buf.numel() >= nbytes and _storage_refs(buf) == free:
                 return buf[:nbytes]
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = torch.empty(max(nbytes, self.min_bytes), dtype=torch.uint8)
         if len(self._pool) >= self.keep:
             self._pool.pop(0)  # the oldest: if someone still holds it, it is theirs now
         self._pool.append((buf, _storage_refs(buf)))
         return buf[:nbytes]  # a view, never the pooled tensor itself: the taker's hold counts
 
 
+LET_GO_WAIT = 0.05  # seconds a finished receive's buffer may stay held by gloo's worker thread
+
+
+def _let_go(buf: torch.Tensor, alone: int) -> None:
+    """Wait, at most LET_GO_WAIT, until nothing but `buf` holds its memory (`alone` references): gloo's
+    worker thread signals a receive done a moment before it drops its hold of the buffer, and a buffer
+    still held then would never be taken again (`RecvBuffers`). Past the bound the pool allocates anew."""
+    deadline = time.monotonic() + LET_GO_WAIT
+    while _storage_refs(buf) > alone and time.monotonic() < deadline:
+        time.sleep(0.0001)
+
+
 def receive(joined: Joined, on_tensors: Callable[[list[tuple[str, torch.Tensor]]], None], *,
-            timings: dict[str, float] | None = None) -> int:
+            buffers: RecvBuffers | None = None, timings: dict[str, float] | None = None) -> int:
     """Step e: every bucket of the plan, in order, handed to `on_tensors` as (name, tensor) views into
     that bucket's buffer, each of its messages (`weightwire.messages`) received straight into its place
     there. Bucket k+1's receives are posted as soon as bucket k is in, so it is on the wire while
     `on_tensors` takes bucket k. Returns the bytes of the buckets received.
 
     The consumer may keep the views as long as it likes: a buffer is received into again only once no
-    view of it is left (`RecvBuffers`). `timings` adds up seconds per stage: "wait" (for a bucket still
+    view of it is left (`buffers`, default: a new `RecvBuffers` for this round). `timings` adds up seconds per stage: "wait" (for a bucket still
     on the wire) and "consume" (in `on_tensors`)."""
     plan = joined.plan
-    bufs = RecvBuffers()
+    bufs = buffers if buffers is not None else RecvBuffers()
     pg = _gloo(joined.store, joined.group, joined.rank, joined.world, joined.bind, joined.timeout)
 
-    def post(bucket: Bucket) -> tuple[torch.Tensor, list[dist.Work]]:
+    def post(bucket: Bucket) -> tuple[torch.Tensor, list[dist.Work], int]:
         buf = bufs.take(bucket.nbytes)
-        return buf, [_broadcast(pg, buf[lo:hi]) for _, lo, hi in messages(plan, bucket)]
+        alone = _storage_refs(buf)  # this view's hold alone
+        return buf, [_broadcast(pg, buf[lo:hi]) for _, lo, hi in messages(plan, bucket)], alone
 
     got = 0
-    posted: deque[tuple[torch.Tensor, list[dist.Work]]] = deque()
+    posted: deque[tuple[torch.Tensor, list[dist.Work], int]] = deque()
     try:
         clock = _Timer(timings)
         if plan.buckets:
             posted.append(post(plan.buckets[0]))
         for k, bucket in enumerate(plan.buckets):
-            buf, works = posted.popleft()
+            buf, works, alone = posted.popleft()
             _wait_all(works)
-            del works  # the finished receives let go of the buffer
+            del works
+            _let_go(buf, alone)
             clock.lap("wait")
             if k + 1 < len(plan.buckets):  # bucket k's buffer is held here: never the one this takes
                 posted.append(post(plan.buckets[k + 1]))

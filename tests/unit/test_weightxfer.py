@@ -14,9 +14,9 @@ from shared.weightwire import make_plan, messages
 from shared.weightxfer import (BucketBuffers, RecvBuffers, WeightSender, join, pack, param_specs, receive, stream,
                                unpack)
 
-NAMES = ["model.embed_tokens.weight", "model.layers.0.attn.q.weight", "model.layers.0.mlp.up.weight",
-         "model.layers.0.norm.weight", "model.layers.1.attn.q.weight", "model.layers.1.mlp.up.weight",
-         "model.layers.1.norm.weight", "model.norm.weight", "lm_head.weight"]
+NAMES = ["model.embed_tokens.weight",
+         *(f"model.layers.{i}.{n}" for i in range(5) for n in ("attn.q.weight", "mlp.up.weight", "norm.weight")),
+         "model.norm.weight", "lm_head.weight"]
 
 
 def model(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -165,10 +165,11 @@ def test_a_receive_buffer_comes_back_only_when_no_view_of_it_is_left():
     assert len({h.data_ptr() for h in held} | {d.data_ptr(), e.data_ptr()}) == 5 and len(pool._pool) == 2
 
 
-def round_trip(named, dtype, keep_views: bool, rounds: int = 2, alone_bytes: int = 32):
+def round_trip(named, dtype, keep_views: bool, rounds: int = 2, alone_bytes: int = 32,
+               pool: RecvBuffers | None = None):
     """`rounds` rounds over gloo on 127.0.0.1; what the receiver kept from each (the views themselves
-    until the round ends, as vLLM's layerwise reload does, or copies) and how many distinct buffers
-    the buckets came in."""
+    until the round ends, as vLLM's layerwise reload does, or copies) and the distinct buffers the
+    buckets came in. `pool`: the receiver's buffers for every round (None: its own per round)."""
     plan = make_plan(3, param_specs(named, dtype), bucket_bytes=300, alone_bytes=alone_bytes)
     sender = WeightSender("127.0.0.1", 0, timeout=30)
     tensors = dict(enumerate(t for _, t in named))
@@ -185,7 +186,8 @@ def round_trip(named, dtype, keep_views: bool, rounds: int = 2, alone_bytes: int
 
         def recv(group=group, consume=consume):
             try:
-                assert receive(join("127.0.0.1", sender.port, group, timeout=30), consume) == plan.nbytes
+                joined = join("127.0.0.1", sender.port, group, timeout=30)
+                assert receive(joined, consume, buffers=pool) == plan.nbytes
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(e)
 
@@ -196,7 +198,7 @@ def round_trip(named, dtype, keep_views: bool, rounds: int = 2, alone_bytes: int
         assert sender.send(rnd, plan, lambda idx: {i: tensors[i] for i in idx}, timings=timings) == plan.nbytes
         th.join(30)
         assert not th.is_alive() and not errors, errors
-        results.append((dict(kept), len(ptrs)))
+        results.append((dict(kept), ptrs))
         tensors = {i: t + 1 for i, t in tensors.items()}  # the next version
     return plan, results
 
@@ -212,6 +214,20 @@ def test_a_round_over_gloo_delivers_every_tensor_bit_exact(dtype, keep_views, al
         assert list(got) == NAMES
         assert all(same_bits(got[n], (t + r).to(dtype)) for n, t in named), f"round {r}"
         if keep_views:
-            assert buffers == len(plan.buckets)  # none overwritten
+            assert len(buffers) == len(plan.buckets)  # none overwritten
         else:
-            assert buffers < len(plan.buckets)  # the copying consumer's buffers came back
+            assert len(buffers) < len(plan.buckets)  # the copying consumer's buffers came back
+
+
+def test_a_copying_consumer_with_one_pool_gets_the_same_two_buffers_every_round():
+    named = model(3)
+    largest = max(b.nbytes for b in make_plan(3, param_specs(named), bucket_bytes=300).buckets)
+    pool = RecvBuffers(keep=2, min_bytes=largest)
+    plan, results = round_trip(named, torch.float32, keep_views=False, rounds=3, pool=pool)
+    assert len({b.nbytes for b in plan.buckets}) > 1  # buckets of several sizes, all in the same buffers
+    want = dict(named)
+    for r, (got, _) in enumerate(results):
+        assert all(same_bits(got[n], want[n]) for n in NAMES), f"round {r}"
+        want = {n: t + 1 for n, t in want.items()}  # as round_trip makes the next version
+    assert len(set().union(*(ptrs for _, ptrs in results))) == 2
+    assert all(buf.numel() == largest for buf, _ in pool._pool)
