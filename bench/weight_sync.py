@@ -17,6 +17,11 @@ for 500M), and the disk path: the sender writing one safetensors file, the recei
 into its tensors (a local disk with a warm page cache here: a lower bound for NFS, which would
 cross the same link twice). Result lines start with "RESULT".
 
+The receiver copies each bucket into its own tensors (as a `load_weights` does) and keeps one pool of
+two receive buffers, each the largest bucket's size, for all its rounds (`RecvBuffers(min_bytes=...)`):
+a copying consumer that stays up. vLLM's layerwise reload keeps the views it is given, so its buffers
+are new every bucket, each page faulted in (services/rollout/vllm_ext.py); that is not measured here.
+
 Before the weights, per link, the box's own ceiling: a plain TCP socket across the same veth
 pair (`sendall` of a preallocated `--tcp-mb` buffer, `recv_into` a preallocated one, a one-byte
 ack at the end; best of 3), "RESULT tcp ...". Link 0 is the veth pair unshaped (no `tc`). On a
