@@ -17,6 +17,11 @@ for 500M), and the disk path: the sender writing one safetensors file, the recei
 into its tensors (a local disk with a warm page cache here: a lower bound for NFS, which would
 cross the same link twice). Result lines start with "RESULT".
 
+The receiver copies each bucket into its own tensors (as a `load_weights` does) and keeps one pool of
+two receive buffers, each the largest bucket's size, for all its rounds (`RecvBuffers(min_bytes=...)`):
+a copying consumer that stays up. vLLM's layerwise reload keeps the views it is given, so its buffers
+are new every bucket, each page faulted in (services/rollout/vllm_ext.py); that is not measured here.
+
 Before the weights, per link, the box's own ceiling: a plain TCP socket across the same veth
 pair (`sendall` of a preallocated `--tcp-mb` buffer, `recv_into` a preallocated one, a one-byte
 ack at the end; best of 3), "RESULT tcp ...". Link 0 is the veth pair unshaped (no `tc`). On a
@@ -114,7 +119,7 @@ def run_receiver(size: str, repeat: int) -> None:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from shared.weightxfer import join, receive
+    from shared.weightxfer import RecvBuffers, join, receive
 
     dest = {n: torch.empty(s, dtype=torch.bfloat16) for n, s in llama_shapes(*SIZES[size])}
 
@@ -123,9 +128,12 @@ def run_receiver(size: str, repeat: int) -> None:
             dest[name].copy_(t)
 
     stages = []
+    pool: RecvBuffers | None = None  # a copying consumer's one pool for every round
     for r in range(repeat):
         timings: dict[str, float] = {}
-        receive(join(ADDR_SEND, PORT, f"{size}-{r}", timeout=300), load, timings=timings)
+        joined = join(ADDR_SEND, PORT, f"{size}-{r}", timeout=300)
+        pool = pool or RecvBuffers(2, max((b.nbytes for b in joined.plan.buckets), default=0))
+        receive(joined, load, buffers=pool, timings=timings)
         stages.append(timings)
     store = dist.TCPStore(ADDR_SEND, PORT, is_master=False, timeout=datetime.timedelta(seconds=300))
     store.set("recv/stages", json.dumps(stages))

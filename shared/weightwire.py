@@ -4,8 +4,12 @@ A trainer streams its parameters to rollout workers over the network (shared/wei
 never materialising the whole model at once: it walks the model one LAYER GROUP at a time
 (the embeddings, then each decoder layer, then the final norm and head; under ZeRO-3 one
 group is gathered, sent and released before the next), and cuts each group into BUCKETS of
-at most `bucket_bytes` that travel as one flat byte buffer each. A tensor larger than a
-bucket travels alone. A bucket never spans two groups, so the sender holds one group.
+at most `bucket_bytes`, each one flat byte buffer at the receiver. A tensor larger than a
+bucket is a bucket alone. A bucket never spans two groups, so the sender holds one group.
+
+On the wire a bucket is one or more MESSAGES (`messages`): each tensor of at least the plan's
+`alone_bytes` is a message of its own, which the sender hands to the socket from the tensor's
+own memory (no packing copy); each run of smaller neighbours is one message, packed.
 
 Both ends compute nothing from the model: the sender builds the plan from its tensor specs
 and hands it to every receiver, which sizes its buffers from it. This module is pure data
@@ -17,6 +21,8 @@ from __future__ import annotations
 import msgspec
 
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024  # vLLM's packed NCCL default is 1 GiB in 2 buffers; 256 MiB halves peak memory on CPU
+
+ALONE_BYTES = 1 << 20  # a tensor this large is a message of its own: a message costs a rendezvous (~0.1 ms), 1 MiB ~1 ms on 10 Gbit/s
 
 ALIGN = 8  # each tensor starts on an 8-byte boundary of its bucket, so it can be viewed as its dtype in place
 
@@ -53,6 +59,9 @@ class TransferPlan(msgspec.Struct, array_like=True, frozen=True):
     params: tuple[ParamSpec, ...]
     groups: tuple[tuple[int, ...], ...]  # layer groups: indices into params, in send order
     buckets: tuple[Bucket, ...]
+    # a tensor of at least this many bytes travels as a message of its own; 0 (a plan written before
+    # there were messages): each bucket is one message
+    alone_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +118,8 @@ def plan_buckets(params: list[ParamSpec], groups: list[list[int]], bucket_bytes:
     return out
 
 
-def make_plan(version: int, params: list[ParamSpec], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> TransferPlan:
+def make_plan(version: int, params: list[ParamSpec], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+              alone_bytes: int = ALONE_BYTES) -> TransferPlan:
     """The plan for `params` (in the sender's iteration order). Raises ValueError on a duplicate
     name or an unknown dtype: both ends would disagree on the byte layout."""
     names = [p.name for p in params]
@@ -120,7 +130,7 @@ def make_plan(version: int, params: list[ParamSpec], bucket_bytes: int = DEFAULT
         raise ValueError(f"no wire size for dtypes {unknown}")
     groups = layer_groups(names)
     return TransferPlan(version, tuple(params), tuple(tuple(g) for g in groups),
-                        tuple(plan_buckets(params, groups, bucket_bytes)))
+                        tuple(plan_buckets(params, groups, bucket_bytes)), alone_bytes)
 
 
 def offsets(plan: TransferPlan, bucket: Bucket) -> list[tuple[int, int, int]]:
@@ -131,3 +141,29 @@ def offsets(plan: TransferPlan, bucket: Bucket) -> list[tuple[int, int, int]]:
         out.append((i, at, at + spec.nbytes))
         at += spec.padded
     return out
+
+
+def messages(plan: TransferPlan, bucket: Bucket) -> list[tuple[tuple[int, ...], int, int]]:
+    """(param indices, start byte, end byte) of each message the bucket travels as, in order: a tensor of
+    at least `plan.alone_bytes` alone (exactly its bytes), each run of smaller ones together (from the
+    first one's start to the last one's end; none for a run of empty tensors). Both ends cut the same
+    messages from the same plan; the bytes between messages (alignment padding) never travel."""
+    if plan.alone_bytes <= 0:
+        return [(bucket.params, 0, bucket.nbytes)]
+    out: list[tuple[tuple[int, ...], int, int]] = []
+    run: list[int] = []
+    run_lo = run_hi = 0
+    for i, lo, hi in offsets(plan, bucket):
+        if plan.params[i].nbytes >= plan.alone_bytes:
+            if run:
+                out.append((tuple(run), run_lo, run_hi))
+                run = []
+            out.append(((i,), lo, hi))
+            continue
+        if not run:
+            run_lo = lo
+        run.append(i)
+        run_hi = hi
+    if run:
+        out.append((tuple(run), run_lo, run_hi))
+    return [m for m in out if m[2] > m[1]]  # a run of empty tensors has nothing to send

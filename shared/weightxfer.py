@@ -29,6 +29,7 @@ import datetime
 import logging
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,7 +37,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from shared.weightwire import Bucket, ParamSpec, TransferPlan, offsets
+from shared.weightwire import Bucket, ParamSpec, TransferPlan, messages, offsets
 
 log = logging.getLogger(__name__)
 
@@ -95,17 +96,24 @@ class BucketBuffers:
         return buf[:nbytes]
 
 
-def _alone(plan: TransferPlan, bucket: Bucket, tensors: dict[int, torch.Tensor]) -> torch.Tensor | None:
-    """The bucket's bytes without a copy, where it is one tensor already as the wire wants it (on the
-    CPU, contiguous, in the wire dtype, filling the bucket); else None."""
-    if len(bucket.params) != 1:
-        return None
-    i = bucket.params[0]
-    t, spec = tensors[i], plan.params[i]
+def _wire_form(plan: TransferPlan, i: int, t: torch.Tensor) -> torch.Tensor | None:
+    """Param `i`'s bytes without a copy, where `t` is already as the wire wants it (on the CPU, contiguous,
+    in the wire dtype and shape); else None."""
+    spec = plan.params[i]
     if (t.device.type != "cpu" or t.dtype != getattr(torch, spec.dtype) or not t.is_contiguous()
-            or tuple(t.shape) != spec.shape or spec.nbytes != bucket.nbytes):
+            or tuple(t.shape) != spec.shape):
         return None
     return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _pack_into(plan: TransferPlan, at: list[tuple[int, int, int]], tensors: dict[int, torch.Tensor],
+               buf: torch.Tensor) -> None:
+    """Cast and copy each (param index, start, end) of `at` into `buf[start:end]`, in one pass each."""
+    for i, lo, hi in at:
+        spec = plan.params[i]
+        if tuple(tensors[i].shape) != spec.shape:
+            raise ValueError(f"{spec.name}: shape {tuple(tensors[i].shape)}, the plan says {spec.shape}")
+        buf[lo:hi].view(getattr(torch, spec.dtype)).view(spec.shape).copy_(tensors[i].detach())
 
 
 def pack(plan: TransferPlan, bucket: Bucket, tensors: dict[int, torch.Tensor],
@@ -116,12 +124,21 @@ def pack(plan: TransferPlan, bucket: Bucket, tensors: dict[int, torch.Tensor],
     buf = torch.empty(bucket.nbytes, dtype=torch.uint8) if out is None else out[:bucket.nbytes]
     if buf.numel() != bucket.nbytes:
         raise ValueError(f"a bucket of {bucket.nbytes} bytes, the buffer holds {buf.numel()}")
-    for i, lo, hi in offsets(plan, bucket):
-        spec = plan.params[i]
-        if tuple(tensors[i].shape) != spec.shape:
-            raise ValueError(f"{spec.name}: shape {tuple(tensors[i].shape)}, the plan says {spec.shape}")
-        buf[lo:hi].view(getattr(torch, spec.dtype)).view(spec.shape).copy_(tensors[i].detach())
+    _pack_into(plan, offsets(plan, bucket), tensors, buf)
     return buf
+
+
+def _message(plan: TransferPlan, msg: tuple[tuple[int, ...], int, int], where: dict[int, tuple[int, int]],
+             tensors: dict[int, torch.Tensor], staging: torch.Tensor) -> torch.Tensor:
+    """One message's bytes (`weightwire.messages`): a lone tensor already in its wire form as it is,
+    else its tensors packed into `staging` at their places in the bucket (`where`: index -> start, end)."""
+    params, lo, hi = msg
+    if len(params) == 1 and hi - lo == plan.params[params[0]].nbytes:
+        own = _wire_form(plan, params[0], tensors[params[0]])
+        if own is not None:
+            return own
+    _pack_into(plan, [(i, *where[i]) for i in params], tensors, staging)
+    return staging[lo:hi]
 
 
 def unpack(plan: TransferPlan, bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -147,28 +164,41 @@ class _Timer:
         self.t = now
 
 
+def _wait_all(sends: list) -> None:
+    """Wait every one of `sends` (none left running on its buffer), then raise the first error."""
+    error: Exception | None = None
+    for w in sends:
+        try:
+            w.wait()
+        except Exception as e:  # noqa: BLE001 - raised below, once all are waited
+            error = error or e
+    if error is not None:
+        raise error
+
+
 def stream(plan: TransferPlan, group_tensors: Callable[[tuple[int, ...]], dict[int, torch.Tensor]],
-           on_bucket: Callable[[torch.Tensor], dist.Work | None] | None, *,
+           on_message: Callable[[torch.Tensor], dist.Work | None] | None, *,
            buffers: BucketBuffers | None = None, timings: dict[str, float] | None = None) -> int:
     """Walk the plan one layer group at a time: `group_tensors(indices)` gives that group's tensors
     (under ZeRO-3 a gather every rank runs, so every rank calls this; only the sender passes
-    `on_bucket`), each bucket of it is packed and handed on, then the group is dropped. Returns
-    the bytes handed on.
+    `on_message`), each bucket of it is handed on message by message (`weightwire.messages`), then
+    the group is dropped. Returns the bytes of the buckets handed on.
 
-    `on_bucket` may return a pending send (anything with `wait()`): the next bucket (and the next
-    group's gather) is then prepared while it is on the wire, and it is waited before the next is
-    handed on, so one bucket at most is in flight. The buckets are packed into `buffers` (default:
-    two of the largest bucket's size, reused), except one that is a single tensor already in its wire
-    form, which goes as it is. `timings` adds up seconds per stage: "gather" (group_tensors), "pack",
-    "wait" (a send still on the wire when the next bucket was ready)."""
-    if on_bucket is None:
+    A message that is one tensor already in its wire form goes as it is (its memory, no copy); the
+    others are packed into the bucket's staging buffer from `buffers` (default: two of the largest
+    bucket's size, reused). `on_message` may return a pending send (anything with `wait()`): the sender
+    goes on while it is on the wire, and before a staging buffer is taken again every message of the
+    bucket that last took it is waited, so with two buffers bucket k+1 is packed and queued while
+    bucket k is on the wire. `timings` adds up seconds per stage: "gather" (group_tensors), "pack"
+    (packing and handing on), "wait" (sends still on the wire when their buffer was wanted, and at the end)."""
+    if on_message is None:
         for indices in plan.groups:
             tensors = group_tensors(indices)
             del tensors
         return 0
     bufs = buffers if buffers is not None else BucketBuffers(plan, 2)
     sent = 0
-    pending: dist.Work | None = None
+    in_flight: deque[list] = deque()  # per bucket handed on, oldest first: its messages' pending sends
     by_group: dict[int, list[Bucket]] = {}
     for b in plan.buckets:
         by_group.setdefault(b.group, []).append(b)
@@ -178,24 +208,27 @@ def stream(plan: TransferPlan, group_tensors: Callable[[tuple[int, ...]], dict[i
             tensors = group_tensors(indices)
             clock.lap("gather")
             for bucket in by_group.get(g, []):
-                buf = _alone(plan, bucket, tensors)
-                if buf is None:
-                    buf = pack(plan, bucket, tensors, bufs.take(bucket.nbytes))
-                clock.lap("pack")
-                if pending is not None:
-                    pending.wait()
+                while len(in_flight) >= len(bufs.buffers):  # the buffer taken next is still that bucket's
+                    _wait_all(in_flight.popleft())
                     clock.lap("wait")
-                pending = on_bucket(buf)
-                sent += buf.numel()
+                staging = bufs.take(bucket.nbytes)
+                where = {i: (lo, hi) for i, lo, hi in offsets(plan, bucket)}
+                sends = []
+                for msg in messages(plan, bucket):
+                    pending = on_message(_message(plan, msg, where, tensors, staging))
+                    if pending is not None:
+                        sends.append(pending)
+                in_flight.append(sends)
+                sent += bucket.nbytes
+                clock.lap("pack")
             del tensors
-        if pending is not None:
-            pending.wait()
-            pending = None
-            clock.lap("wait")
+        while in_flight:
+            _wait_all(in_flight.popleft())
+        clock.lap("wait")
     finally:
-        if pending is not None:  # an error mid-stream: leave no send running on a buffer
+        while in_flight:  # an error mid-stream: leave no send running on a buffer
             try:
-                pending.wait()
+                _wait_all(in_flight.popleft())
             except Exception:  # noqa: BLE001 - the first error is the one raised
                 log.debug("a pending send failed while another error unwound the stream", exc_info=True)
     return sent
@@ -280,62 +313,81 @@ class RecvBuffers:
     consumer that copies a bucket and lets go of its views gets the same pages back bucket after bucket
     (no page faults on a new buffer); one that keeps the views, as vLLM's layerwise reload does (what
     `load_weights` is given waits until its layer is whole, attention layers until the finish), keeps
-    the buffer, and the next bucket gets a new one. At most `keep` buffers are pooled."""
+    the buffer, and the next bucket gets a new one. At most `keep` buffers are pooled.
 
-    def __init__(self, keep: int = 2):
-        self.keep = keep
+    A new page costs about as much as copying it several times over (it is faulted in and zeroed), so a
+    copying consumer that receives round after round keeps one pool for all of them, with `min_bytes`
+    the plan's largest bucket: every buffer then fits every bucket, and no round faults a page in.
+    A consumer that keeps the views leaves `min_bytes` at 0: its kept buffers are each their bucket's size."""
+
+    def __init__(self, keep: int = 2, min_bytes: int = 0):
+        self.keep, self.min_bytes = keep, min_bytes
         self._pool: list[tuple[torch.Tensor, int]] = []  # (buffer, its reference count when free)
 
     def take(self, nbytes: int) -> torch.Tensor:
         for buf, free in self._pool:
             if buf.numel() >= nbytes and _storage_refs(buf) == free:
                 return buf[:nbytes]
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = torch.empty(max(nbytes, self.min_bytes), dtype=torch.uint8)
         if len(self._pool) >= self.keep:
             self._pool.pop(0)  # the oldest: if someone still holds it, it is theirs now
         self._pool.append((buf, _storage_refs(buf)))
         return buf[:nbytes]  # a view, never the pooled tensor itself: the taker's hold counts
 
 
+LET_GO_WAIT = 0.05  # seconds a finished receive's buffer may stay held by gloo's worker thread
+
+
+def _let_go(buf: torch.Tensor, alone: int) -> None:
+    """Wait, at most LET_GO_WAIT, until nothing but `buf` holds its memory (`alone` references): gloo's
+    worker thread signals a receive done a moment before it drops its hold of the buffer, and a buffer
+    still held then would never be taken again (`RecvBuffers`). Past the bound the pool allocates anew."""
+    deadline = time.monotonic() + LET_GO_WAIT
+    while _storage_refs(buf) > alone and time.monotonic() < deadline:
+        time.sleep(0.0001)
+
+
 def receive(joined: Joined, on_tensors: Callable[[list[tuple[str, torch.Tensor]]], None], *,
-            timings: dict[str, float] | None = None) -> int:
+            buffers: RecvBuffers | None = None, timings: dict[str, float] | None = None) -> int:
     """Step e: every bucket of the plan, in order, handed to `on_tensors` as (name, tensor) views into
-    that bucket's buffer. Bucket k+1 is already being received while `on_tensors` takes bucket k.
-    Returns the bytes received.
+    that bucket's buffer, each of its messages (`weightwire.messages`) received straight into its place
+    there. Bucket k+1's receives are posted as soon as bucket k is in, so it is on the wire while
+    `on_tensors` takes bucket k. Returns the bytes of the buckets received.
 
     The consumer may keep the views as long as it likes: a buffer is received into again only once no
-    view of it is left (`RecvBuffers`). `timings` adds up seconds per stage: "wait" (for a bucket still
+    view of it is left (`buffers`, default: a new `RecvBuffers` for this round). `timings` adds up seconds per stage: "wait" (for a bucket still
     on the wire) and "consume" (in `on_tensors`)."""
     plan = joined.plan
-    bufs = RecvBuffers()
+    bufs = buffers if buffers is not None else RecvBuffers()
     pg = _gloo(joined.store, joined.group, joined.rank, joined.world, joined.bind, joined.timeout)
 
-    def post(bucket: Bucket) -> tuple[torch.Tensor, dist.Work]:
+    def post(bucket: Bucket) -> tuple[torch.Tensor, list[dist.Work], int]:
         buf = bufs.take(bucket.nbytes)
-        return buf, _broadcast(pg, buf)
+        alone = _storage_refs(buf)  # this view's hold alone
+        return buf, [_broadcast(pg, buf[lo:hi]) for _, lo, hi in messages(plan, bucket)], alone
 
     got = 0
-    nxt: tuple[torch.Tensor, dist.Work] | None = None
+    posted: deque[tuple[torch.Tensor, list[dist.Work], int]] = deque()
     try:
         clock = _Timer(timings)
         if plan.buckets:
-            nxt = post(plan.buckets[0])
+            posted.append(post(plan.buckets[0]))
         for k, bucket in enumerate(plan.buckets):
-            buf, work = nxt
-            nxt = None
-            work.wait()
-            del work  # the finished receive lets go of the buffer
+            buf, works, alone = posted.popleft()
+            _wait_all(works)
+            del works
+            _let_go(buf, alone)
             clock.lap("wait")
             if k + 1 < len(plan.buckets):  # bucket k's buffer is held here: never the one this takes
-                nxt = post(plan.buckets[k + 1])
+                posted.append(post(plan.buckets[k + 1]))
             on_tensors(unpack(plan, bucket, buf))
             del buf  # only the consumer's views (if it kept any) hold it now
             clock.lap("consume")
             got += bucket.nbytes
     finally:
-        if nxt is not None:  # an error mid-round: gloo must not write into a buffer after we leave
+        while posted:  # an error mid-round: gloo must not write into a buffer after we leave
             try:
-                nxt[1].wait()
+                _wait_all(posted.popleft()[1])
             except Exception:  # noqa: BLE001 - the first error is the one raised
                 log.debug("a pending receive failed while another error unwound the round", exc_info=True)
         pg.shutdown()

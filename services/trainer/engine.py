@@ -434,8 +434,10 @@ class TrainEngine:
         def group_tensors(indices: tuple[int, ...]) -> dict[int, torch.Tensor]:
             with deepspeed.zero.GatheredParameters([params[i] for i in indices], modifier_rank=None,
                                                    enabled=self.cfg.zero_stage == 3):
-                # a host copy of this group only: the gather is released when the block ends
-                return {i: params[i].detach().to("cpu", copy=True) for i in indices} if self.rank == 0 else {}
+                # a host copy of this group only, cast to the wire dtype in the same pass (so it is sent from
+                # its own memory, never packed again): the gather is released when the block ends
+                return {i: params[i].detach().to("cpu", dtype=getattr(torch, plan.params[i].dtype), copy=True)
+                        for i in indices} if self.rank == 0 else {}
 
         if self.rank == 0 and sender is not None and rnd is not None:
             return sender.send(rnd, plan, group_tensors)

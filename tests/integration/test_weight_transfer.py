@@ -21,13 +21,14 @@ from services.rollout.config import RolloutConfig
 from services.rollout.engine import Engine, TransferMissed
 from shared.messages.rollout import Sampling
 from shared.messages.weights import WeightTransfer
-from shared.weightwire import make_plan
+from shared.weightwire import make_plan, messages
 from shared.weightxfer import WeightSender, param_specs
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 PROMPT = [100, 200, 300, 17, 42, 9]
 BUCKET = 48 * 1024  # small: the tiny model travels in many buckets, several per layer group
+ALONE = 8 * 1024  # small too: its weights travel as messages of their own, its norms packed together
 
 
 def variant(src, seed: int, std: float = 0.1, dtype: torch.dtype = torch.float32):
@@ -67,7 +68,7 @@ def sender():
 async def push(engine: Engine, sender: WeightSender, model, version: int, dtype: torch.dtype, expected: int = 1):
     """One round: the sender's side in a thread (as the trainer's runner runs it), the engine's here."""
     named = list(model.named_parameters())  # tied embeddings once, as a trainer holds them
-    plan = make_plan(version, param_specs(named, dtype), BUCKET)
+    plan = make_plan(version, param_specs(named, dtype), BUCKET, alone_bytes=ALONE)
     group = f"v{version}-{str(dtype)[6:]}"
     sender.open(plan, group)
     tensors = dict(enumerate(t for _, t in named))
@@ -102,6 +103,8 @@ async def test_a_round_in_buckets_serves_exactly_the_sent_weights(engine, sender
     before, _ = await greedy(engine, f"before-{version}")
     plan, out = await push(engine, sender, model, version, dtype)
     assert len(plan.groups) >= 4 and len(plan.buckets) > len(plan.groups)  # embed, 2 layers, norm; split
+    wire = [m for b in plan.buckets for m in messages(plan, b)]
+    assert any(len(m) > 1 for m, _, _ in wire) and any(plan.params[m[0]].nbytes >= ALONE for m, _, _ in wire)
     assert out["round"].receivers == 1 and out["sent"] == plan.nbytes
     assert engine.version == version and engine.last_update["version"] == version
     after, versions = await greedy(engine, f"after-{version}")

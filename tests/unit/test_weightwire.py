@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.weightwire import ALIGN, ParamSpec, layer_groups, make_plan, offsets, plan_buckets
+import msgspec
+
+from shared.weightwire import ALIGN, ALONE_BYTES, ParamSpec, TransferPlan, layer_groups, make_plan, messages, offsets, plan_buckets
 from shared.weightxfer import pack, param_specs, unpack
 
 NAMES = ["model.embed_tokens.weight", "model.layers.0.attn.q.weight", "model.layers.0.mlp.up.weight",
@@ -46,6 +48,30 @@ def test_every_tensor_starts_aligned_and_the_plan_covers_every_param_once():
     assert all(lo % ALIGN == 0 for _, lo, _ in offsets(plan, bucket))
     assert bucket.nbytes == 64 and plan.nbytes == 64
     assert sorted(i for b in make_plan(1, params, 8).buckets for i in b.params) == [0, 1, 2, 3]
+
+
+def test_a_large_tensor_is_a_message_alone_and_each_run_of_small_ones_is_one_message():
+    # 40, 400, 8 (padded to 8), 6 (padded to 8), 400, 0, 40 bytes
+    params = specs(10, 100, 2, dtype="float32") + specs(3, dtype="bfloat16", first=3) + specs(100, 0, 10, first=4)
+    plan = make_plan(1, params, bucket_bytes=1 << 20, alone_bytes=400)
+    (bucket,) = plan.buckets
+    assert [lo for _, lo, _ in offsets(plan, bucket)] == [0, 40, 440, 448, 456, 856, 856]
+    assert messages(plan, bucket) == [((0,), 0, 40), ((1,), 40, 440), ((2, 3), 440, 454), ((4,), 456, 856),
+                                      ((5, 6), 856, 896)]
+    # only alignment padding is left out, and every param is in exactly one message
+    assert sum(hi - lo for _, lo, hi in messages(plan, bucket)) == sum(p.nbytes for p in params)
+    assert [i for m, _, _ in messages(plan, bucket) for i in m] == list(range(7))
+
+
+def test_a_plan_without_alone_bytes_sends_each_bucket_as_one_message():
+    params = specs(10, 100, 2)
+    plan = make_plan(1, params, bucket_bytes=200, alone_bytes=0)
+    assert [messages(plan, b) for b in plan.buckets] == [[(b.params, 0, b.nbytes)] for b in plan.buckets]
+    # a plan encoded before the field existed decodes to that (array_like: the field came last, defaulted)
+    old = msgspec.msgpack.encode([plan.version, plan.params, plan.groups, plan.buckets])
+    assert msgspec.msgpack.decode(old, type=TransferPlan) == plan
+    assert make_plan(1, params).alone_bytes == ALONE_BYTES
+    assert messages(make_plan(1, specs(0, 0)), make_plan(1, specs(0, 0)).buckets[0]) == []  # nothing to send
 
 
 def test_a_plan_refuses_duplicate_names_and_unknown_dtypes():

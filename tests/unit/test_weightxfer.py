@@ -1,5 +1,5 @@
-"""The transfer's buffering (shared/weightxfer.py): packing into reused buffers, one bucket in flight
-while the next is packed, a one-tensor bucket sent as it is, and a whole round over gloo on
+"""The transfer's buffering (shared/weightxfer.py): packing into reused buffers, the next bucket queued
+while one is on the wire (never a third), a lone tensor in its wire form sent from its own memory, and a whole round over gloo on
 127.0.0.1 (sender and receiver in two threads), bit-exact in fp32 and bf16, to a receiver that copies
 (its buffers come back) and to one that keeps every view (as vLLM's layerwise reload does)."""
 
@@ -10,13 +10,13 @@ import threading
 import pytest
 import torch
 
-from shared.weightwire import make_plan
+from shared.weightwire import make_plan, messages
 from shared.weightxfer import (BucketBuffers, RecvBuffers, WeightSender, join, pack, param_specs, receive, stream,
                                unpack)
 
-NAMES = ["model.embed_tokens.weight", "model.layers.0.attn.q.weight", "model.layers.0.mlp.up.weight",
-         "model.layers.0.norm.weight", "model.layers.1.attn.q.weight", "model.layers.1.mlp.up.weight",
-         "model.layers.1.norm.weight", "model.norm.weight", "lm_head.weight"]
+NAMES = ["model.embed_tokens.weight",
+         *(f"model.layers.{i}.{n}" for i in range(5) for n in ("attn.q.weight", "mlp.up.weight", "norm.weight")),
+         "model.norm.weight", "lm_head.weight"]
 
 
 def model(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -34,16 +34,16 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class FakeWork:
-    """A send 'on the wire': it snapshots the buffer when handed on and checks, when waited, that
+    """A message 'on the wire': it snapshots the buffer when handed on and checks, when waited, that
     nobody wrote into it meanwhile."""
 
-    def __init__(self, log: list, buf: torch.Tensor):
-        self.log, self.buf, self.at_send = log, buf, buf.clone()
-        log.append(("send", buf.data_ptr()))
+    def __init__(self, log: list, buf: torch.Tensor, bucket: int):
+        self.log, self.buf, self.at_send, self.bucket = log, buf, buf.clone(), bucket
+        log.append(("send", bucket))
 
     def wait(self) -> None:
-        assert torch.equal(self.buf, self.at_send), "a buffer was overwritten while its bucket was on the wire"
-        self.log.append(("wait", self.buf.data_ptr()))
+        assert torch.equal(self.buf, self.at_send), "a buffer was overwritten while its message was on the wire"
+        self.log.append(("wait", self.bucket))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -80,41 +80,58 @@ def test_a_buffer_too_small_for_the_bucket_is_refused():
         BucketBuffers(plan, 2).take(big.nbytes + 1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_stream_keeps_one_bucket_in_flight_and_never_packs_over_it(dtype):
-    named = model(1)
-    plan = make_plan(1, param_specs(named, dtype), bucket_bytes=100)
-    events: list = []
-    received = {}
+def in_flight(events: list) -> list[int]:
+    """How many buckets had a message not yet waited, at each send."""
+    sent: dict[int, int] = {}
+    out = []
+    for kind, bucket in events:
+        sent[bucket] = sent.get(bucket, 0) + (1 if kind == "send" else -1)
+        if kind == "send":
+            out.append(sum(1 for n in sent.values() if n > 0))
+    return out
 
-    def on_bucket(buf):
-        b = plan.buckets[sum(1 for e in events if e[0] == "send")]
-        received.update((n, t.clone()) for n, t in unpack(plan, b, buf))
-        return FakeWork(events, buf)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stream_queues_the_next_bucket_while_one_is_on_the_wire_and_never_packs_over_it(dtype):
+    named = model(1)
+    plan = make_plan(1, param_specs(named, dtype), bucket_bytes=300, alone_bytes=100)
+    wire = [(k, m) for k, b in enumerate(plan.buckets) for m in messages(plan, b)]
+    lone = [plan.params[m[0][0]].nbytes >= plan.alone_bytes for _, m in wire]
+    assert any(lone) == (dtype == torch.float32) and not all(lone)  # packed runs, and lone tensors in fp32
+    events: list = []
+    bufs = {k: torch.zeros(b.nbytes, dtype=torch.uint8) for k, b in enumerate(plan.buckets)}
+
+    def on_message(buf):
+        k, (_, lo, hi) = wire[sum(1 for e in events if e[0] == "send")]
+        bufs[k][lo:hi] = buf  # what the receiver gets, at its place in the bucket
+        return FakeWork(events, buf, k)
 
     timings: dict[str, float] = {}
-    sent = stream(plan, lambda idx: {i: named[i][1] for i in idx}, on_bucket, timings=timings)
+    sent = stream(plan, lambda idx: {i: named[i][1] for i in idx}, on_message, timings=timings)
     assert sent == plan.nbytes
-    kinds = [k for k, _ in events]
-    assert kinds == ["send"] + ["wait", "send"] * (len(plan.buckets) - 1) + ["wait"]  # one in flight, all waited
+    assert [e for e in events if e[0] == "send"] == [("send", k) for k, _ in wire]  # in plan order
+    assert sorted(events) == sorted([("send", k) for k, _ in wire] + [("wait", k) for k, _ in wire])  # all waited
+    assert max(in_flight(events)) == 2  # bucket k+1 queued while k is on the wire, never a third
+    received = {n: t for k, b in enumerate(plan.buckets) for n, t in unpack(plan, b, bufs[k])}
     assert all(same_bits(received[n], t.to(dtype)) for n, t in named)
     assert set(timings) == {"gather", "pack", "wait"} and all(v >= 0 for v in timings.values())
 
 
-def test_a_bucket_of_one_tensor_in_its_wire_form_goes_without_a_copy():
-    named = [("model.embed_tokens.weight", torch.randn(64, 4, dtype=torch.bfloat16)),
-             ("model.layers.0.q.weight", torch.randn(3, 3, dtype=torch.bfloat16)),  # 18 bytes: padded, copied
-             ("lm_head.weight", torch.randn(64, 4).t())]  # non-contiguous: copied
-    plan = make_plan(1, param_specs(named, torch.bfloat16), bucket_bytes=256)
+def test_a_tensor_alone_in_its_wire_form_goes_from_its_own_memory():
+    big = torch.randn(64, 4, dtype=torch.bfloat16)  # 512 bytes, contiguous: as it is
+    odd = torch.randn(3, 3, dtype=torch.bfloat16)  # 18 bytes: its padding never travels, so as it is too
+    named = [("model.embed_tokens.weight", big), ("model.layers.0.q.weight", odd),
+             ("model.layers.0.k.weight", torch.randn(64, 4).t()),  # non-contiguous: copied
+             ("model.layers.0.n1.weight", torch.randn(4, dtype=torch.bfloat16)),  # small neighbours: packed together
+             ("model.layers.0.n2.weight", torch.randn(4, dtype=torch.bfloat16)),
+             ("lm_head.weight", torch.randn(64, 4))]  # fp32: cast, so copied
+    plan = make_plan(1, param_specs(named, torch.bfloat16), bucket_bytes=4096, alone_bytes=16)
     ptrs = []
-
-    def on_bucket(buf):
-        ptrs.append(buf.data_ptr())
-
-    stream(plan, lambda idx: {i: named[i][1] for i in idx}, on_bucket)
-    assert len(ptrs) == 3
-    assert ptrs[0] == named[0][1].data_ptr()
-    assert ptrs[1] != named[1][1].data_ptr() and ptrs[2] != named[2][1].data_ptr()
+    stream(plan, lambda idx: {i: named[i][1] for i in idx}, lambda buf: ptrs.append((buf.data_ptr(), buf.numel())))
+    assert len(ptrs) == 5  # embeddings | q | k | n1+n2 | lm_head
+    assert ptrs[0] == (big.data_ptr(), 512) and ptrs[1] == (odd.data_ptr(), 18)
+    own = {t.data_ptr() for _, t in named}
+    assert all(p not in own for p, _ in ptrs[2:]) and ptrs[3][1] == 16 and ptrs[4][1] == 512
 
 
 def test_stream_without_a_sender_walks_every_group():
@@ -148,11 +165,12 @@ def test_a_receive_buffer_comes_back_only_when_no_view_of_it_is_left():
     assert len({h.data_ptr() for h in held} | {d.data_ptr(), e.data_ptr()}) == 5 and len(pool._pool) == 2
 
 
-def round_trip(named, dtype, keep_views: bool, rounds: int = 2):
+def round_trip(named, dtype, keep_views: bool, rounds: int = 2, alone_bytes: int = 32,
+               pool: RecvBuffers | None = None):
     """`rounds` rounds over gloo on 127.0.0.1; what the receiver kept from each (the views themselves
-    until the round ends, as vLLM's layerwise reload does, or copies) and how many distinct buffers
-    the buckets came in."""
-    plan = make_plan(3, param_specs(named, dtype), bucket_bytes=100)
+    until the round ends, as vLLM's layerwise reload does, or copies) and the distinct buffers the
+    buckets came in. `pool`: the receiver's buffers for every round (None: its own per round)."""
+    plan = make_plan(3, param_specs(named, dtype), bucket_bytes=300, alone_bytes=alone_bytes)
     sender = WeightSender("127.0.0.1", 0, timeout=30)
     tensors = dict(enumerate(t for _, t in named))
     results, errors = [], []
@@ -168,7 +186,8 @@ def round_trip(named, dtype, keep_views: bool, rounds: int = 2):
 
         def recv(group=group, consume=consume):
             try:
-                assert receive(join("127.0.0.1", sender.port, group, timeout=30), consume) == plan.nbytes
+                joined = join("127.0.0.1", sender.port, group, timeout=30)
+                assert receive(joined, consume, buffers=pool) == plan.nbytes
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(e)
 
@@ -179,20 +198,36 @@ def round_trip(named, dtype, keep_views: bool, rounds: int = 2):
         assert sender.send(rnd, plan, lambda idx: {i: tensors[i] for i in idx}, timings=timings) == plan.nbytes
         th.join(30)
         assert not th.is_alive() and not errors, errors
-        results.append((dict(kept), len(ptrs)))
+        results.append((dict(kept), ptrs))
         tensors = {i: t + 1 for i, t in tensors.items()}  # the next version
     return plan, results
 
 
+@pytest.mark.parametrize("alone_bytes", [32, 0])  # lone and packed messages; a bucket as one message
 @pytest.mark.parametrize("keep_views", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_round_over_gloo_delivers_every_tensor_bit_exact(dtype, keep_views):
+def test_a_round_over_gloo_delivers_every_tensor_bit_exact(dtype, keep_views, alone_bytes):
     named = model(2)
-    plan, results = round_trip(named, dtype, keep_views)
+    plan, results = round_trip(named, dtype, keep_views, alone_bytes=alone_bytes)
+    assert (len(plan.buckets) < sum(len(messages(plan, b)) for b in plan.buckets)) == (alone_bytes > 0)
     for r, (got, buffers) in enumerate(results):
         assert list(got) == NAMES
         assert all(same_bits(got[n], (t + r).to(dtype)) for n, t in named), f"round {r}"
         if keep_views:
-            assert buffers == len(plan.buckets)  # none overwritten
+            assert len(buffers) == len(plan.buckets)  # none overwritten
         else:
-            assert buffers < len(plan.buckets)  # the copying consumer's buffers came back
+            assert len(buffers) < len(plan.buckets)  # the copying consumer's buffers came back
+
+
+def test_a_copying_consumer_with_one_pool_gets_the_same_two_buffers_every_round():
+    named = model(3)
+    largest = max(b.nbytes for b in make_plan(3, param_specs(named), bucket_bytes=300).buckets)
+    pool = RecvBuffers(keep=2, min_bytes=largest)
+    plan, results = round_trip(named, torch.float32, keep_views=False, rounds=3, pool=pool)
+    assert len({b.nbytes for b in plan.buckets}) > 1  # buckets of several sizes, all in the same buffers
+    want = dict(named)
+    for r, (got, _) in enumerate(results):
+        assert all(same_bits(got[n], want[n]) for n in NAMES), f"round {r}"
+        want = {n: t + 1 for n, t in want.items()}  # as round_trip makes the next version
+    assert len(set().union(*(ptrs for _, ptrs in results))) == 2
+    assert all(buf.numel() == largest for buf, _ in pool._pool)
