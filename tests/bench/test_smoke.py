@@ -267,6 +267,14 @@ def test_lora_costs(tmp_path, tiny_model):
 
 @pytest.mark.integration
 @pytest.mark.vllm
+def test_probe_adapter_load(tiny_model):
+    out = bench("probe_adapter_load.py", "-n", "3", "--model", str(tiny_model), timeout=600)
+    total, engine_call = figures(r"total\s+" + FIGURE, out)[0], figures(r"add_lora \(engine call\)\s+" + FIGURE, out)[0]
+    assert 0 < total <= engine_call  # the worker's part is inside the engine's call
+
+
+@pytest.mark.integration
+@pytest.mark.vllm
 @pytest.mark.deepspeed
 def test_scheduler_ab(tmp_path, tiny_model):
     bench("scheduler_ab.py", "--seconds", "3", "--policies", "seamless", "--lanes", "2", "--min-tokens", "4",
