@@ -66,8 +66,9 @@ class Recipe:
 # in 4 of 4 runs from one warm start, but +0.01 to +0.23 over seeds 0-4 on the real stack. Session
 # 23's screen over the five seeds' own warm starts ("A recipe for five seeds" in the log; the probe
 # at staleness 1, as the demo trains): the same 128 samples as 16 prompts x 8, with advantages not
-# divided by the group's std, gave the largest worst-seed gain; lr 3e-4 dipped. calc keeps its
-# earlier shape (two turns a session, several times the tokens): not yet re-measured.
+# divided by the group's std, gave the largest worst-seed gain; lr 3e-4 dipped. On the real stack it
+# met +0.2 on seeds 0, 1 and 4, not on 2 (+0.177) or 3 (+0.099; BENCHMARKS.md demo-gain). calc keeps
+# its earlier shape (two turns a session, several times the tokens): not yet re-measured.
 # LoRA (issue 27, "LoRA against full fine-tune" in the log): rank 8 on every projection took 10x the
 # lr, 2e-3 (the best of 1e-3..4e-3 on a screening seed); offline over seeds 0-2 it then gained 1.16x
 # the full fine-tune's in-loop reward (0.87x on held-out prompts). On the real stack (the demo,
