@@ -411,8 +411,8 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     _add_stack_args(p)
     p.add_argument("--rounds", type=int, default=60, help="rounds of agents; the trainer steps once per round")
     p.add_argument("--groups", type=int, default=None,
-                   help="GRPO groups (prompts) per round; default: the task's (reverse 8, calc 4)")
-    p.add_argument("--group-size", type=int, default=None, help="sessions per group; default: the task's (reverse 16, calc 8)")
+                   help="GRPO groups (prompts) per round; default: the task's (reverse 16, calc 4)")
+    p.add_argument("--group-size", type=int, default=None, help="sessions per group; default: the task's (reverse 8, calc 8)")
     p.add_argument("--task", choices=["reverse", "calc"], default="reverse",
                    help="reverse: reverse the digits (one turn); calc: a calculator tool call, its result, the answer")
     p.add_argument("--seed", type=int, default=0, help="prompts, warm start and trainer seed")

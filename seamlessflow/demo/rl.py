@@ -49,34 +49,43 @@ TRAINER_SETTINGS = {
 @dataclass(frozen=True)
 class Recipe:
     """A task's round shape and lr: `groups` prompts x `group_size` samples per trainer step;
-    `lora_lr` the lr when the trainer trains a LoRA adapter (SF_TRAINER_LORA_RANK > 0), None = `lr`."""
+    `lora_lr` the lr when the trainer trains a LoRA adapter (SF_TRAINER_LORA_RANK > 0), None = `lr`;
+    `std_normalize` False: advantages are the reward minus the group's mean, not divided by its std
+    (Dr. GRPO)."""
 
     groups: int
     group_size: int
     lr: float
     lora_lr: float | None = None
+    std_normalize: bool = True
 
 
 # What the reward climbs with (issue 26; docs/history/benchmarks-log.md, "the recipe that
 # learns"): on reverse, samples per step. At 4 x 8 a step no setting passed +0.08 in 60 steps
 # (offline probe, the demo's warm start); at 8 x 16 with lr 2e-4 the probe gained +0.22 to +0.38
-# in 4 of 4 runs (8 x 8: +0.10 to +0.33, one dip of 0.10). calc keeps its earlier shape (two turns
-# a session, several times the tokens): not yet re-measured.
+# in 4 of 4 runs from one warm start, but +0.01 to +0.23 over seeds 0-4 on the real stack. Session
+# 23's screen over the five seeds' own warm starts ("A recipe for five seeds" in the log; the probe
+# at staleness 1, as the demo trains): the same 128 samples as 16 prompts x 8, with advantages not
+# divided by the group's std, gave the largest worst-seed gain; lr 3e-4 dipped. On the real stack it
+# met +0.2 on seeds 0, 1 and 4, not on 2 (+0.177) or 3 (+0.099; BENCHMARKS.md demo-gain). calc keeps
+# its earlier shape (two turns a session, several times the tokens): not yet re-measured.
 # LoRA (issue 27, "LoRA against full fine-tune" in the log): rank 8 on every projection took 10x the
 # lr, 2e-3 (the best of 1e-3..4e-3 on a screening seed); offline over seeds 0-2 it then gained 1.16x
 # the full fine-tune's in-loop reward (0.87x on held-out prompts). On the real stack (the demo,
 # seed 2, 2026-12-07) 4e-3 overshot: the reward fell 0.531 -> 0.427 (a dip of 0.167) where full at
 # 2e-4 from the same warm start gained +0.276, so 2e-3 stays.
 TASK_RECIPES = {
-    "reverse": Recipe(groups=8, group_size=16, lr=2e-4, lora_lr=2e-3),
+    "reverse": Recipe(groups=16, group_size=8, lr=2e-4, lora_lr=2e-3, std_normalize=False),
     "calc": Recipe(groups=4, group_size=8, lr=1e-4),
 }
 
 
 def trainer_settings(task: str, lora: bool = False) -> dict:
-    """TRAINER_SETTINGS with the task's lr (its LoRA lr with `lora`, where it has one)."""
+    """TRAINER_SETTINGS with the task's lr (its LoRA lr with `lora`, where it has one) and advantage
+    normalisation."""
     recipe = TASK_RECIPES[task]
-    return {**TRAINER_SETTINGS, "lr": recipe.lora_lr if lora and recipe.lora_lr is not None else recipe.lr}
+    return {**TRAINER_SETTINGS, "lr": recipe.lora_lr if lora and recipe.lora_lr is not None else recipe.lr,
+            "std_normalize": recipe.std_normalize}
 
 
 def lora_on(env: Mapping[str, str]) -> bool:

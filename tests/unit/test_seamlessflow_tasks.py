@@ -151,8 +151,9 @@ def test_calc_agent_malformed_call_scores_below_a_well_formed_one():
 
 
 def test_demo_takes_the_tasks_recipe_unless_told():
-    """`seamlessflow demo` runs reverse at 8 prompts x 16 samples a round with lr 2e-4 (the shape that
-    learns: issue 26) and calc at its own; an explicit --groups / --group-size wins."""
+    """`seamlessflow demo` runs reverse at 16 prompts x 8 samples a round with lr 2e-4 and advantages
+    not divided by the group's std (the recipe of issue 26's five-seed screen) and calc at its own; an
+    explicit --groups / --group-size wins."""
     import argparse
 
     from seamlessflow.cli import _demo_args, demo_plan
@@ -161,13 +162,14 @@ def test_demo_takes_the_tasks_recipe_unless_told():
     p = argparse.ArgumentParser()
     _demo_args(p)
     reverse = demo_plan(p.parse_args([]))
-    assert (reverse.task, reverse.groups, reverse.group_size) == ("reverse", 8, 16)
+    assert (reverse.task, reverse.groups, reverse.group_size) == ("reverse", 16, 8)
     calc = demo_plan(p.parse_args(["--task", "calc"]))
     assert (calc.groups, calc.group_size) == (TASK_RECIPES["calc"].groups, TASK_RECIPES["calc"].group_size)
     told = p.parse_args(["--groups", "2", "--group-size", "4"])
     assert (demo_plan(told).groups, demo_plan(told).group_size, told.groups) == (2, 4, 2)
     assert trainer_settings("reverse")["lr"] == 2e-4 and trainer_settings("calc")["lr"] == 1e-4
     assert trainer_settings("reverse")["drop_uniform_groups"] is True
+    assert trainer_settings("reverse")["std_normalize"] is False and trainer_settings("calc")["std_normalize"] is True
 
 
 def test_demo_takes_the_lora_lr_when_the_trainer_trains_an_adapter():
