@@ -38,10 +38,10 @@ for key, value in {
 }.items():
     os.environ.setdefault(key, value)
 # DeepSpeed JIT-builds its CPU shm comm op with whichever `ninja` is first on PATH, and ninja 1.12
-# changed the command hash in .ninja_log: a build by the venv's ninja (1.13: the benchmark smoke runs
-# put the venv first on PATH) and one by the system's (1.11: processes started with pytest's own PATH)
-# each looked stale to the other, so one suite compiled the op twice (110 s and 72 s of 48 min,
-# session 23). Every process of the suite finds the venv's first.
+# changed the command hash in .ninja_log: a build by the venv's ninja (1.13, found by a process with
+# the venv first on PATH) and one by the system's (1.11, found with pytest's own PATH) each looked stale
+# to the other (`ninja -n -d explain`: "command line changed"), so one suite compiled the op twice
+# (110 s and 72 s of 48 min, session 23; once, 32 s, since). Every process of the suite finds the venv's.
 _VENV_BIN = str(Path(sys.executable).parent)
 if os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
     os.environ["PATH"] = _VENV_BIN + os.pathsep + os.environ.get("PATH", "")
