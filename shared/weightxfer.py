@@ -367,27 +367,28 @@ def receive(joined: Joined, on_tensors: Callable[[list[tuple[str, torch.Tensor]]
         return buf, [_broadcast(pg, buf[lo:hi]) for _, lo, hi in messages(plan, bucket)], alone
 
     got = 0
-    posted: deque[tuple[torch.Tensor, list[dist.Work], int]] = deque()
+    nxt: tuple[torch.Tensor, list[dist.Work], int] | None = None  # the one bucket posted ahead
     try:
         clock = _Timer(timings)
         if plan.buckets:
-            posted.append(post(plan.buckets[0]))
+            nxt = post(plan.buckets[0])
         for k, bucket in enumerate(plan.buckets):
-            buf, works, alone = posted.popleft()
+            buf, works, alone = nxt
+            nxt = None
             _wait_all(works)
             del works
             _let_go(buf, alone)
             clock.lap("wait")
             if k + 1 < len(plan.buckets):  # bucket k's buffer is held here: never the one this takes
-                posted.append(post(plan.buckets[k + 1]))
+                nxt = post(plan.buckets[k + 1])
             on_tensors(unpack(plan, bucket, buf))
             del buf  # only the consumer's views (if it kept any) hold it now
             clock.lap("consume")
             got += bucket.nbytes
     finally:
-        while posted:  # an error mid-round: gloo must not write into a buffer after we leave
+        if nxt is not None:  # an error mid-round: gloo must not write into a buffer after we leave
             try:
-                _wait_all(posted.popleft()[1])
+                _wait_all(nxt[1])
             except Exception:  # noqa: BLE001 - the first error is the one raised
                 log.debug("a pending receive failed while another error unwound the round", exc_info=True)
         pg.shutdown()
