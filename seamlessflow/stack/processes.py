@@ -41,6 +41,25 @@ DIST_ENV = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
                       "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"})
 
 
+def compile_caches(env: dict[str, str]) -> dict[str, str]:
+    """Where vLLM's compiled graphs, inductor's kernels and DeepSpeed's JIT-built ops go: one cache
+    shared by every stack of this user (`SF_CACHE_DIR`, default ~/.cache/seamlessflow), not one per
+    data dir, so a second demo with another `--data-dir` does not compile them again. Each library
+    keys its entries by what built them, as it does in its own default location."""
+    root = Path(env.get("SF_CACHE_DIR") or Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "seamlessflow")
+    return {"VLLM_CACHE_ROOT": str(root / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+            "TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")}
+
+
+def venv_first(path: str) -> str:
+    """PATH with this interpreter's bin first: DeepSpeed builds its ops with the first `ninja` on PATH,
+    and a build by another ninja version looks stale to it (the .ninja_log hash changed in 1.12), so
+    every service builds with the venv's and reuses what another built."""
+    venv_bin = str(Path(sys.executable).parent)
+    parts = [p for p in path.split(os.pathsep) if p and p != venv_bin]
+    return os.pathsep.join([venv_bin, *parts])
+
+
 class StackError(RuntimeError):
     pass
 
@@ -314,9 +333,9 @@ class Stack:
         env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
         for k, v in ENGINE_ENV.items():
             env.setdefault(k, v)
-        env.setdefault("VLLM_CACHE_ROOT", str(self.data / "cache" / "vllm"))
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.data / "cache" / "inductor"))
-        env.setdefault("TORCH_EXTENSIONS_DIR", str(self.data / "cache" / "torch_extensions"))
+        for key, path in compile_caches(env).items():
+            env.setdefault(key, path)
+        env["PATH"] = venv_first(env.get("PATH", ""))
         env.update(self.client_settings(), SF_WEIGHTS_DIR=str(self.weights_dir))
         env.update(self.o.extra_env)
         if env.get("SF_TRAINER_LORA_RANK", "0").strip() not in ("", "0"):  # a LoRA trainer publishes adapters:
