@@ -49,22 +49,6 @@ if os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
 
 STACK_DATABASES = 200  # Redis databases for the NATS servers with stacks, one each (stack_fixture.own_database)
 DATABASES: dict[str, int] = {}  # NATS URL -> the Redis database of the stacks on it
-STALE_BUILD_LOCK_S = 600  # a DeepSpeed op build takes well under a minute here
-
-
-def _clear_stale_build_locks(root: Path, now: float) -> list[Path]:
-    """A process killed while DeepSpeed JIT-builds an op (a crash test's trainer, say) leaves the
-    build's `lock` file behind, and every later build waits on it forever. Locks older than any
-    real build are removed at the start of a test session."""
-    removed = []
-    for lock in root.glob("*/lock"):
-        try:
-            if now - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
-                lock.unlink()
-                removed.append(lock)
-        except FileNotFoundError:
-            pass
-    return removed
 
 
 def _model_key() -> str:
@@ -88,7 +72,9 @@ def _built_model(size: str) -> Path:
 def pytest_sessionstart(session) -> None:
     import time
 
-    _clear_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]), time.time())
+    from seamlessflow.stack.processes import clear_stale_build_locks
+
+    clear_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]), time.time())
 
 
 @pytest.fixture(scope="session")

@@ -51,6 +51,24 @@ def compile_caches(env: dict[str, str]) -> dict[str, str]:
             "TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")}
 
 
+STALE_BUILD_LOCK_S = 600  # a DeepSpeed op build takes well under a minute on 2 cores
+
+
+def clear_stale_build_locks(root: Path, now: float) -> list[Path]:
+    """A process killed while DeepSpeed JIT-builds an op (a demo stopped with Ctrl-C in its first
+    seconds, a crash test's trainer) leaves the build's `lock` file behind, and every later build in
+    that cache waits on it forever. Locks older than any real build are removed before a start."""
+    removed = []
+    for lock in root.glob("*/lock"):
+        try:
+            if now - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
+                lock.unlink()
+                removed.append(lock)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 def venv_first(path: str) -> str:
     """PATH with this interpreter's bin first: DeepSpeed builds its ops with the first `ninja` on PATH,
     and a build by another ninja version looks stale to it (the .ninja_log hash changed in 1.12), so
@@ -277,6 +295,7 @@ class Stack:
         (self.data / "stack.pid").write_text(str(os.getpid()))
         self._credentials()
         self._certificates()
+        clear_stale_build_locks(Path(self.env()["TORCH_EXTENSIONS_DIR"]), time.time())
         self.trainer_metrics_port = servers.free_port()
         specs = host_specs(self.o.hosts, list(os.sched_getaffinity(0))) if self.o.policy else []
         if self.o.pin and specs:
