@@ -260,7 +260,7 @@ async def test_a_resent_copy_waits_for_the_first_longer_than_a_keepalive(rendere
     # also renewed the lease, found the first copy holding it, called the lease lost and stopped the copy
     # silently after one interval: the gateway heard nothing more and re-sent again (then a 504)
     monkeypatch.setattr(chat, "KEEPALIVE_INTERVAL", 0.05)
-    done2, sent2, done1, store = await resend_while_serving(renderer, "r9", "a long answer " * 10, 0.02)
+    done2, sent2, done1, store = await resend_while_serving(renderer, "r9", "a long answer " * 5, 0.02)  # 0.6 s
     assert done2 == done1 and len(store.saved) == 1
     assert len([m for m in sent2 if isinstance(m, ChatDelta) and not m.text]) >= 3  # it kept the gateway told
 
@@ -283,7 +283,7 @@ async def test_keepalives_keep_their_cadence_while_redis_makes_the_turn_wait(ren
 
     store.lookup, store.renew_lease = lookup, renew
     h = TurnHandler(TrajectoryConfig(worker_wait=2), store, renderer, table(),
-                    worker(renderer, "a long answer " * 10, delay=0.03))
+                    worker(renderer, "a long answer " * 5, delay=0.03))  # 31 tokens: 0.9 s, two slow renewals
     stamps: list[float] = []
     start = time.monotonic()
 
@@ -312,7 +312,7 @@ async def test_turns_in_flight_share_one_ticker_and_one_renewal_call_per_tick(re
 
     store.renew_leases = renew_leases
     h = TurnHandler(TrajectoryConfig(worker_wait=2), store, renderer, table(),
-                    worker(renderer, "a long answer " * 10, delay=0.02))
+                    worker(renderer, "a long answer " * 5, delay=0.02))  # 31 tokens: 0.6 s, past the check at 0.3 s
     tasks_before = len(asyncio.all_tasks())
     runs = [asyncio.create_task(run(h, request(f"r-many-{i}", sid))) for i in range(6)]
     await asyncio.sleep(0.3)

@@ -378,7 +378,7 @@ async def test_a_generate_without_a_receipt_is_re_dispatched_within_the_receipt_
 
 async def test_a_receipt_then_a_slow_first_token_is_not_re_dispatched():
     # after the receipt the first-token timeout applies, unchanged: vLLM's warm-up stays covered
-    s = receipt_service(ReceiptNC(["serve", "serve"], first_token_s=0.8), receipt_timeout=0.2, first_token_timeout=60)
+    s = receipt_service(ReceiptNC(["serve", "serve"], first_token_s=0.4), receipt_timeout=0.2, first_token_timeout=60)
     out = await one_turn(s)
     assert out.token_ids == [7] and out.dispatches == 1 and s.nc.aborts == []
     assert [g.receipt for _, g in s.nc.generates] == [True]
