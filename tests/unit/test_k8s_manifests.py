@@ -5,6 +5,7 @@ misspelt field would be dropped, so it shows as a difference). Then what issue 3
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -17,21 +18,28 @@ import yaml
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 kubernetes = pytest.importorskip("kubernetes")  # requirements/common.txt
 
-def rendered(root: Path = K8S) -> list[dict]:
+@functools.cache
+def _kustomize(root: Path) -> str:
+    """`kubectl kustomize root`'s output, run once per root for the module (each test parses its own copy)."""
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed")
     done = subprocess.run([kubectl, "kustomize", str(root)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    return [o for o in yaml.safe_load_all(done.stdout) if o]
+    return done.stdout
 
 
-def with_tls(tmp: Path) -> list[dict]:
-    """The base with the TLS component, as an operator's overlay enables it (kustomize takes
-    relative paths only)."""
+def rendered(root: Path = K8S) -> list[dict]:
+    return [o for o in yaml.safe_load_all(_kustomize(root)) if o]
+
+
+@pytest.fixture(scope="module")
+def tls_overlay(tmp_path_factory) -> Path:
+    """An overlay with the TLS component, as an operator's enables it (kustomize takes relative paths only)."""
+    tmp = tmp_path_factory.mktemp("tls-overlay")
     rel = os.path.relpath(K8S, tmp)
     (tmp / "kustomization.yaml").write_text(f"resources: [{rel}]\ncomponents: [{rel}/tls]\n")
-    return rendered(tmp)
+    return tmp
 
 
 def model_name(obj: dict) -> str:
@@ -57,9 +65,9 @@ def _stringly(x):  # the models give quantities and int-or-string values back as
 
 
 @pytest.mark.parametrize("tls", [False, True], ids=["base", "tls"])
-def test_every_object_matches_the_kubernetes_api(tls, tmp_path):
+def test_every_object_matches_the_kubernetes_api(tls, tls_overlay):
     client = kubernetes.client.ApiClient()
-    objects = with_tls(tmp_path) if tls else rendered()
+    objects = rendered(tls_overlay) if tls else rendered()
     assert len(objects) >= 15
     for obj in objects:
         name = model_name(obj)
@@ -86,9 +94,9 @@ def test_what_the_cluster_needs():
                if k not in ("Namespace", "ClusterRole", "ClusterRoleBinding"))
 
 
-def test_the_tls_component_puts_every_service_on_tls(tmp_path):
+def test_the_tls_component_puts_every_service_on_tls(tls_overlay):
     base = {(o["kind"], o["metadata"]["name"]): o for o in rendered()}
-    objects = {(o["kind"], o["metadata"]["name"]): o for o in with_tls(tmp_path)}
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in rendered(tls_overlay)}
     assert objects.keys() == base.keys()  # nothing added or lost: the certificates are the operator's Secret
     config = objects[("ConfigMap", "seamlessflow")]["data"]
     for server in ("NATS", "REDIS"):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 import seamlessflow.planner.plan as plan_mod
 from seamlessflow.planner.plan import (
     DRAIN_MARGINS,
@@ -32,8 +34,14 @@ def _plan(workers: int):
     return p, ticks
 
 
-def test_parallel_and_serial_plans_agree_and_progress_adds_up():
-    serial, serial_ticks = _plan(workers=1)
+@pytest.fixture(scope="module")
+def serial_plan():
+    """The serial plan, made once for the module (~1.3 s of simulation): three tests read it."""
+    return _plan(workers=1)
+
+
+def test_parallel_and_serial_plans_agree_and_progress_adds_up(serial_plan):
+    serial, serial_ticks = serial_plan
     parallel, parallel_ticks = _plan(workers=2)
     for p in (serial, parallel):
         assert [r["policy"] for r in p.results] == list(POLICIES)
@@ -61,11 +69,11 @@ def test_the_recommended_drain_setting_meets_the_reprefill_budget_or_says_why():
     assert best["trained_tok_s"] == 170 and why.startswith("no setting")
 
 
-def test_reused_rows_are_the_runs_they_stand_for():
+def test_reused_rows_are_the_runs_they_stand_for(serial_plan):
     """colocated starts before the sweep (the split does not change its run), the default threshold's
     trial is the sweep's row, and the drain trial without grace or margin is the winning threshold's
     row: each equals the run made directly."""
-    p, _ = _plan(workers=1)
+    p, _ = serial_plan
     wl = sized(WORKLOADS["long-tail"], CAL, 4, fill=0.5)
     assert p.results[0] == run("colocated", 4, p.split, CAL, wl, 4).row()
     plain = next(r for r in p.drains if (r["reclaim_grace_s"], r["drain_margin_s"]) == (0.0, 0.0))
@@ -104,10 +112,10 @@ def test_the_sweep_runs_every_other_split_then_the_neighbours_of_the_best(monkey
     assert sum(ticks.values()) == jobs(grid, MARGINS, GRACES, DRAIN_MARGINS, 5)
 
 
-def test_the_table_shows_lent_idle_host_seconds_and_a_public_batch_is_kept():
+def test_the_table_shows_lent_idle_host_seconds_and_a_public_batch_is_kept(serial_plan):
     """A host lent and given no turn is a defect: `plan` prints its host-seconds beside the lent
     ones; the one-gpu workload's batch (512 samples) is the calibration's, not sized to the hosts."""
-    p, _ = _plan(workers=1)
+    p, _ = serial_plan
     text = plan_mod.table(p)
     assert "lent-idle host-s (of lent)" in text
     seamless = next(r for r in p.results if r["policy"] == "seamless")

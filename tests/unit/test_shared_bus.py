@@ -106,15 +106,16 @@ async def test_a_drain_that_hangs_is_bounded():
     assert nc.closed == 1
 
 
-async def test_a_stream_whose_responder_goes_silent_ends_by_heartbeat_age_not_by_the_idle_timeout():
+async def test_a_stream_whose_responder_goes_silent_ends_by_heartbeat_age_not_by_the_idle_timeout(monkeypatch):
     import asyncio
     import time
 
     from shared.bus import Replies, ReplyTimeout
 
+    monkeypatch.setattr(Replies, "ALIVE_POLL", 0.1)  # 0.5 s in bus.py; the poll is what is under test
     alive = {"ok": True}
     r = Replies("sf.rollout.gen.w1", first_timeout=60.0, idle_timeout=60.0, alive=lambda: alive["ok"])
-    asyncio.get_running_loop().call_later(0.3, lambda: alive.update(ok=False))
+    asyncio.get_running_loop().call_later(0.15, lambda: alive.update(ok=False))
     t0 = time.monotonic()
     try:
         await r.__anext__()
@@ -135,9 +136,11 @@ async def test_a_live_responder_still_gets_its_timeout():
         await r.__anext__()
 
 
-async def test_a_stream_ends_when_the_connection_reconnects_meanwhile():
+async def test_a_stream_ends_when_the_connection_reconnects_meanwhile(monkeypatch):
     # found by tests/faults: a NATS restart dropped a GenerateDone and the turn waited out the 60 s token timeout
     import time
+
+    monkeypatch.setattr(bus.Replies, "ALIVE_POLL", 0.1)  # 0.5 s in bus.py: the reconnect is seen at a poll
 
     class Conn:
         is_connected = True
@@ -154,7 +157,7 @@ async def test_a_stream_ends_when_the_connection_reconnects_meanwhile():
 
     nc = Conn()
     async with bus.stream_request(nc, "sf.rollout.gen.w1", b"", 60.0, 60.0) as replies:
-        asyncio.get_running_loop().call_later(0.2, lambda: nc.stats.update(reconnects=1))
+        asyncio.get_running_loop().call_later(0.15, lambda: nc.stats.update(reconnects=1))
         t0 = time.monotonic()
         with pytest.raises(bus.ReplyTimeout, match="reconnected"):
             await replies.__anext__()

@@ -18,6 +18,7 @@ from services.trainer.config import TrainerConfig
 from services.trainer.engine import offload_support
 from services.trainer.metrics import Metrics
 from services.trainer.runner import Command, Runner, decode_groups, encode_groups
+import services.trainer.service as service_mod
 from services.trainer.service import TrainerService
 from shared import subjects
 from shared.codec import decode, encode
@@ -168,9 +169,10 @@ async def test_without_a_grant_the_step_logs_why_and_computes_anyway(answer, why
     assert svc.metrics._gauges["sf_trainer_last_gate_granted"]._value.get() == 0.0
 
 
-async def test_in_a_leader_change_the_gate_asks_the_next_leader_before_computing():
+async def test_in_a_leader_change_the_gate_asks_the_next_leader_before_computing(monkeypatch):
     """Issue 30: the leading scheduler died (no responder) and a standby leads a few seconds later;
     the step must not compute in the gap, beside a host that may still be lent."""
+    monkeypatch.setattr(service_mod, "LEADER_GAP_RETRY", 0.05)  # the retries' cadence; 0.25 s in service
     answers = iter([TrainGateReply(granted=True), NoRespondersError(), NoRespondersError(),
                     TrainGateReply(granted=True, waited_s=0.1)])
 
@@ -219,7 +221,8 @@ async def test_a_gate_the_dead_leader_took_is_asked_again_of_the_next_leader():
     assert svc.metrics._gauges["sf_trainer_last_gate_granted"]._value.get() == 1.0
 
 
-async def test_a_leader_gap_is_bounded_then_the_fallback_applies(caplog):
+async def test_a_leader_gap_is_bounded_then_the_fallback_applies(caplog, monkeypatch):
+    monkeypatch.setattr(service_mod, "LEADER_GAP_RETRY", 0.05)  # several retries inside the 0.3 s gap
     calls = []
 
     async def scheduler(timeout):
@@ -229,12 +232,12 @@ async def test_a_leader_gap_is_bounded_then_the_fallback_applies(caplog):
         raise NoRespondersError()
 
     nc, runner = FakeNC(scheduler), FakeRunner()
-    svc = make_service(nc, runner, scheduler_gate=True, gate_timeout=1.0, gate_leader_gap=0.6)
+    svc = make_service(nc, runner, scheduler_gate=True, gate_timeout=1.0, gate_leader_gap=0.3)
     await svc._step(batch(svc), wait_s=0.0)
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="services.trainer.service"):
         await svc._step(batch(svc, "2"), wait_s=0.0)
-    assert 0.6 <= time.monotonic() - t0 < 3.0 and len(calls) >= 3
+    assert 0.3 <= time.monotonic() - t0 < 3.0 and len(calls) >= 3
     assert runner.ops() == ["train", "train"]  # on CPU the fallback computes, saying why
     assert any("gate not granted" in r.message and "no scheduler answers" in r.message for r in caplog.records)
 
@@ -391,7 +394,8 @@ def test_gate_fallback_by_device(fallback, cuda, waits):
     assert make_service(FakeNC(), runner, gate_fallback=fallback).gate_waits() is waits
 
 
-async def test_on_cuda_an_ungranted_gate_waits_and_never_computes(caplog):
+async def test_on_cuda_an_ungranted_gate_waits_and_never_computes(caplog, monkeypatch):
+    monkeypatch.setattr(service_mod, "GATE_RETRY", 0.05)  # the waits between asks; 1 s in service
     answers = [NatsTimeout(), NoRespondersError(), TrainGateReply(granted=True)]
 
     async def scheduler(timeout):

@@ -119,6 +119,13 @@ def renderer(tiny_model):
     return Renderer.from_pretrained(str(tiny_model))
 
 
+@pytest.fixture(autouse=True)
+def fast_resume_poll(monkeypatch):
+    """A re-sent copy checks every RESUME_POLL (0.2 s in chat.py) whether the replica serving the request
+    finished or lost it; the copies here check every 0.05 s, so each wait ends sooner, not differently."""
+    monkeypatch.setattr(chat, "RESUME_POLL", 0.05)
+
+
 def table() -> WorkerTable:
     t = WorkerTable(stale_after=3600)
     t.update(WorkerStatus("w0", "serving", 0, 0, 8, "m", 512, ts=time.time()))
@@ -260,7 +267,7 @@ async def test_a_resent_copy_waits_for_the_first_longer_than_a_keepalive(rendere
     # also renewed the lease, found the first copy holding it, called the lease lost and stopped the copy
     # silently after one interval: the gateway heard nothing more and re-sent again (then a 504)
     monkeypatch.setattr(chat, "KEEPALIVE_INTERVAL", 0.05)
-    done2, sent2, done1, store = await resend_while_serving(renderer, "r9", "a long answer " * 10, 0.02)
+    done2, sent2, done1, store = await resend_while_serving(renderer, "r9", "a long answer " * 5, 0.02)  # 0.6 s
     assert done2 == done1 and len(store.saved) == 1
     assert len([m for m in sent2 if isinstance(m, ChatDelta) and not m.text]) >= 3  # it kept the gateway told
 
@@ -283,7 +290,7 @@ async def test_keepalives_keep_their_cadence_while_redis_makes_the_turn_wait(ren
 
     store.lookup, store.renew_lease = lookup, renew
     h = TurnHandler(TrajectoryConfig(worker_wait=2), store, renderer, table(),
-                    worker(renderer, "a long answer " * 10, delay=0.03))
+                    worker(renderer, "a long answer " * 5, delay=0.03))  # 31 tokens: 0.9 s, two slow renewals
     stamps: list[float] = []
     start = time.monotonic()
 
@@ -312,7 +319,7 @@ async def test_turns_in_flight_share_one_ticker_and_one_renewal_call_per_tick(re
 
     store.renew_leases = renew_leases
     h = TurnHandler(TrajectoryConfig(worker_wait=2), store, renderer, table(),
-                    worker(renderer, "a long answer " * 10, delay=0.02))
+                    worker(renderer, "a long answer " * 5, delay=0.02))  # 31 tokens: 0.6 s, past the check at 0.3 s
     tasks_before = len(asyncio.all_tasks())
     runs = [asyncio.create_task(run(h, request(f"r-many-{i}", sid))) for i in range(6)]
     await asyncio.sleep(0.3)
@@ -355,7 +362,7 @@ async def test_a_lease_that_lapsed_but_nobody_took_is_taken_back_and_the_turn_go
     store = FakeStore()
     sid = await store.create_session()
     h = TurnHandler(TrajectoryConfig(worker_wait=2), store, renderer, table(),
-                    worker(renderer, "a long answer " * 20, delay=0.005))
+                    worker(renderer, "a long answer " * 8, delay=0.005))  # 49 tokens: 0.25 s, five keepalives
     task = asyncio.create_task(run(h, request("r5", sid)))
     while not store.deltas.get("r5"):
         await asyncio.sleep(0.01)
@@ -458,7 +465,7 @@ async def test_a_resent_copy_of_a_request_whose_replica_died_before_its_first_to
     h = TurnHandler(TrajectoryConfig(worker_wait=2, resume_wait=10), store, renderer, table(), worker(renderer, "hello"))
 
     async def lapse():
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.15)  # three polls
         del store.owners["r-orphan"]
 
     (done, _), _ = await asyncio.wait_for(asyncio.gather(run(h, request("r-orphan", sid)), lapse()), 10)
@@ -466,7 +473,7 @@ async def test_a_resent_copy_of_a_request_whose_replica_died_before_its_first_to
     # without a session: the copy makes the anonymous one once it leads, and only then
     store.owners["r-orphan-anon"] = "dead-replica"
     task = asyncio.create_task(run(h, request("r-orphan-anon")))
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.1)  # two polls
     assert len(store.sessions) == 1  # waiting: none made yet
     del store.owners["r-orphan-anon"]
     done, _ = await asyncio.wait_for(task, 10)

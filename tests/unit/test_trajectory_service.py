@@ -133,15 +133,18 @@ async def test_a_call_that_times_out_is_also_aborted_on_its_worker():
     assert s.nc.aborts == ["sf.rollout.ctl.w0"]
 
 
-async def test_a_call_to_a_worker_whose_heartbeat_stopped_ends_within_a_poll_not_the_token_timeout():
+async def test_a_call_to_a_worker_whose_heartbeat_stopped_ends_within_a_poll_not_the_token_timeout(monkeypatch):
     import time
 
+    from shared.bus import Replies
     from shared.messages import GenerateDone, WorkerStatus
+
+    monkeypatch.setattr(Replies, "ALIVE_POLL", 0.1)  # 0.5 s in bus.py
 
     s = TrajectoryService(TrajectoryConfig(first_token_timeout=60, token_timeout=60, worker_stale_after=5),
                           Connections())
     s.nc = SilentNC()
-    s.table.update(WorkerStatus("w0", "serving", 0, 0, 4, "m", 2048, time.time() - 4.6))  # stale in 0.4 s
+    s.table.update(WorkerStatus("w0", "serving", 0, 0, 4, "m", 2048, time.time() - 4.8))  # stale in 0.2 s
     t0 = time.monotonic()
     got = [r async for r in s._call("w0", Generate("r.0", [1, 2], Sampling()))]
     assert isinstance(got[-1], GenerateDone) and got[-1].finish_reason == "preempted"
@@ -378,7 +381,7 @@ async def test_a_generate_without_a_receipt_is_re_dispatched_within_the_receipt_
 
 async def test_a_receipt_then_a_slow_first_token_is_not_re_dispatched():
     # after the receipt the first-token timeout applies, unchanged: vLLM's warm-up stays covered
-    s = receipt_service(ReceiptNC(["serve", "serve"], first_token_s=0.8), receipt_timeout=0.2, first_token_timeout=60)
+    s = receipt_service(ReceiptNC(["serve", "serve"], first_token_s=0.4), receipt_timeout=0.2, first_token_timeout=60)
     out = await one_turn(s)
     assert out.token_ids == [7] and out.dispatches == 1 and s.nc.aborts == []
     assert [g.receipt for _, g in s.nc.generates] == [True]
