@@ -71,6 +71,16 @@ A fifth, "sim + spread", is the fourth with each turn's latency drawn around tho
 over the paired turns; --latency-cv sets it). With one fixed latency every turn of the
 fixed-length workload stays in step with the sessions admitted beside it, and the simulated
 rollout hosts idle between the bursts; live, the latency varies and the bursts spread.
+
+Every variant's trainer has the live trainer's own time per step (`--trainer-overhead measured`,
+the default; `none` leaves it out): `trainer_overhead` takes, per compared step, the gap from the
+previous step's audit record (its version out) to this step's compute start, less the trainer's
+wait for data (its log line's wait=) and the reclaim its gate waited for (the switch in the gate's
+window, at most the simulator's reclaim cost). What is left is the trainer's bookkeeping (checkpoint,
+metrics, status: host-0's timeline shows it as train, Calibration.bookkeeping_s, after the version is
+out) and the rest of its gate and hand-off (host-0 idle: Calibration.start_s, before the compute).
+
+`--replay JSON` runs the simulator side again on a saved run's live figures (no lock needed: no stack).
 """
 
 from __future__ import annotations
