@@ -436,6 +436,18 @@ def turn_times(turns: list, engine: list[dict]) -> tuple[float, float, dict]:
     return agent_s, engine_s, parts
 
 
+def live_overhead(a, stack: Stack, steps: list[dict], sims: dict[int, dict], hosts, sw: dict) -> dict:
+    """trainer_overhead over the compared steps, from the run's records: the audit log's steps, the
+    simulated engine's (compute start), the trainer's log and host-0's timeline."""
+    h0 = next((h for h in hosts if h.host == "host-0"), None)
+    acts = lambda kind: [(iv.t_start, iv.t_end) for iv in (h0.timeline if h0 else ()) if iv.activity == kind]  # noqa: E731
+    log = stack.logs / "trainer.log"
+    return trainer_overhead({r["step"]: r["ts"] for r in steps}, {n: r["ts"] - r["compute_s"] for n, r in sims.items()},
+                            trainer_waits(log.read_text(errors="replace") if log.exists() else ""),
+                            acts("train"), acts("switch"), statistics.median(sw["reclaim"]) if sw["reclaim"] else a.switch_s,
+                            list(range(a.warmup + 1, a.steps + 1)))
+
+
 def live(a, tmp: Path) -> dict:
     stack = live_stack(a, tmp)
     print(f"starting the live stack in {tmp} (SIMULATED engines and trainer) ...", file=sys.stderr)
@@ -481,17 +493,9 @@ def live(a, tmp: Path) -> dict:
     agent_s, engine_s, parts = turn_times(turns, engine)
     split = split_latency(turns, [r for rows in logs.values() for r in rows])
     samples = sum(r["samples"] for r in window)
-    # the trainer's own time per step outside compute, publish, data and reclaim (trainer_overhead)
-    h0 = next((h for h in reply.hosts if h.host == "host-0"), None)
-    acts = lambda kind: [(iv.t_start, iv.t_end) for iv in (h0.timeline if h0 else ()) if iv.activity == kind]  # noqa: E731
-    trainer_log = stack.logs / "trainer.log"
-    overhead = trainer_overhead({r["step"]: r["ts"] for r in steps}, {n: r["ts"] - r["compute_s"] for n, r in sims.items()},
-                                trainer_waits(trainer_log.read_text(errors="replace") if trainer_log.exists() else ""),
-                                acts("train"), acts("switch"),
-                                statistics.median(sw["reclaim"]) if sw["reclaim"] else a.switch_s,
-                                list(range(a.warmup + 1, a.steps + 1)))
     slowdown = engine_slowdown(logs, t_k, t_n, a.step_ms, a.per_seq_ms, a.tokens, a.capacity)
-    return {"engine_slowdown": slowdown, "tmp": str(tmp), "trainer_overhead": overhead,
+    return {"engine_slowdown": slowdown, "tmp": str(tmp),
+        "trainer_overhead": live_overhead(a, stack, steps, sims, reply.hosts, sw),
         "wall_s": t_n - t_start, "window_s": t_n - t_k, "trained_tokens_per_s": tokens / (t_n - t_k),
         "idle": spent["idle"], "fractions": spent, "idle_hosts": idle_hosts,
         "idle_engine": statistics.mean(by_host.values()) if by_host else float("nan"), "idle_engine_hosts": by_host,
@@ -664,16 +668,29 @@ def save(a, doc: dict) -> None:
     a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}} | doc, indent=1))
 
 
+def live_or_replay(a) -> dict:
+    """The live figures: a live run's (saved at once, should a simulator run fail), or --replay's."""
+    if a.replay:
+        return json.loads(a.replay.read_text())["live"]
+    m = live(a, Path(tempfile.mkdtemp(prefix="sf-live-")))
+    save(a, {"live": m})
+    return m
+
+
+def print_overhead(a, m: dict) -> None:
+    o = m.get("trainer_overhead") or {}
+    if o:
+        print(f"the trainer's own time per step (the simulator's: {a.trainer_overhead}), over {o['steps']} steps: "
+              f"bookkeeping {o['bookkeeping_s'] * 1000:.1f} ms (train), start {o['start_s'] * 1000:.1f} ms (idle); "
+              f"of a gap audit -> next compute of {o['gap_s'] * 1000:.1f} ms, data wait {o['wait_s'] * 1000:.1f}, "
+              f"gate {o['gate_s'] * 1000:.1f} of which reclaim {o['reclaim_s'] * 1000:.1f}")
+
+
 def main() -> None:
     a = parse_args()
     a.slots = a.slots or (WL.max_staleness + 1) * WL.batch_samples + 8
-    if a.replay:
-        m = json.loads(a.replay.read_text())["live"]
-        tmp = Path(m["tmp"])
-    else:
-        tmp = Path(tempfile.mkdtemp(prefix="sf-live-"))
-        m = live(a, tmp)
-        save(a, {"live": m})  # the live figures kept, should a simulator run fail
+    m = live_or_replay(a)
+    tmp = Path(m["tmp"])
     s = simulated(a, m)
     control = (a.control_ms / 1000 if a.control_ms is not None else m["control_s_per_turn"],
                a.control_cores if a.control_cores is not None else m["free_cores"])
@@ -702,12 +719,7 @@ def main() -> None:
     print(f"control plane (sim + control): {control[0] * 1000:.1f} ms of CPU per turn on {control[1]:.2f} cores "
           f"(measured live: {m['control_s_per_turn'] * 1000:.1f} ms per turn; {m['free_cores']:.2f} of "
           f"{m['cores']} cores left by other processes, the machine busy {m['machine_busy_cores']:.2f})")
-    o = m.get("trainer_overhead") or {}
-    if o:
-        print(f"the trainer's own time per step (the simulator's: {a.trainer_overhead}), over {o['steps']} steps: "
-              f"bookkeeping {o['bookkeeping_s'] * 1000:.1f} ms (train), start {o['start_s'] * 1000:.1f} ms (idle); "
-              f"of a gap audit -> next compute of {o['gap_s'] * 1000:.1f} ms, data wait {o['wait_s'] * 1000:.1f}, "
-              f"gate {o['gate_s'] * 1000:.1f} of which reclaim {o['reclaim_s'] * 1000:.1f}")
+    print_overhead(a, m)
     p = m["agent_parts"]
     print(f"latency outside the engine (sim + latency): {latency * 1000:.1f} ms per turn (measured live: "
           f"{m['turn_latency_s'] * 1000:.1f} ms = agents {m['agent_turn_s'] * 1000:.1f} ms per turn over "
