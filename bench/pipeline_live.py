@@ -78,7 +78,8 @@ previous step's audit record (its version out) to this step's compute start, les
 wait for data (its log line's wait=) and the reclaim its gate waited for (the switch in the gate's
 window, at most the simulator's reclaim cost). What is left is the trainer's bookkeeping (checkpoint,
 metrics, status: host-0's timeline shows it as train, Calibration.bookkeeping_s, after the version is
-out) and the rest of its gate and hand-off (host-0 idle: Calibration.start_s, before the compute).
+out), the hand-off to the runner (train: Calibration.start_s, before the compute) and the rest of
+its gate (host-0 idle: Calibration.gate_s).
 
 `--replay JSON` runs the simulator side again on a saved run's live figures (no lock needed: no stack).
 """
@@ -342,7 +343,7 @@ def trainer_overhead(audit: dict[int, float], start: dict[int, float], waits: di
                      steps: list[int]) -> dict:
     """The live trainer's time per step that the simulator's trainer did not have: what it spends
     neither computing, publishing, waiting for data nor waiting for its pool's reclaim
-    (Calibration.bookkeeping_s and start_s).
+    (Calibration.bookkeeping_s, gate_s and start_s).
 
     For each step n of `steps` (step n-1 logged as well), the gap from step n-1's audit record
     (`audit`: the version is out; the simulator's publish ends there) to step n's compute start
@@ -351,10 +352,12 @@ def trainer_overhead(audit: dict[int, float], start: dict[int, float], waits: di
     the hand-off to the runner. The simulator charges the wait as it simulates it and the gate as
     a reclaim of `reclaim_s` where the pool had one to do, so what it misses is
         gap - wait - min(reclaim_s, switch time in the gate's window [start - gate, start]).
-    Of that, the part on the train host's timeline as train (`train`: its train intervals, the
-    trainer's state computing or publishing as the scheduler saw it) is `bookkeeping_s`, the rest
-    (the train host idle: its state ready or waiting) `start_s`. Means over the steps; `gap_s` and
-    `wait_s`, `gate_s` for the record. NaN where no step qualifies."""
+    The train host's timeline (`train`: its train intervals, the trainer computing or publishing as
+    the scheduler saw it) splits that: the train interval that runs on from before the audit is
+    `bookkeeping_s`; a train interval that begins in the gap (the trainer computing, before its
+    compute starts) is `start_s`; the rest, the train host idle, is `gate_s`. Means over the steps;
+    `gap_s`, `wait_s`, `gate_wait_s` (the logged gate) and `reclaim_s` for the record. NaN where no
+    step qualifies."""
     rows = []
     for n in steps:
         if n - 1 not in audit or n not in start or n not in waits:
@@ -363,15 +366,12 @@ def trainer_overhead(audit: dict[int, float], start: dict[int, float], waits: di
         wait, gate = waits[n]
         reclaim = min(reclaim_s, overlap(switch, t1 - gate, t1)) if gate > 0 else 0.0
         missed = t1 - t0 - wait - reclaim
-        booked = overlap(train, t0, t1)
-        rows.append((t1 - t0, wait, gate, reclaim, booked, missed - booked))
-    if not rows:
-        nan = float("nan")
-        return {"bookkeeping_s": nan, "start_s": nan, "gap_s": nan, "wait_s": nan, "gate_s": nan, "reclaim_s": nan,
-                "steps": 0}
-    mean = lambda i: statistics.mean(r[i] for r in rows)  # noqa: E731
-    return {"bookkeeping_s": mean(4), "start_s": mean(5), "gap_s": mean(0), "wait_s": mean(1), "gate_s": mean(2),
-            "reclaim_s": mean(3), "steps": len(rows)}
+        after = overlap([(a, b) for a, b in train if a <= t0], t0, t1)
+        before = overlap([(a, b) for a, b in train if a > t0], t0, t1)
+        rows.append((t1 - t0, wait, gate, reclaim, after, missed - after - before, before))
+    keys = ("gap_s", "wait_s", "gate_wait_s", "reclaim_s", "bookkeeping_s", "gate_s", "start_s")
+    out = {k: statistics.mean(r[i] for r in rows) if rows else float("nan") for i, k in enumerate(keys)}
+    return out | {"steps": len(rows)}
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -537,8 +537,9 @@ def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0), latency: fl
     if a.trainer_overhead == "measured":  # the live trainer's own time per step (trainer_overhead); a mean
         # below 0 (the simulator charges more than the gap held) is left at 0
         o = m.get("trainer_overhead") or {}
-        cal = replace(cal, bookkeeping_s=max(0.0, o.get("bookkeeping_s", math.nan)),
-                      start_s=max(0.0, o.get("start_s", math.nan)))
+        # (unmeasured: NaN, which measured_inputs refuses; --trainer-overhead none runs without)
+        cal = replace(cal, **{k: max(0.0, v) if math.isfinite(v := o.get(k, math.nan)) else v
+                              for k in ("bookkeeping_s", "gate_s", "start_s")})
     measured_inputs(cal, m, control, latency, after)
     prompt = round(m["prompt_tokens"])
     wl = replace(WL, prompt_tokens=prompt, length_median=round(m["gen_tokens"]), length_cap=round(m["gen_tokens"]))
@@ -569,7 +570,7 @@ def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0), latency: fl
             "lends": r1.lends - r0.lends, "reclaims": r1.reclaims - r0.reclaims,
             "calibration": {k: getattr(cal, k) for k in ("decode_a_s", "decode_b_s", "max_seqs", "prefill_s_per_token",
                                                          "train_s_per_token", "weight_sync_s", "lend_s", "reclaim_s",
-                                                         "bookkeeping_s", "start_s")},
+                                                         "bookkeeping_s", "gate_s", "start_s")},
             "workload": {"prompt_tokens": prompt, "tokens": wl.length_median, "group_size": wl.group_size,
                          "groups_per_step": wl.groups_per_step, "max_staleness": wl.max_staleness}}
 
@@ -579,7 +580,7 @@ def measured_inputs(cal, m: dict, control: tuple[float, float], latency: float, 
     with them it never trains a step, and once looped without end."""
     bad = {k: v for k, v in [*((k, getattr(cal, k)) for k in ("decode_a_s", "decode_b_s", "prefill_s_per_token",
                                                                "train_s_per_token", "weight_sync_s", "lend_s",
-                                                               "reclaim_s", "bookkeeping_s", "start_s")),
+                                                               "reclaim_s", "bookkeeping_s", "gate_s", "start_s")),
                              ("prompt_tokens", m["prompt_tokens"]), ("gen_tokens", m["gen_tokens"]),
                              ("control_s_per_turn", control[0]), ("latency_s", latency), ("after_s", after)]
            if not (math.isfinite(v) and v >= 0)}
@@ -681,9 +682,10 @@ def print_overhead(a, m: dict) -> None:
     o = m.get("trainer_overhead") or {}
     if o:
         print(f"the trainer's own time per step (the simulator's: {a.trainer_overhead}), over {o['steps']} steps: "
-              f"bookkeeping {o['bookkeeping_s'] * 1000:.1f} ms (train), start {o['start_s'] * 1000:.1f} ms (idle); "
-              f"of a gap audit -> next compute of {o['gap_s'] * 1000:.1f} ms, data wait {o['wait_s'] * 1000:.1f}, "
-              f"gate {o['gate_s'] * 1000:.1f} of which reclaim {o['reclaim_s'] * 1000:.1f}")
+              f"bookkeeping {o['bookkeeping_s'] * 1000:.1f} ms (train), gate {o['gate_s'] * 1000:.1f} ms (idle), "
+              f"start {o['start_s'] * 1000:.1f} ms (train); of a gap audit -> next compute of {o['gap_s'] * 1000:.1f} "
+              f"ms: data wait {o['wait_s'] * 1000:.1f}, gate as logged {o['gate_wait_s'] * 1000:.1f}, of it reclaim "
+              f"{o['reclaim_s'] * 1000:.1f} (as the simulator charges it)")
 
 
 def main() -> None:

@@ -39,9 +39,10 @@ Model, in order of one tick (steps numbered in `_tick`):
   sessions are; the trainer takes `groups_per_step` complete groups per step.
 - The trainer: its batch's tokens x `train_s_per_token`, then `weight_sync_s` of publish, at the
   end of which the version is out. `Calibration.bookkeeping_s` keeps it publishing that much
-  longer (the live trainer's audit record, checkpoints, metrics and status), and
-  `Calibration.start_s` delays each compute that long after its gate opens (the gate's round
-  trip, the hand-off to the runner), the train host idle meanwhile. Both 0 by default.
+  longer (the live trainer's audit record, checkpoints, metrics and status). Each compute starts
+  `Calibration.gate_s` after its gate opens (the gate's round trip; the train host idle), then
+  takes `Calibration.start_s` more (the hand-off to the runner; the trainer computing). All 0 by
+  default.
 - A reclaimed host vacates: its sequences keep their tokens, re-queue, and pay a prefill of
   their whole context where they land (counted as re-prefilled). Colocated holds instead.
   With `reclaim_grace_s` the policy first drains a lent host (its `lent_until` becomes now,
@@ -265,7 +266,7 @@ class Simulator:
         self.version = 0
         self.step = 0
         self.tr_end = math.inf  # end of compute, publish or bookkeeping, or (ready) the compute's start
-        self.start_at: float | None = None  # ready, gate open: when the compute starts (Calibration.start_s)
+        self.start_at: float | None = None  # ready, gate open: when its answer arrives (Calibration.gate_s)
         self.booking = False  # publishing past the version's publish: the trainer's bookkeeping_s
         self.wants_since = 0.0  # when the trainer last began to want its hosts
         self.waiting_since = 0.0  # when the trainer last began to wait for data (the lend settle)
@@ -793,9 +794,9 @@ class Simulator:
     # -- the trainer -------------------------------------------------------------------------
 
     def _trainer(self) -> None:
-        """waiting -> ready (a batch of complete groups) -> computing (the gate is open, then
-        `start_s`) -> publishing (the version is out after `weight_sync_s`, then `bookkeeping_s`) ->
-        waiting; as many transitions as are due now."""
+        """waiting -> ready (a batch of complete groups) -> computing (`gate_s` after the gate
+        opens; `start_s` + the batch's compute) -> publishing (the version is out after
+        `weight_sync_s`; `bookkeeping_s` more) -> waiting; as many transitions as are due now."""
         while self._trainer_once():
             pass
 
@@ -804,8 +805,8 @@ class Simulator:
             self._set_trainer("ready")
             return True
         if self.tstate == "ready" and self._gate_open():
-            if self.start_at is None:  # the gate opened now: the compute starts start_s later
-                self.start_at = self.t + self.cal.start_s
+            if self.start_at is None:  # the gate opened now: its answer arrives gate_s later
+                self.start_at = self.t + self.cal.gate_s
             if self.t < self.start_at - 1e-12:
                 self.tr_end = self.start_at  # the tick ends then
                 return False
@@ -814,7 +815,7 @@ class Simulator:
             self.batch = [self.complete.popleft() for _ in range(per_step)]
             self.available -= self.B
             tokens = sum(b[1] for b in self.batch) * self.w
-            self.tr_end = self.t + tokens * self.cal.train_s_per_token / self.pool_cap
+            self.tr_end = self.t + self.cal.start_s + tokens * self.cal.train_s_per_token / self.pool_cap
             self._set_trainer("computing")
             return True
         if self.tstate == "computing" and self.t >= self.tr_end - 1e-12:
