@@ -679,8 +679,9 @@ def live_or_replay(a) -> dict:
 
 
 def print_overhead(a, m: dict) -> None:
-    o = m.get("trainer_overhead") or {}
-    if o:
+    o = {k: math.nan for k in ("bookkeeping_s", "gate_s", "start_s", "gap_s", "wait_s", "gate_wait_s", "reclaim_s")} | (
+        m.get("trainer_overhead") or {"steps": 0})
+    if o["steps"]:
         print(f"the trainer's own time per step (the simulator's: {a.trainer_overhead}), over {o['steps']} steps: "
               f"bookkeeping {o['bookkeeping_s'] * 1000:.1f} ms (train), gate {o['gate_s'] * 1000:.1f} ms (idle), "
               f"start {o['start_s'] * 1000:.1f} ms (train); of a gap audit -> next compute of {o['gap_s'] * 1000:.1f} "
