@@ -648,7 +648,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "nominal steps: engine_slowdown), or as configured (--step-ms, --per-seq-ms)")
     ap.add_argument("--trainer-overhead", default="measured", choices=["measured", "none"],
                     help="the simulator's trainer: with the live trainer's own time per step outside compute, publish, "
-                         "data and reclaim (trainer_overhead: Calibration.bookkeeping_s and start_s), or without it")
+                         "data and reclaim (trainer_overhead: Calibration.bookkeeping_s, gate_s, start_s), or without it")
     ap.add_argument("--replay", type=Path, default=None, metavar="JSON",
                     help="no live run: the simulator side again on a saved run's live figures (its --out JSON)")
     ap.add_argument("--pin", action="store_true",
