@@ -71,6 +71,17 @@ A fifth, "sim + spread", is the fourth with each turn's latency drawn around tho
 over the paired turns; --latency-cv sets it). With one fixed latency every turn of the
 fixed-length workload stays in step with the sessions admitted beside it, and the simulated
 rollout hosts idle between the bursts; live, the latency varies and the bursts spread.
+
+Every variant's trainer has the live trainer's own time per step (`--trainer-overhead measured`,
+the default; `none` leaves it out): `trainer_overhead` takes, per compared step, the gap from the
+previous step's audit record (its version out) to this step's compute start, less the trainer's
+wait for data (its log line's wait=) and the reclaim its gate waited for (the switch in the gate's
+window, at most the simulator's reclaim cost). What is left is the trainer's bookkeeping (checkpoint,
+metrics, status: host-0's timeline shows it as train, Calibration.bookkeeping_s, after the version is
+out), the hand-off to the runner (train: Calibration.start_s, before the compute) and the rest of
+its gate (host-0 idle: Calibration.gate_s).
+
+`--replay JSON` runs the simulator side again on a saved run's live figures (no lock needed: no stack).
 """
 
 from __future__ import annotations
@@ -84,6 +95,7 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -309,6 +321,59 @@ def split_latency(turns: list[tuple], engine: list[dict]) -> dict:
             "cv": cv}
 
 
+STEP_LINE = re.compile(r"\bstep (\d+) v\d+ .* wait=([\d.]+)s ")  # services/trainer/metrics.py format_line
+GATE_LINE = re.compile(r"\bstep (\d+): gate (?:granted|not granted \(.*?\)) after ([\d.]+)s")  # trainer/service.py
+
+
+def trainer_waits(log: str) -> dict[int, tuple[float, float]]:
+    """Per step, from the live trainer's log: (wait for data, gate), in seconds (2 decimals): the time in
+    `_next_batch` and the gate's round trip (0 where no gate was asked)."""
+    waits = {int(m.group(1)): float(m.group(2)) for m in STEP_LINE.finditer(log)}
+    gates = {int(m.group(1)): float(m.group(2)) for m in GATE_LINE.finditer(log)}
+    return {n: (w, gates.get(n, 0.0)) for n, w in waits.items()}
+
+
+def overlap(intervals: list[tuple[float, float]], t0: float, t1: float) -> float:
+    """Seconds of [t0, t1] that the intervals cover."""
+    return sum(b - a for a, b in merged(intervals, t0, t1))
+
+
+def trainer_overhead(audit: dict[int, float], start: dict[int, float], waits: dict[int, tuple[float, float]],
+                     train: list[tuple[float, float]], switch: list[tuple[float, float]], reclaim_s: float,
+                     steps: list[int]) -> dict:
+    """The live trainer's time per step that the simulator's trainer did not have: what it spends
+    neither computing, publishing, waiting for data nor waiting for its pool's reclaim
+    (Calibration.bookkeeping_s, gate_s and start_s).
+
+    For each step n of `steps` (step n-1 logged as well), the gap from step n-1's audit record
+    (`audit`: the version is out; the simulator's publish ends there) to step n's compute start
+    (`start`: the simulated engine's own clock) holds, in order: the bookkeeping of step n-1
+    (checkpoint, metrics, status), the wait for data and the gate (`waits`, the trainer's log),
+    the hand-off to the runner. The simulator charges the wait as it simulates it and the gate as
+    a reclaim of `reclaim_s` where the pool had one to do, so what it misses is
+        gap - wait - min(reclaim_s, switch time in the gate's window [start - gate, start]).
+    The train host's timeline (`train`: its train intervals, the trainer computing or publishing as
+    the scheduler saw it) splits that: the train interval that runs on from before the audit is
+    `bookkeeping_s`; a train interval that begins in the gap (the trainer computing, before its
+    compute starts) is `start_s`; the rest, the train host idle, is `gate_s`. Means over the steps;
+    `gap_s`, `wait_s`, `gate_wait_s` (the logged gate) and `reclaim_s` for the record. NaN where no
+    step qualifies."""
+    rows = []
+    for n in steps:
+        if n - 1 not in audit or n not in start or n not in waits:
+            continue
+        t0, t1 = audit[n - 1], start[n]
+        wait, gate = waits[n]
+        reclaim = min(reclaim_s, overlap(switch, t1 - gate, t1)) if gate > 0 else 0.0
+        missed = t1 - t0 - wait - reclaim
+        after = overlap([(a, b) for a, b in train if a <= t0], t0, t1)
+        before = overlap([(a, b) for a, b in train if a > t0], t0, t1)
+        rows.append((t1 - t0, wait, gate, reclaim, after, missed - after - before, before))
+    keys = ("gap_s", "wait_s", "gate_wait_s", "reclaim_s", "bookkeeping_s", "gate_s", "start_s")
+    out = {k: statistics.mean(r[i] for r in rows) if rows else float("nan") for i, k in enumerate(keys)}
+    return out | {"steps": len(rows)}
+
+
 def _jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
@@ -371,6 +436,18 @@ def turn_times(turns: list, engine: list[dict]) -> tuple[float, float, dict]:
     return agent_s, engine_s, parts
 
 
+def live_overhead(a, stack: Stack, steps: list[dict], sims: dict[int, dict], hosts, sw: dict) -> dict:
+    """trainer_overhead over the compared steps, from the run's records: the audit log's steps, the
+    simulated engine's (compute start), the trainer's log and host-0's timeline."""
+    h0 = next((h for h in hosts if h.host == "host-0"), None)
+    acts = lambda kind: [(iv.t_start, iv.t_end) for iv in (h0.timeline if h0 else ()) if iv.activity == kind]  # noqa: E731
+    log = stack.logs / "trainer.log"
+    return trainer_overhead({r["step"]: r["ts"] for r in steps}, {n: r["ts"] - r["compute_s"] for n, r in sims.items()},
+                            trainer_waits(log.read_text(errors="replace") if log.exists() else ""),
+                            acts("train"), acts("switch"), statistics.median(sw["reclaim"]) if sw["reclaim"] else a.switch_s,
+                            list(range(a.warmup + 1, a.steps + 1)))
+
+
 def live(a, tmp: Path) -> dict:
     stack = live_stack(a, tmp)
     print(f"starting the live stack in {tmp} (SIMULATED engines and trainer) ...", file=sys.stderr)
@@ -418,6 +495,7 @@ def live(a, tmp: Path) -> dict:
     samples = sum(r["samples"] for r in window)
     slowdown = engine_slowdown(logs, t_k, t_n, a.step_ms, a.per_seq_ms, a.tokens, a.capacity)
     return {"engine_slowdown": slowdown, "tmp": str(tmp),
+        "trainer_overhead": live_overhead(a, stack, steps, sims, reply.hosts, sw),
         "wall_s": t_n - t_start, "window_s": t_n - t_k, "trained_tokens_per_s": tokens / (t_n - t_k),
         "idle": spent["idle"], "fractions": spent, "idle_hosts": idle_hosts,
         "idle_engine": statistics.mean(by_host.values()) if by_host else float("nan"), "idle_engine_hosts": by_host,
@@ -456,6 +534,12 @@ def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0), latency: fl
                   prefill_s_per_token=a.step_ms / 1000 * slow / max(m["prompt_tokens"], 1),  # what the routing rules read
                   prefill_one_step=True, weight_load_s=0.0)  # as the stand-in engine: a prefill is one step of the
     # request's own (the others decode on) and a version's load is instant (services/rollout/simulated.py)
+    if a.trainer_overhead == "measured":  # the live trainer's own time per step (trainer_overhead); a mean
+        # below 0 (the simulator charges more than the gap held) is left at 0
+        o = m.get("trainer_overhead") or {}
+        # (unmeasured: NaN, which measured_inputs refuses; --trainer-overhead none runs without)
+        cal = replace(cal, **{k: max(0.0, v) if math.isfinite(v := o.get(k, math.nan)) else v
+                              for k in ("bookkeeping_s", "gate_s", "start_s")})
     measured_inputs(cal, m, control, latency, after)
     prompt = round(m["prompt_tokens"])
     wl = replace(WL, prompt_tokens=prompt, length_median=round(m["gen_tokens"]), length_cap=round(m["gen_tokens"]))
@@ -485,7 +569,8 @@ def simulated(a, m: dict, control: tuple[float, float] = (0.0, 1.0), latency: fl
             "fractions": {k: float(ht[:, i].sum() / ht.sum()) for i, k in enumerate(ACTS)},
             "lends": r1.lends - r0.lends, "reclaims": r1.reclaims - r0.reclaims,
             "calibration": {k: getattr(cal, k) for k in ("decode_a_s", "decode_b_s", "max_seqs", "prefill_s_per_token",
-                                                         "train_s_per_token", "weight_sync_s", "lend_s", "reclaim_s")},
+                                                         "train_s_per_token", "weight_sync_s", "lend_s", "reclaim_s",
+                                                         "bookkeeping_s", "gate_s", "start_s")},
             "workload": {"prompt_tokens": prompt, "tokens": wl.length_median, "group_size": wl.group_size,
                          "groups_per_step": wl.groups_per_step, "max_staleness": wl.max_staleness}}
 
@@ -495,7 +580,7 @@ def measured_inputs(cal, m: dict, control: tuple[float, float], latency: float, 
     with them it never trains a step, and once looped without end."""
     bad = {k: v for k, v in [*((k, getattr(cal, k)) for k in ("decode_a_s", "decode_b_s", "prefill_s_per_token",
                                                                "train_s_per_token", "weight_sync_s", "lend_s",
-                                                               "reclaim_s")),
+                                                               "reclaim_s", "bookkeeping_s", "gate_s", "start_s")),
                              ("prompt_tokens", m["prompt_tokens"]), ("gen_tokens", m["gen_tokens"]),
                              ("control_s_per_turn", control[0]), ("latency_s", latency), ("after_s", after)]
            if not (math.isfinite(v) and v >= 0)}
@@ -561,6 +646,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--engine-speed", default="measured", choices=["measured", "nominal"],
                     help="the simulator's engine step: as measured live (each request's time in its engine over its "
                          "nominal steps: engine_slowdown), or as configured (--step-ms, --per-seq-ms)")
+    ap.add_argument("--trainer-overhead", default="measured", choices=["measured", "none"],
+                    help="the simulator's trainer: with the live trainer's own time per step outside compute, publish, "
+                         "data and reclaim (trainer_overhead: Calibration.bookkeeping_s, gate_s, start_s), or without it")
+    ap.add_argument("--replay", type=Path, default=None, metavar="JSON",
+                    help="no live run: the simulator side again on a saved run's live figures (its --out JSON)")
     ap.add_argument("--pin", action="store_true",
                     help="each host its own CPU set for its worker and trainer rank, the control plane the rest "
                          "(seamlessflow up --pin)")
@@ -579,12 +669,31 @@ def save(a, doc: dict) -> None:
     a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}} | doc, indent=1))
 
 
+def live_or_replay(a) -> dict:
+    """The live figures: a live run's (saved at once, should a simulator run fail), or --replay's."""
+    if a.replay:
+        return json.loads(a.replay.read_text())["live"]
+    m = live(a, Path(tempfile.mkdtemp(prefix="sf-live-")))
+    save(a, {"live": m})
+    return m
+
+
+def print_overhead(a, m: dict) -> None:
+    o = {k: math.nan for k in ("bookkeeping_s", "gate_s", "start_s", "gap_s", "wait_s", "gate_wait_s", "reclaim_s")} | (
+        m.get("trainer_overhead") or {"steps": 0})
+    if o["steps"]:
+        print(f"the trainer's own time per step (the simulator's: {a.trainer_overhead}), over {o['steps']} steps: "
+              f"bookkeeping {o['bookkeeping_s'] * 1000:.1f} ms (train), gate {o['gate_s'] * 1000:.1f} ms (idle), "
+              f"start {o['start_s'] * 1000:.1f} ms (train); of a gap audit -> next compute of {o['gap_s'] * 1000:.1f} "
+              f"ms: data wait {o['wait_s'] * 1000:.1f}, gate as logged {o['gate_wait_s'] * 1000:.1f}, of it reclaim "
+              f"{o['reclaim_s'] * 1000:.1f} (as the simulator charges it)")
+
+
 def main() -> None:
     a = parse_args()
     a.slots = a.slots or (WL.max_staleness + 1) * WL.batch_samples + 8
-    tmp = Path(tempfile.mkdtemp(prefix="sf-live-"))
-    m = live(a, tmp)
-    save(a, {"live": m})  # the live figures kept, should a simulator run fail
+    m = live_or_replay(a)
+    tmp = Path(m["tmp"])
     s = simulated(a, m)
     control = (a.control_ms / 1000 if a.control_ms is not None else m["control_s_per_turn"],
                a.control_cores if a.control_cores is not None else m["free_cores"])
@@ -613,6 +722,7 @@ def main() -> None:
     print(f"control plane (sim + control): {control[0] * 1000:.1f} ms of CPU per turn on {control[1]:.2f} cores "
           f"(measured live: {m['control_s_per_turn'] * 1000:.1f} ms per turn; {m['free_cores']:.2f} of "
           f"{m['cores']} cores left by other processes, the machine busy {m['machine_busy_cores']:.2f})")
+    print_overhead(a, m)
     p = m["agent_parts"]
     print(f"latency outside the engine (sim + latency): {latency * 1000:.1f} ms per turn (measured live: "
           f"{m['turn_latency_s'] * 1000:.1f} ms = agents {m['agent_turn_s'] * 1000:.1f} ms per turn over "

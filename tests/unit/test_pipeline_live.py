@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -12,7 +13,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.pipeline_live import engine_slowdown, exact_idle, merged, split_latency  # noqa: E402
+from bench.pipeline_live import (engine_slowdown, exact_idle, merged, split_latency, trainer_overhead,  # noqa: E402
+                                 trainer_waits)
+from services.trainer.metrics import format_line  # noqa: E402
 from services.rollout.simulated import SimulatedEngine  # noqa: E402
 from shared.messages.rollout import Sampling  # noqa: E402
 
@@ -89,7 +92,8 @@ def test_the_latency_splits_turn_by_turn_around_the_engine_by_request_id():
 # -- the simulator side: a short run ends, and inputs it cannot run on are refused -----------------
 
 MEASURED = {"lend_s": 0.024, "reclaim_s": 0.032, "publish_s": 0.006, "train_s_per_token": 1 / 16_671,
-            "prompt_tokens": 14.9, "gen_tokens": 96.0, "wall_s": 10.7}  # a --steps 2 live run's figures
+            "prompt_tokens": 14.9, "gen_tokens": 96.0, "wall_s": 10.7,  # a --steps 2 live run's figures
+            "trainer_overhead": {"bookkeeping_s": 0.045, "gate_s": 0.003, "start_s": 0.024}}
 
 
 def test_warmup_must_leave_a_step_to_compare():
@@ -107,6 +111,23 @@ def test_the_simulator_side_of_a_two_step_run_ends():
     for kw in ({}, {"latency": 1.98}, {"latency": 1.58, "after": 0.49}, {"control": (0.0219, 0.28)}):
         r = simulated(a, MEASURED, **kw)
         assert r["trained_tokens_per_s"] > 0 and r["window_s"] > 0
+
+
+def test_the_trainers_overhead_is_fed_in_or_left_out_on_purpose_never_lost():
+    """The simulator's trainer takes the live trainer's measured overhead (a slower step: fewer tok/s); a
+    saved run without one is refused unless --trainer-overhead none says to leave it out."""
+    from bench.pipeline_live import parse_args, simulated
+
+    args = ["--hosts", "2", "--steps", "4", "--warmup", "1"]
+    fed = simulated(parse_args(args), MEASURED)
+    assert fed["calibration"]["start_s"] == 0.024 and fed["calibration"]["bookkeeping_s"] == 0.045
+    bare = simulated(parse_args([*args, "--trainer-overhead", "none"]), MEASURED)
+    assert bare["calibration"]["start_s"] == 0.0
+    assert fed["trained_tokens_per_s"] < bare["trained_tokens_per_s"]
+    with pytest.raises(SystemExit, match="cannot run on"):
+        simulated(parse_args(args), {k: v for k, v in MEASURED.items() if k != "trainer_overhead"})
+    assert simulated(parse_args(args), MEASURED | {"trainer_overhead": {"bookkeeping_s": 0.01, "gate_s": -0.002,
+                                                                          "start_s": 0.02}})["calibration"]["gate_s"] == 0
 
 
 @pytest.mark.parametrize("bad", [{"publish_s": float("nan")}, {"control": (0.0219, 0.0)}, {"control": (0.0219, 1e-9)}])
@@ -135,3 +156,40 @@ def test_engine_slowdown_is_each_requests_time_over_its_nominal_steps():
     assert engine_slowdown(logs, 0.0, 100.0, 2.0, 0.25, 96, 64) == pytest.approx((1.2 + 2 * 1.1) / 3)
     assert engine_slowdown(logs, 5.0, 100.0, 2.0, 0.25, 96, 64) == pytest.approx(1.1)
     assert engine_slowdown(logs, 5.0, 100.0, 2.0, 0.25, 96, 1) == 1.0  # two beside each other: none
+
+
+def test_the_trainers_wait_and_gate_are_read_from_its_own_log_lines():
+    """trainer_waits reads the lines the live trainer writes (services/trainer/metrics.py format_line,
+    services/trainer/service.py's gate): a format change fails here, not silently in the bench."""
+    m = {"wait_s": 0.123, "compute_s": 0.5, "publish_s": 0.01, "checkpoint_s": 0.0, "tokens": 10}
+    log = "\n".join([
+        "2026-12-07 05:51:23,456 services.trainer.service INFO step 5: gate granted after 0.15s",
+        "2026-12-07 05:51:23,956 services.trainer.service INFO " + format_line(5, 5, m, {0: 3}),
+        "2026-12-07 05:51:24,100 services.trainer.service WARNING step 6: gate not granted (timed out) after 0.31s; "
+        "computing anyway",
+        "2026-12-07 05:51:24,600 services.trainer.service INFO " + format_line(6, 6, m | {"wait_s": 0.0}, {}),
+        "2026-12-07 05:51:25,600 services.trainer.service INFO " + format_line(7, 7, m | {"wait_s": 1.5}, {}),
+    ])
+    assert trainer_waits(log) == {5: (0.12, 0.15), 6: (0.0, 0.31), 7: (1.5, 0.0)}
+
+
+def test_the_trainers_overhead_is_the_gap_less_wait_and_reclaim_split_by_its_timeline():
+    """trainer_overhead, computed by hand: step 4's version is out at 100.0, step 5 computes from 100.5.
+    Of the 0.5 s gap, the trainer waited 0.2 s for data and 0.15 s at its gate, in which host-0 switched
+    0.10 s (the simulator charges its reclaim_s, 0.08 s, for that). 0.22 s is missed. Host-0's timeline
+    shows 0.04 s of it as train after the audit (bookkeeping) and 0.01 s before the compute (start);
+    the gate's 0.17 s is the rest. Step 6 (disaggregated-like): a 0.03 s gate and no switch."""
+    audit = {4: 100.0, 5: 101.0}
+    start = {5: 100.5, 6: 101.3}
+    waits = {5: (0.2, 0.15), 6: (0.2, 0.03)}
+    train = [(99.0, 100.04), (100.49, 101.02), (101.28, 101.6)]
+    switch = [(100.36, 100.46)]
+    one = trainer_overhead(audit, start, waits, train, switch, 0.08, [5])
+    assert (one["bookkeeping_s"], one["start_s"], one["gate_s"]) == pytest.approx((0.04, 0.01, 0.17))
+    assert one["reclaim_s"] == pytest.approx(0.08) and one["gap_s"] == pytest.approx(0.5) and one["steps"] == 1
+    both = trainer_overhead(audit, start, waits, train, switch, 0.08, [5, 6, 7])  # 7: no compute start logged
+    assert both["steps"] == 2
+    # step 6: gap 0.3, wait 0.2, no reclaim: 0.1 missed; 0.02 train after the audit, 0.02 before the compute
+    assert (both["bookkeeping_s"], both["start_s"], both["gate_s"]) == pytest.approx(
+        ((0.04 + 0.02) / 2, (0.01 + 0.02) / 2, (0.17 + 0.06) / 2))
+    assert math.isnan(trainer_overhead(audit, start, waits, train, switch, 0.08, [4])["start_s"])

@@ -47,6 +47,32 @@ def test_a_case_computed_by_hand():
     assert r.limit_tokens_per_s == pytest.approx(400.0, rel=1e-6)
 
 
+
+def test_the_trainers_bookkeeping_overlaps_the_wait_and_its_gate_and_start_delay_the_compute():
+    """Calibration.bookkeeping_s, gate_s and start_s (the live trainer's time per step outside compute
+    and publish, bench/pipeline_live.py `trainer_overhead`), on the case computed by hand. The version is
+    out as the publish ends; the trainer then stays publishing 0.3 s (train, on its host's timeline)
+    while the next wave decodes (1.0 s): that costs the step nothing. Each compute starts 0.2 s after
+    its batch is in hand and its gate open (the train host idle), and 0.1 s of hand-off comes before
+    the 1.0 s of compute (train): a step is 2.3 s."""
+    cal = Calibration("hand", decode_a_s=0.010, decode_b_s=0.0, max_seqs=4, prefill_s_per_token=0.0,
+                      train_s_per_token=0.0025, weight_sync_s=0.0, lend_s=1.0, reclaim_s=1.0)
+    wl = Workload(group_size=4, groups_per_step=1, prompt_tokens=0, length="fixed", length_median=100,
+                  length_cap=100, max_staleness=0)
+    kw = {"steps": 5, "dt": 0.05}
+    base = simulate(Cluster.uniform(2, 1), cal, wl, "disaggregated", **kw)
+    r = simulate(Cluster.uniform(2, 1), replace(cal, bookkeeping_s=0.3, gate_s=0.2, start_s=0.1), wl,
+                 "disaggregated", **kw)
+    assert base.wall_s == pytest.approx(10.0, rel=1e-6)
+    assert r.wall_s == pytest.approx(11.5, rel=1e-6)  # the run ends as the 5th version is out
+    train = ACTS.index("train")
+    assert r.host_time[0, train] == pytest.approx(5 * 1.1 + 4 * 0.3, rel=1e-6)  # computes, then 4 bookkeepings
+    assert r.idle_per_host == pytest.approx([1 - 6.7 / 11.5, 1 - 5.0 / 11.5], abs=1e-6)
+    # bookkeeping longer than the wave: now it holds up the next step (the trainer is not waiting yet)
+    slow = simulate(Cluster.uniform(2, 1), replace(cal, bookkeeping_s=1.5), wl, "disaggregated", **kw)
+    assert slow.wall_s == pytest.approx(5 * 2.0 + 4 * 0.5, rel=1e-6)
+
+
 def test_same_seed_same_run_other_seed_other_run():
     a = simulate(Cluster.uniform(4, 1), CAL, SMALL, "seamless", steps=5, seed=7).row()
     b = simulate(Cluster.uniform(4, 1), CAL, SMALL, "seamless", steps=5, seed=7).row()

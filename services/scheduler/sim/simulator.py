@@ -37,6 +37,12 @@ Model, in order of one tick (steps numbered in `_tick`):
   only takes the turns `Options.lent_rule` gives it: "fit", predicted to finish before its
   `lent_until`; "migrate", worth their re-prefill), decoded, then either a tool call (slot freed for `tool_latency_s`) or done. A group is complete when all its
   sessions are; the trainer takes `groups_per_step` complete groups per step.
+- The trainer: its batch's tokens x `train_s_per_token`, then `weight_sync_s` of publish, at the
+  end of which the version is out. `Calibration.bookkeeping_s` keeps it publishing that much
+  longer (the live trainer's audit record, checkpoints, metrics and status). Each compute starts
+  `Calibration.gate_s` after its gate opens (the gate's round trip; the train host idle), then
+  takes `Calibration.start_s` more (the hand-off to the runner; the trainer computing). All 0 by
+  default.
 - A reclaimed host vacates: its sequences keep their tokens, re-queue, and pay a prefill of
   their whole context where they land (counted as re-prefilled). Colocated holds instead.
   With `reclaim_grace_s` the policy first drains a lent host (its `lent_until` becomes now,
@@ -259,7 +265,9 @@ class Simulator:
         self.tstate = "waiting"
         self.version = 0
         self.step = 0
-        self.tr_end = math.inf  # end of compute or publish
+        self.tr_end = math.inf  # end of compute, publish or bookkeeping, or (ready) the compute's start
+        self.start_at: float | None = None  # ready, gate open: when its answer arrives (Calibration.gate_s)
+        self.booking = False  # publishing past the version's publish: the trainer's bookkeeping_s
         self.wants_since = 0.0  # when the trainer last began to want its hosts
         self.waiting_since = 0.0  # when the trainer last began to wait for data (the lend settle)
         self.pool_idx = np.zeros(0, np.int64)  # the train pool's host indices (set by run)
@@ -786,8 +794,9 @@ class Simulator:
     # -- the trainer -------------------------------------------------------------------------
 
     def _trainer(self) -> None:
-        """waiting -> ready (a batch of complete groups) -> computing (the gate is open) ->
-        publishing -> waiting; as many transitions as are due now."""
+        """waiting -> ready (a batch of complete groups) -> computing (`gate_s` after the gate
+        opens; `start_s` + the batch's compute) -> publishing (the version is out after
+        `weight_sync_s`; `bookkeeping_s` more) -> waiting; as many transitions as are due now."""
         while self._trainer_once():
             pass
 
@@ -796,16 +805,26 @@ class Simulator:
             self._set_trainer("ready")
             return True
         if self.tstate == "ready" and self._gate_open():
+            if self.start_at is None:  # the gate opened now: its answer arrives gate_s later
+                self.start_at = self.t + self.cal.gate_s
+            if self.t < self.start_at - 1e-12:
+                self.tr_end = self.start_at  # the tick ends then
+                return False
+            self.start_at = None
             per_step = self.wl.groups_per_step // self.w
             self.batch = [self.complete.popleft() for _ in range(per_step)]
             self.available -= self.B
             tokens = sum(b[1] for b in self.batch) * self.w
-            self.tr_end = self.t + tokens * self.cal.train_s_per_token / self.pool_cap
+            self.tr_end = self.t + self.cal.start_s + tokens * self.cal.train_s_per_token / self.pool_cap
             self._set_trainer("computing")
             return True
         if self.tstate == "computing" and self.t >= self.tr_end - 1e-12:
             self.tr_end = self.t + self.cal.weight_sync_s
             self._set_trainer("publishing")
+            return True
+        if self.tstate == "publishing" and self.t >= self.tr_end - 1e-12 and self.booking:
+            self.tr_end, self.booking = math.inf, False  # the bookkeeping done
+            self._set_trainer("waiting")
             return True
         if self.tstate == "publishing" and self.t >= self.tr_end - 1e-12:
             self.tr_end = math.inf
@@ -822,7 +841,10 @@ class Simulator:
             rolling = (self.mode == 1) & (self.target == 1)
             self.hversion[rolling] = self.version  # in-place update (keep mode) on rollout hosts
             self.stall[rolling] += self.weight_load_s / self.cap[rolling]
-            self._set_trainer("waiting")
+            if self.cal.bookkeeping_s > 0:  # the version is out; the trainer still publishes meanwhile
+                self.tr_end, self.booking = self.t + self.cal.bookkeeping_s, True
+            else:
+                self._set_trainer("waiting")
             if self.opt.progress:
                 self.opt.progress(self.step)
             return self.step < self.opt.steps

@@ -44,6 +44,16 @@ class Calibration:
     # seconds a rollout host stalls to load a published version in place; None: weight_sync_s (the
     # trainer's publish), as before. The stand-in engine's load is a version number (instant): 0
     weight_load_s: float | None = None
+    # the trainer's own time per step outside compute and publish (bench/pipeline_live.py measures them on
+    # the live trainer; 0, the default, leaves them out). bookkeeping_s: after the version is out, the
+    # trainer still counts as publishing (the audit record, a checkpoint every few steps amortised, the
+    # step's metrics, its status); it overlaps a wait for data. gate_s: from the batch in hand and the
+    # pool reclaimed to the gate's answer (its round trip through the scheduler); the train host waits,
+    # idle. start_s: then to the compute's start (the status, the batch encoded and handed to the
+    # runner); the trainer counts as computing
+    bookkeeping_s: float = 0.0
+    gate_s: float = 0.0
+    start_s: float = 0.0
 
     def step_s(self, k: float) -> float:
         return self.decode_a_s + self.decode_b_s * k
