@@ -512,13 +512,12 @@ def reference(model, ref):
 
 class Behaviour:
     """The policy rollout samples from: the live model, or with `staleness` K > 0 a copy holding the
-    weights after step max(0, t - K), kept as CPU copies (full fine-tune only)."""
+    weights after step max(0, t - K), kept as CPU copies. With LoRA the copy is the PEFT model (base
+    and adapter) and a version's state dict carries the adapter's weights with the frozen base's."""
 
     def __init__(self, model, staleness: int):
         import copy
 
-        if staleness and hasattr(model, "peft_config"):
-            raise ValueError("staleness emulation needs a full fine-tune (lora_rank 0)")
         self.live, self.staleness, self.version = model, staleness, 0
         self.model = copy.deepcopy(model).eval().requires_grad_(False) if staleness else model
         self.states = {0: self._copy(model)} if staleness else {}

@@ -41,3 +41,31 @@ def test_staleness_zero_samples_from_the_live_policy():
         assert behaviour.policy(step) is live and behaviour.version == step
         behaviour.stepped(step + 1)
     assert behaviour.states == {}
+
+
+def test_a_lora_policy_samples_from_its_adapter_k_steps_back(tiny_model):
+    """With LoRA the behaviour copy is the PEFT model: step t samples with the adapter as it was after
+    step t - K, not the live one, and not the bare base (issue 27's screen at the demo's staleness)."""
+    from bench.probe_learning import DEFAULTS, build_policy
+
+    model, _opt, _sched, _ref = build_policy({**DEFAULTS, "model": str(tiny_model), "lora_rank": 8})
+    b_name = next(n for n, p in model.named_parameters() if ".lora_B.default." in n)
+
+    def set_b(m, version: int) -> None:
+        with torch.no_grad():
+            dict(m.named_parameters())[b_name].fill_(0.125 * version)
+
+    behaviour = Behaviour(model, 1)
+    x = torch.tensor([[5, 6, 7, 8]])
+    logits = {}
+    for step in range(3):
+        policy = behaviour.policy(step)
+        assert policy is not model and float(dict(policy.named_parameters())[b_name][0, 0]) == 0.125 * behaviour.version
+        with torch.no_grad():
+            logits[step] = policy(x).logits
+        set_b(model, step + 1)
+        behaviour.stepped(step + 1)
+    with torch.no_grad():
+        assert torch.equal(logits[2], model(x).logits) is False  # the live adapter has moved on (version 3)
+        set_b(model, 1)
+        assert torch.allclose(logits[2], model(x).logits)  # step 2 sampled with version 1's adapter
