@@ -54,7 +54,9 @@ run once per batch (sample_shared, shared_prefix_logp: the same logprobs as the 
 (tasks.CalcLevel), --calc-reward lenient; evals report exact, lenient and tool-call rates, --dump
 writes their sessions. --sft-steps N first fine-tunes on the task's own conversations (warmstart.sft_example:
 the call in the model's template, the tool's result, the bare answer; see DEFAULTS), a start RL can see:
-4 steps at lr 5e-5 already take SmolLM2 to exact 0.95 (T = 1), so keep it to 1-2 steps or a lower lr.
+4 steps at lr 5e-5 already take SmolLM2 to exact 0.95 (T = 1), so keep it to 1-2 steps or a lower lr
+(4 at 2e-5 gave 0.13). --time-budget-s S: RL runs for as many steps as fit in S seconds of wall (the
+issue's "within 30 minutes"), then evaluates where it stopped.
 ~15 s a step at 2 x 8 on SmolLM2, one core (docs/history/benchmarks-log.md,
 "SmolLM2-135M on calc"):
 
