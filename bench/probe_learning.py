@@ -656,7 +656,7 @@ def eval_and_log(evaluate: Evaluator, model, step: int, o: dict, log) -> dict:
     return res
 
 
-def run(opts: dict) -> dict:
+def run(opts: dict) -> dict:  # noqa: PLR0915  one loop, read top to bottom like the trainer's step
     from transformers import AutoTokenizer
 
     o = {**DEFAULTS, **opts}
