@@ -11,6 +11,7 @@ docs/history/benchmarks-log.md ("SmolLM2-135M on calc", session 21). --metric: t
 drawn (lenient: the right number anywhere, exact: the task's target hit)."""
 import argparse
 import json
+import re
 
 import matplotlib
 
@@ -21,12 +22,27 @@ BASE = {"sampled_lenient": 0.0781, "greedy_lenient": 0.4141}
 TITLE = "SmolLM2-135M, calc 2-9 +- with 'Answer with the number only.', offline probe (bench/probe_learning.py)"
 
 
+STEP = re.compile(r"^step +\d+ reward \S+ train (\S+) exact (\S+) distinct (\S+) .* ent (\S+) ")
+EVAL = re.compile(r"^\[eval\] step +(\d+) (.*)")
+
+
 def summary(path: str) -> dict:
-    found = {}
+    """The run's JSON summary line; a run stopped before it (killed, timed out) is read from its step and
+    eval lines instead (the same figures, as printed: 3 decimals)."""
+    found, steps, evals = {}, [], {}
     for line in open(path):
         if line.startswith("{"):
             found = json.loads(line)
-    return found
+        elif m := STEP.match(line):
+            steps.append([float(x) for x in m.groups()])
+        elif m := EVAL.match(line):
+            kv = m.group(2).split()
+            evals[m.group(1)] = {k: float(v) for k, v in zip(kv[::2], kv[1::2])}
+    if found or not steps:
+        return found
+    train, exact, distinct, entropy = (list(c) for c in zip(*steps))
+    return {"entropy": entropy, "batch_exact": exact, "batch_distinct": distinct, "batch_train_reward": train,
+            "eval": evals}
 
 
 ap = argparse.ArgumentParser()

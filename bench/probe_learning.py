@@ -54,7 +54,9 @@ run once per batch (sample_shared, shared_prefix_logp: the same logprobs as the 
 (tasks.CalcLevel), --calc-reward lenient; evals report exact, lenient and tool-call rates, --dump
 writes their sessions. --sft-steps N first fine-tunes on the task's own conversations (warmstart.sft_example:
 the call in the model's template, the tool's result, the bare answer; see DEFAULTS), a start RL can see:
-4 steps at lr 5e-5 already take SmolLM2 to exact 0.95 (T = 1), so keep it to 1-2 steps or a lower lr.
+4 steps at lr 5e-5 already take SmolLM2 to exact 0.95 (T = 1), so keep it to 1-2 steps or a lower lr
+(4 at 2e-5 gave 0.13). --time-budget-s S: RL runs for as many steps as fit in S seconds of wall (the
+issue's "within 30 minutes"), then evaluates where it stopped.
 ~15 s a step at 2 x 8 on SmolLM2, one core (docs/history/benchmarks-log.md,
 "SmolLM2-135M on calc"):
 
@@ -400,6 +402,9 @@ DEFAULTS = {
     # sft_check_n other prompts, checked every sft_check_every steps, reaches sft_target (RL keeps headroom).
     # The KL reference (kl_coef) is then the SFT'd model. --steps 0 --save DIR keeps the SFT start alone.
     "sft_steps": 0, "sft_batch": 16, "sft_lr": 5e-5, "sft_target": 0.0, "sft_check_every": 5, "sft_check_n": 64,
+    # a wall-clock budget for RL (issue 26: "within 30 minutes here"), 0 = none: no step starts that would end
+    # past it (judged by the last step's time), its periodic evals included; then one final eval, outside it
+    "time_budget_s": 0.0,
 }
 
 
@@ -650,7 +655,7 @@ def eval_and_log(evaluate: Evaluator, model, step: int, o: dict, log) -> dict:
     return res
 
 
-def run(opts: dict) -> dict:
+def run(opts: dict) -> dict:  # noqa: PLR0915  one loop, read top to bottom like the trainer's step
     from transformers import AutoTokenizer
 
     o = {**DEFAULTS, **opts}
@@ -672,10 +677,19 @@ def run(opts: dict) -> dict:
     sft = sft_start(model, ref, tok, o, evaluate, log) if o["sft_steps"] else None
     t_steps = 0.0
     behaviour = Behaviour(model, o["staleness"])
+    t_rl, dt, rl_wall = time.perf_counter(), 0.0, None
+
+    def over() -> bool:  # the next step (as long as the last one) would end past the budget
+        return bool(o["time_budget_s"]) and time.perf_counter() - t_rl + dt > o["time_budget_s"]
+
     for step in range(o["steps"] + 1):
-        if o["eval_every"] and step % o["eval_every"] == 0 and (step or o["eval_start"] or not o["steps"]):
+        periodic = o["eval_every"] and step % o["eval_every"] == 0 and (step or o["eval_start"] or not o["steps"])
+        if periodic and not over():
             evals[step] = eval_and_log(evaluate, model, step, o, log)
-        if step == o["steps"]:
+        if step == o["steps"] or over():
+            rl_wall = time.perf_counter() - t_rl
+            if o["eval_every"] and step not in evals and (periodic or step < o["steps"]):
+                evals[step] = eval_and_log(evaluate, model, step, o, log)  # the final eval, outside the budget
             break
         t0 = time.perf_counter()
         # 1. rollout: G prompts x group_size samples from the current policy (with staleness: an older one)
@@ -716,7 +730,9 @@ def run(opts: dict) -> dict:
         if len(batch_rewards) >= 8 else 0.0,
         "exact_gain": round(_mean(batch_exact[-8:]) - _mean(batch_exact[:8]), 3),
         "groups_dropped": sum(m.get("groups_dropped", 0) for m in step_metrics),
-        "sec_per_step": round(t_steps / max(o["steps"], 1), 3),
+        "sec_per_step": round(t_steps / max(len(step_metrics), 1), 3),
+        "steps_run": len(step_metrics),
+        "rl_wall_s": round(rl_wall, 1) if rl_wall is not None else None,  # steps and evals before the last eval
         "trainable_params": trainable,
         "final_entropy": step_metrics[-1].get("entropy") if step_metrics else None,
         "entropy": [m.get("entropy") for m in step_metrics],

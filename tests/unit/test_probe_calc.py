@@ -191,3 +191,22 @@ def test_sft_before_rl_trains_the_start_and_leaves_the_eval_questions_out(tiny_m
     held = {q for q, _ in probe.Evaluator(None, 8, task="calc", level=probe.CalcLevel(5)).tasks}
     assert len(seen) == 12 and not held & set(seen)
     assert len(res["batch_distinct"]) == 1 and "greedy_distinct" in res["eval"]["0"]
+
+
+def test_a_time_budget_stops_rl_before_it_and_evaluates_where_it_stopped(tiny_model, monkeypatch):
+    """--time-budget-s: no step starts once the last step's time would carry the run past the budget; the
+    run then evaluates where it stopped (outside the budget) and reports its steps and wall."""
+    now = [0.0]
+    real_rollout = probe.rollout
+
+    def rollout(*a):  # every step takes 10 s of the (fake) clock; nothing else does
+        now[0] += 10
+        return real_rollout(*a)
+
+    monkeypatch.setattr(probe, "rollout", rollout)
+    monkeypatch.setattr(probe.time, "perf_counter", lambda: now[0])
+    res = probe.run({"model": str(tiny_model), "task": "calc", "steps": 50, "groups_per_step": 1, "group_size": 2,
+                     "eval_every": 100, "eval_n": 4, "eval_modes": "greedy", "max_new": 4, "calc_max_operand": 5,
+                     "time_budget_s": 60.0, "quiet": True})
+    assert res["steps_run"] == 6 and res["rl_wall_s"] == 60  # a 7th step would have ended at 70 s
+    assert str(res["steps_run"]) in res["eval"] and len(res["batch_exact"]) == res["steps_run"]
