@@ -10,7 +10,6 @@ import gc
 import hashlib
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -43,9 +42,9 @@ for key, value in {
 # the venv first on PATH) and one by the system's (1.11, found with pytest's own PATH) each looked stale
 # to the other (`ninja -n -d explain`: "command line changed"), so one suite compiled the op twice
 # (110 s and 72 s of 48 min, session 23; once, 32 s, since). Every process of the suite finds the venv's.
-_VENV_BIN = str(Path(sys.executable).parent)
-if os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
-    os.environ["PATH"] = _VENV_BIN + os.pathsep + os.environ.get("PATH", "")
+from seamlessflow.stack.processes import venv_first  # noqa: E402  (after the settings above)
+
+os.environ["PATH"] = venv_first(os.environ.get("PATH", ""))
 
 
 STACK_DATABASES = 200  # Redis databases for the NATS servers with stacks, one each (stack_fixture.own_database)
