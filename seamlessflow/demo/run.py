@@ -32,7 +32,7 @@ from seamlessflow.ops.export import export_file
 from seamlessflow.demo.live import DemoView
 from seamlessflow.demo.report import ReportData, build_report, margin, rolling
 from seamlessflow.demo.rl import RLResult, Round, Rounds, lora_on, lora_report_settings, run_rounds, trainer_settings
-from seamlessflow.stack import Stack, StackError, StackOptions
+from seamlessflow.stack import Stack, StackError, StackOptions, host_specs
 from seamlessflow.demo.telemetry import Telemetry
 from shared.config import Connections
 
@@ -96,10 +96,29 @@ async def _rounds(stack: Stack, view: DemoView, plan: Rounds) -> Run:
     return run
 
 
+async def _wait_rollout(stack: Stack, log) -> None:
+    """With --policy the host agents start their rollout workers when the scheduler tells them,
+    after the stack is up: the rounds wait (bounded by --ready-timeout) until every rollout host's
+    worker serves, else the first requests find none (the gateway answers 503 after 30 s)."""
+    n = sum("rollout" in h.tags for h in host_specs(stack.o.hosts, []))
+    log(f"waiting for {n} rollout worker(s) to serve (the host agents start them; "
+        f"up to {stack.o.ready_timeout:.0f}s) ...")
+    tel = Telemetry(Connections(nats_url=stack.nats_url, redis_url=stack.redis_url))
+    await tel.start()
+    try:
+        await tel.wait_serving(n, stack.o.ready_timeout)
+    except TimeoutError as e:
+        raise StackError(f"{e}; logs in {stack.logs}") from None
+    finally:
+        await tel.stop()
+
+
 def _start(stack: Stack, opts: StackOptions, trainer: dict, log) -> bool:
     try:
         stack.start()  # with --policy, Stack starts the gated trainer itself (opts.train)
-        if not opts.policy:
+        if opts.policy:
+            asyncio.run(_wait_rollout(stack, log))
+        else:
             stack.wait_ready(stack.spawn_trainer(**trainer))
         return True
     except StackError as e:

@@ -71,6 +71,19 @@ class Telemetry:
             await bus.wait_closed(self._nc)
             self._nc = None
 
+    def serving(self) -> set[str]:
+        """The workers whose latest heartbeat says they serve."""
+        return {w for w, s in self.workers.items() if s.state == "serving"}
+
+    async def wait_serving(self, n: int, timeout: float, every: float = 0.5) -> set[str]:
+        """Until `n` workers serve (by their heartbeats); TimeoutError after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while len(self.serving()) < n:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{len(self.serving())} of {n} rollout workers serving after {timeout:.0f}s")
+            await asyncio.sleep(every)
+        return self.serving()
+
     async def host_timeline(self) -> dict | None:
         """Every host's activity intervals (seamlessflow/ops/hosts.py timeline_doc), or None
         without a scheduler."""
