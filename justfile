@@ -32,9 +32,10 @@ init-model DIR="var/model":
 test *ARGS:
     {{just}} _pytest "$@"
 
-# `just lint`, then the unit tests: no servers, no engines (<= 1 min)
+# `just lint`, then the unit tests: no servers, no engines (<= 1 min). schemathesis's pytest plugin is
+# for tests/integration's fuzz test alone: not loaded here.
 test-unit *ARGS: lint
-    {{just}} _pytest tests/unit "$@"
+    {{just}} _pytest -p no:schemathesis tests/unit "$@"
 
 # The unit tests, the integration tests that start no vLLM or DeepSpeed, and the benchmarks'
 # smoke runs (tests/bench); not the tests marked `slow` (pyproject.toml says why each is).
@@ -42,10 +43,16 @@ test-unit *ARGS: lint
 test-fast *ARGS: lint
     {{just}} _pytest -m "{{fast}}" "$@"
 
-# pytest, where "no tests ran" (exit 5: a marker or path that selects nothing) is a failure
+# pytest, where "no tests ran" (exit 5: a marker or path that selects nothing) is a failure.
+# Bytecode is written (__pycache__, gitignored) even where PYTHONDONTWRITEBYTECODE is set, as it is on
+# the dev box: without it every run compiled the project's modules again and redid pytest's assertion
+# rewrite of the test modules and of its plugins' whole packages (hypothesis, anyio, schemathesis): about
+# 6 s of the unit tier's CPU, each run (docs/history/benchmarks-log.md, "test-unit, session 25").
+# The services the suite starts inherit it.
 _pytest *ARGS:
     #!/usr/bin/env bash
     set -uo pipefail
+    export PYTHONDONTWRITEBYTECODE=
     .venv/bin/python -m pytest "$@"
     rc=$?
     if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
