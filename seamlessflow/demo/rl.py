@@ -51,13 +51,18 @@ class Recipe:
     """A task's round shape and lr: `groups` prompts x `group_size` samples per trainer step;
     `lora_lr` the lr when the trainer trains a LoRA adapter (SF_TRAINER_LORA_RANK > 0), None = `lr`;
     `std_normalize` False: advantages are the reward minus the group's mean, not divided by its std
-    (Dr. GRPO)."""
+    (Dr. GRPO); `trainer`: settings that replace TRAINER_SETTINGS' (SF_TRAINER_* names, lower case);
+    `max_tokens`: per turn, None = the task's (tasks.TASKS); `task`: the one task a model's recipe
+    runs (MODEL_RECIPES), None for a task's own."""
 
     groups: int
     group_size: int
     lr: float
     lora_lr: float | None = None
     std_normalize: bool = True
+    trainer: Mapping[str, object] = field(default_factory=dict)
+    max_tokens: int | None = None
+    task: str | None = None
 
 
 # What the reward climbs with (issue 26; docs/history/benchmarks-log.md, "the recipe that
@@ -83,13 +88,39 @@ TASK_RECIPES = {
     "calc": Recipe(groups=4, group_size=8, lr=1e-4),
 }
 
+# A pretrained model by name (`demo --model smollm2`; run.prepare_real_model builds it and its SFT
+# start). SmolLM2-135M-Instruct on calc, from 4 SFT steps at lr 2e-5 (exact 0.133): issue 26's guards
+# against collapse, which the offline probe ran at 2 x 8 and lifted exact by +0.38 / +0.43 in 30 min
+# (BENCHMARKS.md smollm2-calc): >= 16 samples a group, lr <= 5e-6 with a 2-step warm-up (a full
+# fine-tune at 2e-5 collapsed this model to one answer in 16 steps), a KL term (coef 0.01, its
+# reference the SFT start the trainer loads), dynamic sampling (TRAINER_SETTINGS). 40 tokens a turn fit
+# the Hermes call (~30 tokens on its tokenizer). 2048 padded positions a micro-batch: 32 rows of ~290
+# tokens in one micro-batch, with the KL pass, took 9.8 GB in the probe (OOM-killed); at 2048 it peaked
+# at ~6.3 GB with generation in the same process.
+MODEL_RECIPES = {
+    "smollm2": Recipe(groups=2, group_size=16, lr=5e-6, task="calc", max_tokens=40,
+                      trainer={"kl_coef": 0.01, "lr_warmup_steps": 2, "micro_batch_tokens": 2048}),
+}
 
-def trainer_settings(task: str, lora: bool = False) -> dict:
-    """TRAINER_SETTINGS with the task's lr (its LoRA lr with `lora`, where it has one) and advantage
-    normalisation."""
-    recipe = TASK_RECIPES[task]
+
+def demo_recipe(task: str | None, model: str | None = None) -> tuple[str, Recipe]:
+    """The demo's task and recipe: a model named in MODEL_RECIPES runs its own task (another is a
+    ValueError) with its recipe; otherwise `task` (reverse when None) with the task's (TASK_RECIPES)."""
+    recipe = MODEL_RECIPES.get(model or "")
+    if recipe is None:
+        task = task or "reverse"
+        return task, TASK_RECIPES[task]
+    if task not in (None, recipe.task):
+        raise ValueError(f"--model {model} runs the {recipe.task} task (its supervised start is {recipe.task}'s), "
+                         f"not {task}")
+    return recipe.task, recipe
+
+
+def trainer_settings(recipe: Recipe, lora: bool = False) -> dict:
+    """TRAINER_SETTINGS with the recipe's lr (its LoRA lr with `lora`, where it has one), advantage
+    normalisation and trainer settings."""
     return {**TRAINER_SETTINGS, "lr": recipe.lora_lr if lora and recipe.lora_lr is not None else recipe.lr,
-            "std_normalize": recipe.std_normalize}
+            "std_normalize": recipe.std_normalize, **recipe.trainer}
 
 
 def lora_on(env: Mapping[str, str]) -> bool:
