@@ -94,7 +94,7 @@ TASK_RECIPES = {
 # (BENCHMARKS.md smollm2-calc): >= 16 samples a group, lr <= 5e-6 with a 2-step warm-up (a full
 # fine-tune at 2e-5 collapsed this model to one answer in 16 steps), a KL term (coef 0.01, its
 # reference the SFT start the trainer loads), dynamic sampling (TRAINER_SETTINGS). 40 tokens a turn fit
-# the Hermes call (~30 tokens on its tokenizer). 2048 padded positions a micro-batch: 32 rows of ~290
+# the Hermes call (32-35 tokens with its end of turn). 2048 padded positions a micro-batch: 32 rows of ~290
 # tokens in one micro-batch, with the KL pass, took 9.8 GB in the probe (OOM-killed); at 2048 it peaked
 # at ~6.3 GB with generation in the same process.
 MODEL_RECIPES = {
