@@ -89,14 +89,15 @@ TASK_RECIPES = {
 }
 
 # A pretrained model by name (`demo --model smollm2`; run.prepare_real_model builds it and its SFT
-# start). SmolLM2-135M-Instruct on calc, from 4 SFT steps at lr 2e-5 (exact 0.133): issue 26's guards
-# against collapse, which the offline probe ran at 2 x 8 and lifted exact by +0.38 / +0.43 in 30 min
-# (BENCHMARKS.md smollm2-calc): >= 16 samples a group, lr <= 5e-6 with a 2-step warm-up (a full
-# fine-tune at 2e-5 collapsed this model to one answer in 16 steps), a KL term (coef 0.01, its
-# reference the SFT start the trainer loads), dynamic sampling (TRAINER_SETTINGS). 40 tokens a turn fit
-# the Hermes call (32-35 tokens with its end of turn). 2048 padded positions a micro-batch: 32 rows of ~290
-# tokens in one micro-batch, with the KL pass, took 9.8 GB in the probe (OOM-killed); at 2048 it peaked
-# at ~6.3 GB with generation in the same process.
+# start). SmolLM2-135M-Instruct on calc, from 4 SFT steps at lr 2e-5 (exact 0.133), at issue 26's
+# guards against collapse (a full fine-tune at lr 2e-5 with 8 samples a group and a toy reward drove
+# this model to one answer): >= 16 samples a group, lr <= 5e-6 with a 2-step warm-up, a KL term (coef
+# 0.01; its reference is the SFT start the trainer loads), dynamic sampling (TRAINER_SETTINGS). The
+# offline probe ran the same at 2 x 8 samples and lifted exact by +0.38 / +0.43 in 30 min
+# (BENCHMARKS.md smollm2-calc); at 2 x 16 through the stack no gain is measured yet. 40 tokens a turn
+# fit the Hermes call (32-35 tokens with its end of turn). 2048 padded positions a micro-batch: 32 rows
+# of ~290 tokens in one micro-batch, with the KL pass, took 9.8 GB in the probe (OOM-killed); at 2048
+# it peaked at ~6.3 GB with generation in the same process.
 MODEL_RECIPES = {
     "smollm2": Recipe(groups=2, group_size=16, lr=5e-6, task="calc", max_tokens=40,
                       trainer={"kl_coef": 0.01, "lr_warmup_steps": 2, "micro_batch_tokens": 2048}),
