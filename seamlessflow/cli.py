@@ -229,6 +229,7 @@ def demo_plan(a: argparse.Namespace):
     from seamlessflow.demo.rl import Rounds, demo_max_num_seqs, demo_recipe
 
     a.task, recipe = demo_recipe(a.task, a.model)
+    a.rounds = a.rounds or recipe.rounds
     a.groups = a.groups or recipe.groups
     a.group_size = a.group_size or recipe.group_size
     # the rollout worker batches a whole round (--max-num-seqs wins where given)
@@ -435,7 +436,8 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
                                   "wheel (scripts/bootstrap.sh installs it) with a 4-step supervised start on calc, "
                                   "built once into DATA_DIR and run at its own recipe (2 x 16 a round, lr 5e-6, "
                                   "KL 0.01); default: the small demo model, warm-started on the task")
-    p.add_argument("--rounds", type=int, default=60, help="rounds of agents; the trainer steps once per round")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds of agents; the trainer steps once per round; default: the recipe's (60, smollm2 12)")
     p.add_argument("--groups", type=int, default=None,
                    help="GRPO groups (prompts) per round; default: the recipe's (reverse 16, calc 4, smollm2 2)")
     p.add_argument("--group-size", type=int, default=None, help="sessions per group; default: the recipe's (reverse 8, calc 8, "

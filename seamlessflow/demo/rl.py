@@ -53,7 +53,7 @@ class Recipe:
     `std_normalize` False: advantages are the reward minus the group's mean, not divided by its std
     (Dr. GRPO); `trainer`: settings that replace TRAINER_SETTINGS' (SF_TRAINER_* names, lower case);
     `max_tokens`: per turn, None = the task's (tasks.TASKS); `task`: the one task a model's recipe
-    runs (MODEL_RECIPES), None for a task's own."""
+    runs (MODEL_RECIPES), None for a task's own; `rounds`: the demo's default number of rounds."""
 
     groups: int
     group_size: int
@@ -63,6 +63,7 @@ class Recipe:
     trainer: Mapping[str, object] = field(default_factory=dict)
     max_tokens: int | None = None
     task: str | None = None
+    rounds: int = 60
 
 
 # What the reward climbs with (issue 26; docs/history/benchmarks-log.md, "the recipe that
@@ -97,9 +98,10 @@ TASK_RECIPES = {
 # (BENCHMARKS.md smollm2-calc); at 2 x 16 through the stack no gain is measured yet. 40 tokens a turn
 # fit the Hermes call (32-35 tokens with its end of turn). 2048 padded positions a micro-batch: 32 rows
 # of ~290 tokens in one micro-batch, with the KL pass, took 9.8 GB in the probe (OOM-killed); at 2048
-# it peaked at ~6.3 GB with generation in the same process.
+# it peaked at ~6.3 GB with generation in the same process. 12 rounds: a trainer step took 136-189 s
+# in the stack's smoke run (2 cores shared), so 60 rounds would be ~2.5 hours; 12 are ~30 minutes.
 MODEL_RECIPES = {
-    "smollm2": Recipe(groups=2, group_size=16, lr=5e-6, task="calc", max_tokens=40,
+    "smollm2": Recipe(groups=2, group_size=16, lr=5e-6, task="calc", max_tokens=40, rounds=12,
                       trainer={"kl_coef": 0.01, "lr_warmup_steps": 2, "micro_batch_tokens": 2048}),
 }
 

@@ -24,7 +24,7 @@ def demo_args(*argv: str) -> argparse.Namespace:
 def test_the_name_picks_smollm2s_recipe_and_calc():
     a = demo_args("--model", "smollm2")
     plan = cli.demo_plan(a)
-    assert (plan.task, plan.groups, plan.group_size, plan.max_tokens) == ("calc", 2, 16, 40)
+    assert (plan.task, plan.groups, plan.group_size, plan.max_tokens, plan.rounds) == ("calc", 2, 16, 40, 12)
     assert "--model smollm2" in cli._demo_command(a) and "--task calc" in cli._demo_command(a)
     assert cli.demo_plan(demo_args("--model", "smollm2", "--task", "calc")).task == "calc"
     assert cli.demo_plan(demo_args("--model", "smollm2", "--groups", "1")).groups == 1  # told wins
@@ -37,7 +37,8 @@ def test_a_path_or_no_model_keeps_the_tasks_recipe(tmp_path):
     assert demo_recipe("calc", str(tmp_path / "smollm2")) == ("calc", TASK_RECIPES["calc"])
     assert demo_recipe("calc", "./smollm2") == ("calc", TASK_RECIPES["calc"])  # a dir of that name
     plan = cli.demo_plan(demo_args("--model", str(tmp_path)))
-    assert (plan.task, plan.groups, plan.max_tokens) == ("reverse", 16, None)
+    assert (plan.task, plan.groups, plan.max_tokens, plan.rounds) == ("reverse", 16, None, 60)
+    assert cli.demo_plan(demo_args("--model", "smollm2", "--rounds", "3")).rounds == 3
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_RECIPES))
