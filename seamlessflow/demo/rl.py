@@ -51,13 +51,19 @@ class Recipe:
     """A task's round shape and lr: `groups` prompts x `group_size` samples per trainer step;
     `lora_lr` the lr when the trainer trains a LoRA adapter (SF_TRAINER_LORA_RANK > 0), None = `lr`;
     `std_normalize` False: advantages are the reward minus the group's mean, not divided by its std
-    (Dr. GRPO)."""
+    (Dr. GRPO); `trainer`: settings that replace TRAINER_SETTINGS' (SF_TRAINER_* names, lower case);
+    `max_tokens`: per turn, None = the task's (tasks.TASKS); `task`: the one task a model's recipe
+    runs (MODEL_RECIPES), None for a task's own; `rounds`: the demo's default number of rounds."""
 
     groups: int
     group_size: int
     lr: float
     lora_lr: float | None = None
     std_normalize: bool = True
+    trainer: Mapping[str, object] = field(default_factory=dict)
+    max_tokens: int | None = None
+    task: str | None = None
+    rounds: int = 60
 
 
 # What the reward climbs with (issue 26; docs/history/benchmarks-log.md, "the recipe that
@@ -83,13 +89,41 @@ TASK_RECIPES = {
     "calc": Recipe(groups=4, group_size=8, lr=1e-4),
 }
 
+# A pretrained model by name (`demo --model smollm2`; run.prepare_real_model builds it and its SFT
+# start). SmolLM2-135M-Instruct on calc, from 4 SFT steps at lr 2e-5 (exact 0.133), at issue 26's
+# guards against collapse (a full fine-tune at lr 2e-5 with 8 samples a group and a toy reward drove
+# this model to one answer): >= 16 samples a group, lr <= 5e-6 with a 2-step warm-up, a KL term (coef
+# 0.01; its reference is the SFT start the trainer loads), dynamic sampling (TRAINER_SETTINGS). The
+# offline probe ran the same at 2 x 8 samples and lifted exact by +0.38 / +0.43 in 30 min
+# (BENCHMARKS.md smollm2-calc); at 2 x 16 through the stack no gain is measured yet. 40 tokens a turn
+# fit the Hermes call (32-35 tokens with its end of turn). 2048 padded positions a micro-batch: 32 rows
+# of ~290 tokens in one micro-batch, with the KL pass, took 9.8 GB in the probe (OOM-killed); at 2048
+# it peaked at ~6.3 GB with generation in the same process. 12 rounds: a trainer step took 136-189 s
+# in the stack's smoke run (2 cores shared), so 60 rounds would be ~2.5 hours; 12 are ~30 minutes.
+MODEL_RECIPES = {
+    "smollm2": Recipe(groups=2, group_size=16, lr=5e-6, task="calc", max_tokens=40, rounds=12,
+                      trainer={"kl_coef": 0.01, "lr_warmup_steps": 2, "micro_batch_tokens": 2048}),
+}
 
-def trainer_settings(task: str, lora: bool = False) -> dict:
-    """TRAINER_SETTINGS with the task's lr (its LoRA lr with `lora`, where it has one) and advantage
-    normalisation."""
-    recipe = TASK_RECIPES[task]
+
+def demo_recipe(task: str | None, model: str | None = None) -> tuple[str, Recipe]:
+    """The demo's task and recipe: a model named in MODEL_RECIPES runs its own task (another is a
+    ValueError) with its recipe; otherwise `task` (reverse when None) with the task's (TASK_RECIPES)."""
+    recipe = MODEL_RECIPES.get(model or "")
+    if recipe is None:
+        task = task or "reverse"
+        return task, TASK_RECIPES[task]
+    if task not in (None, recipe.task):
+        raise ValueError(f"--model {model} runs the {recipe.task} task (its supervised start is {recipe.task}'s), "
+                         f"not {task}")
+    return recipe.task, recipe
+
+
+def trainer_settings(recipe: Recipe, lora: bool = False) -> dict:
+    """TRAINER_SETTINGS with the recipe's lr (its LoRA lr with `lora`, where it has one), advantage
+    normalisation and trainer settings."""
     return {**TRAINER_SETTINGS, "lr": recipe.lora_lr if lora and recipe.lora_lr is not None else recipe.lr,
-            "std_normalize": recipe.std_normalize}
+            "std_normalize": recipe.std_normalize, **recipe.trainer}
 
 
 def lora_on(env: Mapping[str, str]) -> bool:
@@ -257,6 +291,35 @@ class Rounds:
     max_tokens: int | None = None
 
 
+# How long a session waits for admission control (429 while the trainer is more versions behind than
+# the staleness bound). The tiny models' trainer steps take seconds; a SmolLM2 step (demo --model
+# smollm2, 2 x 16 sessions, with the KL pass) takes minutes on 2 busy cores (the offline probe: up to
+# ~500 s), and a fixed 30 s of tries ended that demo in round 4. Below the trainer's group_timeout
+# (900 s), so a group whose first sessions got in is not dropped while the rest wait.
+ADMISSION_WAIT_S = 600.0
+
+
+def retry_delay(retry_after: str | None, low: float = 0.5, high: float = 5.0) -> float:
+    """Seconds before the next try: the gateway's Retry-After, kept within [low, high] (low where it
+    sends none or one that does not parse)."""
+    try:
+        return min(high, max(low, float(retry_after or 0)))
+    except ValueError:
+        return low
+
+
+async def open_session(http: httpx.AsyncClient, group_id: str, prompt: str, wait_s: float = ADMISSION_WAIT_S) -> dict:
+    """POST /sessions, trying again after each 429 (retry_delay) until `wait_s` have passed; then the
+    last reply's error. The session's {id, api_key}."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        r = await http.post("/sessions", json={"group_id": group_id, "metadata": {"task": prompt}})
+        if r.status_code != 429 or time.monotonic() >= deadline:
+            r.raise_for_status()
+            return r.json()
+        await asyncio.sleep(min(retry_delay(r.headers.get("retry-after")), max(0.0, deadline - time.monotonic())))
+
+
 async def run_rounds(stack: Stack, plan: Rounds, log: Callable[[str], None] = print,
                      on_round: Callable[[Round], None] | None = None) -> RLResult:
     rounds, groups, group_size, task = plan.rounds, plan.groups, plan.group_size, plan.task
@@ -269,13 +332,7 @@ async def run_rounds(stack: Stack, plan: Rounds, log: Callable[[str], None] = pr
                 openai.DefaultAsyncHttpxClient(timeout=180) as agents_http):
 
         async def session(gid: str, prompt: str, target: str) -> Episode:
-            for _ in range(60):  # admission control may ask us to wait (429)
-                r = await http.post("/sessions", json={"group_id": gid, "metadata": {"task": prompt}})
-                if r.status_code != 429:
-                    break
-                await asyncio.sleep(0.5)
-            r.raise_for_status()
-            s = r.json()
+            s = await open_session(http, gid, prompt)
             ep = await one_agent(stack.gateway_url, s["api_key"], task, prompt, target, max_tokens, agents_http)
             f = await http.post(f"/sessions/{s['id']}/finish", json={"reward": ep.reward})
             f.raise_for_status()

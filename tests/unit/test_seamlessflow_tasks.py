@@ -167,22 +167,22 @@ def test_demo_takes_the_tasks_recipe_unless_told():
     assert (calc.groups, calc.group_size) == (TASK_RECIPES["calc"].groups, TASK_RECIPES["calc"].group_size)
     told = p.parse_args(["--groups", "2", "--group-size", "4"])
     assert (demo_plan(told).groups, demo_plan(told).group_size, told.groups) == (2, 4, 2)
-    assert trainer_settings("reverse")["lr"] == 2e-4 and trainer_settings("calc")["lr"] == 1e-4
-    assert trainer_settings("reverse")["drop_uniform_groups"] is True
-    assert trainer_settings("reverse")["std_normalize"] is False and trainer_settings("calc")["std_normalize"] is True
+    reverse, calc = trainer_settings(TASK_RECIPES["reverse"]), trainer_settings(TASK_RECIPES["calc"])
+    assert reverse["lr"] == 2e-4 and calc["lr"] == 1e-4 and reverse["drop_uniform_groups"] is True
+    assert reverse["std_normalize"] is False and calc["std_normalize"] is True
 
 
 def test_demo_takes_the_lora_lr_when_the_trainer_trains_an_adapter():
     """With SF_TRAINER_LORA_RANK > 0 the demo's trainer runs at the task's LoRA lr (reverse: 2e-3,
     10x the full fine-tune's, issue 27); a task with none keeps its lr. The demo's settings win over
     SF_TRAINER_LR, so the choice has to be made here."""
-    from seamlessflow.demo.rl import lora_on, trainer_settings
+    from seamlessflow.demo.rl import TASK_RECIPES, lora_on, trainer_settings
 
     assert lora_on({"SF_TRAINER_LORA_RANK": "8"}) and not lora_on({"SF_TRAINER_LORA_RANK": "0"})
     assert not lora_on({}) and not lora_on({"SF_TRAINER_LORA_RANK": " "})
-    assert trainer_settings("reverse", lora=True)["lr"] == 2e-3
-    assert trainer_settings("reverse", lora=False)["lr"] == 2e-4
-    assert trainer_settings("calc", lora=True)["lr"] == 1e-4
+    assert trainer_settings(TASK_RECIPES["reverse"], lora=True)["lr"] == 2e-3
+    assert trainer_settings(TASK_RECIPES["reverse"], lora=False)["lr"] == 2e-4
+    assert trainer_settings(TASK_RECIPES["calc"], lora=True)["lr"] == 1e-4
 
 
 def test_demo_report_names_the_lora_settings():

@@ -91,3 +91,24 @@ def test_the_shared_prefix_gives_the_loss_and_gradients_of_running_every_row_in_
     assert loss == pytest.approx(full_loss, rel=1e-5)
     for got, want in zip(grads, full_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_a_pretrained_models_sft_takes_its_fixed_steps_and_saves_a_checkpoint(tiny_model, tmp_path):
+    """calc_sft (demo --model smollm2, the probe's --sft-steps): `steps` real supervised steps with the
+    loss falling, a stop asked for after a step ends it there, and sft_checkpoint saves a loadable model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from seamlessflow.demo.tasks import CalcLevel
+    from seamlessflow.demo.warmstart import CalcSFT
+
+    o = CalcSFT(steps=3, batch=4, lr=1e-3, level=CalcLevel(5))
+    lines: list[str] = []
+    res = warmstart.sft_checkpoint(tiny_model, tmp_path / "sft", o, log=lines.append)
+    assert res["steps"] == 3 and len(res["loss"]) == 3 and res["loss"][-1] < res["loss"][0]
+    assert [line.split()[:3] for line in lines] == [["sft", "step", str(k)] for k in (1, 2, 3)]
+    AutoModelForCausalLM.from_pretrained(tmp_path / "sft")
+    assert not (tmp_path / "sft.tmp").exists()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    stopped = warmstart.calc_sft(model, tok, o, log=lambda m: None, after_step=lambda step: step == 2)
+    assert stopped["steps"] == 2
