@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import secrets
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -338,13 +339,14 @@ async def run_rounds(stack: Stack, plan: Rounds, log: Callable[[str], None] = pr
             f.raise_for_status()
             return ep
 
+        run = secrets.token_hex(3)  # the run's own group ids, on NATS and Redis that outlived earlier runs
         start = time.monotonic()
         for i in range(rounds):
             t0 = time.monotonic()
             jobs = []
             for g in range(groups):
                 prompt, target = spec.problem(rng)
-                jobs += [session(f"r{i}-g{g}", prompt, target) for _ in range(group_size)]
+                jobs += [session(f"{run}-r{i}-g{g}", prompt, target) for _ in range(group_size)]
             eps = await asyncio.gather(*jobs)
             now = time.monotonic()
             rd = Round(i, [e.reward for e in eps], sorted({v for e in eps for v in e.versions}), now - t0,

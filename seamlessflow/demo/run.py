@@ -78,6 +78,27 @@ def prepare_real_model(data: Path, seed: int = 0, log=print) -> Path:
     return sft
 
 
+# what one run leaves in the data dir: JetStream's streams, Redis's AOF, the trainer's checkpoints and
+# step log, the published weight versions, the report. A demo is a run of its own: a second one in the
+# same dir would resume the first one's trainer and meet its groups (models, credentials, logs kept).
+RUN_STATE = ("nats", "redis", "trainer", "weights", "report", "trajectories.jsonl")
+
+
+def clear_run_state(data: Path) -> list[str]:
+    """Remove an earlier run's RUN_STATE from `data`; the names removed."""
+    gone = []
+    for name in RUN_STATE:
+        path = data / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+        else:
+            continue
+        gone.append(name)
+    return gone
+
+
 @dataclass
 class Run:
     """What the rounds produced, for the summary and the report."""
@@ -141,6 +162,13 @@ async def _wait_rollout(stack: Stack, log) -> None:
 
 
 def _start(stack: Stack, opts: StackOptions, trainer: dict, log) -> bool:
+    busy = stack.running_elsewhere()
+    if busy:  # before clearing anything: that stack's state is its own
+        log(f"error: {busy}")
+        return False
+    gone = clear_run_state(stack.data)
+    if gone:
+        log(f"a new run: cleared the last run's {', '.join(gone)} in {stack.data}")
     try:
         stack.start()  # with --policy, Stack starts the gated trainer itself (opts.train)
         if opts.policy:
