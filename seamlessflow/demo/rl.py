@@ -26,6 +26,7 @@ import httpx
 import openai
 
 from seamlessflow.stack import Stack
+from seamlessflow.demo.workload import retry_delay
 from seamlessflow.demo.tasks import CALCULATOR_TOOL, TASKS, answer_reward, calc_reward, calculator_call
 
 # Trainer settings for the demo and the learning test (bench/probe_learning.py swept them:
@@ -298,15 +299,6 @@ class Rounds:
 # ~500 s), and a fixed 30 s of tries ended that demo in round 4. Below the trainer's group_timeout
 # (900 s), so a group whose first sessions got in is not dropped while the rest wait.
 ADMISSION_WAIT_S = 600.0
-
-
-def retry_delay(retry_after: str | None, low: float = 0.5, high: float = 5.0) -> float:
-    """Seconds before the next try: the gateway's Retry-After, kept within [low, high] (low where it
-    sends none or one that does not parse)."""
-    try:
-        return min(high, max(low, float(retry_after or 0)))
-    except ValueError:
-        return low
 
 
 async def open_session(http: httpx.AsyncClient, group_id: str, prompt: str, wait_s: float = ADMISSION_WAIT_S) -> dict:

@@ -47,6 +47,15 @@ class Load:
     retries: int = 0
 
 
+def retry_delay(retry_after: str | None, low: float = 0.5, high: float = 5.0, default: float | None = None) -> float:
+    """Seconds before the next try: the gateway's Retry-After, kept within [low, high]; `default`
+    (None: `low`) where it sends none or one that does not parse."""
+    try:
+        return min(high, max(low, float(retry_after))) if retry_after else (low if default is None else default)
+    except ValueError:
+        return low if default is None else default
+
+
 class GroupAgents:
     def __init__(self, base_url: str, api_key: str, load: Load = Load()):
         self.base_url, self.api_key, self.group_size, self.lanes = base_url, api_key, load.group_size, load.lanes
@@ -108,7 +117,7 @@ class GroupAgents:
                 r.raise_for_status()
                 return r
             self.retried += 1
-            await asyncio.sleep(min(float(r.headers.get("retry-after", "1")), 5.0))
+            await asyncio.sleep(retry_delay(r.headers.get("retry-after"), low=0.0, high=5.0, default=1.0))
         raise AssertionError("unreachable")
 
     async def _turn(self, agent: openai.AsyncOpenAI, messages: list[dict], max_tokens: int) -> tuple[str, int]:

@@ -47,3 +47,10 @@ async def test_past_its_retries_or_not_retryable_it_fails():
         with pytest.raises(httpx.HTTPStatusError):
             await agents._post(http, "/sessions", {"group_id": "g"})
     assert len(seen) == 1  # not retryable
+
+
+def test_a_session_calls_retry_waits_its_retry_after_within_5_s_and_1_s_without_one():
+    from seamlessflow.demo.workload import retry_delay
+
+    assert [retry_delay(h, low=0.0, high=5.0, default=1.0) for h in ("2", "0", "60", None, "", "soon")] == \
+        [2.0, 0.0, 5.0, 1.0, 1.0, 1.0]
