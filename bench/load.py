@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import multiprocessing as mp
 import os
 import random
@@ -63,6 +62,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.cpu_cap import CpuCap  # noqa: E402
 from bench.gateway_overhead import MODEL_NAME, cpu_seconds, pct, use_profiler  # noqa: E402
+from seamlessflow.demo.workload import retry_delay  # noqa: E402
 
 REQUEST_TIMEOUT = 120.0  # seconds: one HTTP call (the gateway's own turn timeouts are shorter)
 RETRY_AFTER_MAX = 10.0  # seconds: the longest Retry-After a 429 is waited out for
@@ -86,13 +86,9 @@ def classify(status: int, body: bytes | None = None, exc: BaseException | None =
 
 
 def retry_after(header: str | None) -> float:
-    """Seconds to wait before trying a 429'd request again: its Retry-After (delay-seconds), within
-    [0, RETRY_AFTER_MAX]; 1 s when it has none or one this cannot read (an HTTP date)."""
-    try:
-        wait = float(header or "")
-    except ValueError:
-        return 1.0
-    return min(max(wait, 0.0), RETRY_AFTER_MAX) if math.isfinite(wait) else 1.0
+    """Seconds to wait before trying a 429'd request again: its Retry-After within [0, RETRY_AFTER_MAX];
+    1 s when it has none or one that does not read as seconds (the demo's reading, with bench's bounds)."""
+    return retry_delay(header, low=0.0, high=RETRY_AFTER_MAX, default=1.0)
 
 
 def group(name: str) -> str:

@@ -13,6 +13,7 @@ of reply length), not learning; the demo and the learning test measure learning.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections.abc import Callable
@@ -48,12 +49,15 @@ class Load:
 
 
 def retry_delay(retry_after: str | None, low: float = 0.5, high: float = 5.0, default: float | None = None) -> float:
-    """Seconds before the next try: the gateway's Retry-After, kept within [low, high]; `default`
-    (None: `low`) where it sends none or one that does not parse."""
+    """Seconds before the next try: the gateway's Retry-After (delay-seconds), kept within [low, high];
+    `default` (None: `low`) where it sends none or one that does not read as a finite number (an HTTP
+    date, "nan", "inf")."""
+    fallback = low if default is None else default
     try:
-        return min(high, max(low, float(retry_after))) if retry_after else (low if default is None else default)
+        wait = float(retry_after or "")
     except ValueError:
-        return low if default is None else default
+        return fallback
+    return min(high, max(low, wait)) if math.isfinite(wait) else fallback
 
 
 class GroupAgents:
