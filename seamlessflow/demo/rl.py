@@ -128,6 +128,23 @@ def trainer_settings(recipe: Recipe, lora: bool = False) -> dict:
             "std_normalize": recipe.std_normalize, **recipe.trainer}
 
 
+# the trainer settings the demo's rounds set (--groups, --group-size, --seed): a caller's
+# SF_TRAINER_<NAME> for one of them is not taken, since the rounds and the trainer's batch must agree
+ROUND_SETTINGS = ("group_size", "groups_per_step", "seed")
+
+
+def caller_settings(env: Mapping[str, str]) -> dict[str, str]:
+    """The SF_TRAINER_<NAME> variables set in the caller's `env`, as trainer settings that win over
+    the recipe's (`SF_TRAINER_KL_COEF=0.01 seamlessflow demo` tries a KL term without editing a
+    recipe, and the report's settings table shows it); LoRA's own are lora_report_settings'."""
+    out = {}
+    for key, value in env.items():
+        name = key[len("SF_TRAINER_"):].lower()
+        if key.startswith("SF_TRAINER_") and not key.startswith("SF_TRAINER_LORA_") and name not in ROUND_SETTINGS:
+            out[name] = value.strip()
+    return out
+
+
 def lora_on(env: Mapping[str, str]) -> bool:
     """Whether a trainer started with `env` trains a LoRA adapter (SF_TRAINER_LORA_RANK > 0)."""
     return env.get("SF_TRAINER_LORA_RANK", "0").strip() not in ("", "0")

@@ -34,8 +34,8 @@ from rich.console import Console
 from seamlessflow.ops.export import export_file
 from seamlessflow.demo.live import DemoView
 from seamlessflow.demo.report import ReportData, build_report, margin, rolling
-from seamlessflow.demo.rl import TASK_RECIPES, Recipe, RLResult, Round, Rounds, lora_on, lora_report_settings, \
-    run_rounds, trainer_settings
+from seamlessflow.demo.rl import TASK_RECIPES, Recipe, RLResult, Round, Rounds, caller_settings, lora_on, \
+    lora_report_settings, run_rounds, trainer_settings
 from seamlessflow.stack import Stack, StackError, StackOptions, host_specs
 from seamlessflow.demo.telemetry import Telemetry
 from shared.config import Connections
@@ -193,7 +193,8 @@ def run_demo(opts: StackOptions, plan: Rounds = Rounds(), command: str = "seamle
     # (`demo --max-staleness` sets it, 2 by default: seamlessflow/cli.py DEMO_MAX_STALENESS)
     opts.extra_env.setdefault("SF_TRAJECTORY_MAX_STALENESS", "2")
     stack_env = os.environ | opts.extra_env  # the trainer's env (processes.py)
-    settings = trainer_settings(recipe or TASK_RECIPES[task], lora=lora_on(stack_env))
+    # the recipe's settings; an SF_TRAINER_<NAME> the caller set wins (rl.caller_settings)
+    settings = trainer_settings(recipe or TASK_RECIPES[task], lora=lora_on(stack_env)) | caller_settings(os.environ)
     trainer = dict(group_size=group_size, groups_per_step=groups, seed=seed, **settings)
     if opts.policy:
         opts.train, opts.trainer_settings = True, {k: str(v) for k, v in trainer.items()}

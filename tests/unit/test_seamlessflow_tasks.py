@@ -196,6 +196,19 @@ def test_demo_report_names_the_lora_settings():
     assert lora_report_settings({}) == {}
 
 
+def test_a_trainer_setting_the_caller_sets_wins_over_the_recipe():
+    """SF_TRAINER_<NAME> in the caller's environment replaces the recipe's value or adds one it has
+    none of (and so reaches the report); LoRA's variables and the round's shape are not taken."""
+    from seamlessflow.demo.rl import TASK_RECIPES, caller_settings, trainer_settings
+
+    env = {"SF_TRAINER_KL_COEF": "0.01", "SF_TRAINER_LR_WARMUP_STEPS": " 10 ", "SF_TRAINER_LORA_RANK": "8",
+           "SF_TRAINER_GROUP_SIZE": "4", "SF_TRAINERX": "1", "PATH": "/bin"}
+    assert caller_settings(env) == {"kl_coef": "0.01", "lr_warmup_steps": "10"}
+    settings = trainer_settings(TASK_RECIPES["reverse"]) | caller_settings(env)
+    assert settings["lr_warmup_steps"] == "10" and settings["kl_coef"] == "0.01" and settings["lr"] == 2e-4
+    assert caller_settings({"PATH": "/bin"}) == {}
+
+
 def test_demo_rollout_worker_batches_a_whole_round(tmp_path, monkeypatch):
     """The demo's vLLM engine takes a round's sessions in one batch (issue 26: at the old 16, the
     reverse recipe's 128 sessions decoded in 8 waves): max_num_seqs = groups x group_size, capped,
