@@ -97,7 +97,7 @@ TASK_RECIPES = {
 # this model to one answer): >= 16 samples a group, lr <= 5e-6 with a 2-step warm-up, a KL term (coef
 # 0.01; its reference is the SFT start the trainer loads), dynamic sampling (TRAINER_SETTINGS). The
 # offline probe ran the same at 2 x 8 samples and lifted exact by +0.38 / +0.43 in 30 min
-# (BENCHMARKS.md smollm2-calc); at 2 x 16 through the stack no gain is measured yet. 40 tokens a turn
+# (BENCHMARKS.md smollm2-calc); through the stack at 2 x 16, 12 rounds lifted it by +0.29 / +0.37 (seeds 0, 1). 40 tokens a turn
 # fit the Hermes call (32-35 tokens with its end of turn). 2048 padded positions a micro-batch: 32 rows
 # of ~290 tokens in one micro-batch, with the KL pass, took 9.8 GB in the probe (OOM-killed); at 2048
 # it peaked at ~6.3 GB with generation in the same process. 12 rounds: a trainer step took 136-189 s
