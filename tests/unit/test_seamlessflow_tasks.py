@@ -151,8 +151,9 @@ def test_calc_agent_malformed_call_scores_below_a_well_formed_one():
 
 
 def test_demo_takes_the_tasks_recipe_unless_told():
-    """`seamlessflow demo` runs reverse at 16 prompts x 8 samples a round with lr 2e-4 and advantages
-    not divided by the group's std (the recipe of issue 26's five-seed screen) and calc at its own; an
+    """`seamlessflow demo` runs reverse at 16 prompts x 8 samples a round with lr 2e-4, advantages
+    not divided by the group's std, KL 0.01 and a 10-step warm-up (issue 26's five-seed screens) and
+    calc at its own; an
     explicit --groups / --group-size wins."""
     import argparse
 
@@ -170,6 +171,8 @@ def test_demo_takes_the_tasks_recipe_unless_told():
     reverse, calc = trainer_settings(TASK_RECIPES["reverse"]), trainer_settings(TASK_RECIPES["calc"])
     assert reverse["lr"] == 2e-4 and calc["lr"] == 1e-4 and reverse["drop_uniform_groups"] is True
     assert reverse["std_normalize"] is False and calc["std_normalize"] is True
+    # reverse: a KL term towards the warm start and a 10-step warm-up (session 26's five seeds)
+    assert (reverse["kl_coef"], reverse["lr_warmup_steps"]) == (0.01, 10) and "kl_coef" not in calc
 
 
 def test_demo_takes_the_lora_lr_when_the_trainer_trains_an_adapter():
