@@ -153,8 +153,7 @@ def test_calc_agent_malformed_call_scores_below_a_well_formed_one():
 def test_demo_takes_the_tasks_recipe_unless_told():
     """`seamlessflow demo` runs reverse at 16 prompts x 8 samples a round with lr 2e-4, advantages
     not divided by the group's std, KL 0.01 and a 10-step warm-up (issue 26's five-seed screens) and
-    calc at its own; an
-    explicit --groups / --group-size wins."""
+    calc at its own; an explicit --groups / --group-size wins."""
     import argparse
 
     from seamlessflow.cli import _demo_args, demo_plan
